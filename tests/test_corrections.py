@@ -1,0 +1,470 @@
+"""corrections.py: hand-computed values, parity with verl 0.9.1's own source, gradients, and padding properties."""
+
+import ast
+import importlib.util
+import math
+import types
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import corrections as C
+
+torch.set_default_dtype(torch.float64)  # hand-computed values below are exact in float64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verl 0.9.1 as the trusted reference. scripts/setup_cpu.sh installs the wheel without dependencies; importing verl
+# would pull ray, so we parse the functions we need out of its source files and run them with their own helpers.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _load_verl():
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).parent
+
+    def extract(relpath, names, namespace):
+        tree = ast.parse((root / relpath).read_text())
+        keep = []
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                node.decorator_list = []
+                keep.append(node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and relpath.endswith("rollout_corr_helper.py"):
+                keep.append(node)  # SAFETY_BOUND and the option sets
+        exec(compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec"), namespace)
+        return namespace
+
+    base = {"torch": torch, "math": math, "Optional": Optional, "Any": Any, "ActorConfig": Any, "DataProto": Any,
+            "RolloutCorrectionConfig": Any, "PolicyLossConfig": Any}
+    verl_F = types.SimpleNamespace(**{k: v for k, v in extract(
+        "utils/torch_functional.py", {"masked_sum", "masked_mean"}, dict(base)).items()
+        if k in ("masked_sum", "masked_mean")})
+    ns = dict(base, verl_F=verl_F)
+    extract("trainer/ppo/rollout_corr_helper.py", {
+        "_parse_rollout_is_threshold", "_parse_rollout_rs_thresholds", "compute_rollout_rejection_mask",
+        "compute_rs_metrics", "compute_rollout_correction_weights", "compute_is_metrics", "compute_offpolicy_metrics",
+    }, ns)
+    extract("trainer/ppo/core_algos.py", {"agg_loss", "compute_policy_loss_vanilla", "kl_penalty_forward"}, ns)
+    ns["AlgoConfig"] = type("AlgoConfig", (), {})
+    return ns
+
+
+VERL = _load_verl()
+needs_verl = pytest.mark.skipif(VERL is None, reason="verl not installed (scripts/setup_cpu.sh installs it)")
+
+
+def random_batch(B=6, T=9, scale=0.3, seed=0, empty_rows=False):
+    g = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(B, T, generator=g) * 3
+    train = rollout + torch.randn(B, T, generator=g) * scale
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    if empty_rows:
+        mask[0] = 0
+    return train, rollout, mask
+
+
+def close(t, expected, atol=1e-9):
+    return torch.allclose(t.double(), torch.tensor(expected, dtype=torch.float64), atol=atol)
+
+
+def assert_metrics_match(ours, theirs, prefix="", atol=1e-6):
+    for key, value in theirs.items():
+        mine = ours[prefix + key]
+        assert float(mine) == pytest.approx(float(value), abs=atol, rel=1e-6), key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. masked reductions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_masked_reductions_hand_values_and_nan_padding():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])
+    assert C.masked_sum(x, mask).item() == 13.0
+    assert C.masked_mean(x, mask).item() == 13.0 / 4
+    assert C.masked_mean(x, mask, dim=-1).tolist() == [1.5, 5.0, 0.0]  # all-padding row -> 0
+    assert C.masked_sum(x, mask, dim=-1).tolist() == [3.0, 10.0, 0.0]
+    assert C.masked_var(x, mask, unbiased=False).item() == pytest.approx(((1 - 3.25) ** 2 + (2 - 3.25) ** 2 + (4 - 3.25) ** 2 + (6 - 3.25) ** 2) / 4)
+    assert C.masked_var(x, mask).item() == pytest.approx(((1 - 3.25) ** 2 + (2 - 3.25) ** 2 + (4 - 3.25) ** 2 + (6 - 3.25) ** 2) / 3)
+    white = C.masked_whiten(x, mask, shift_mean=False)
+    assert torch.isfinite(white).all() and white[0, 2] == 0
+    assert C.masked_mean(white, mask).item() == pytest.approx(3.25)  # mean kept
+    assert C.masked_mean(C.masked_whiten(x, mask), mask).item() == pytest.approx(0.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. divergences and KL penalties
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_token_divergences_and_kl_penalty_hand_values():
+    lr = torch.tensor([0.0, math.log(2.0), -100.0])
+    k1, k2, k3 = C.token_divergences(lr)
+    assert k1.tolist() == pytest.approx([0.0, -math.log(2), 20.0])  # clamped at the safety bound
+    assert k2.tolist() == pytest.approx([0.0, 0.5 * math.log(2) ** 2, 200.0])
+    assert k3.tolist() == pytest.approx([0.0, 1 - math.log(2), math.exp(-20) - 1 + 20])
+    lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    assert C.kl_penalty(lp, ref, "k1").tolist() == [0.5, -1.0]
+    assert C.kl_penalty(lp, ref, "abs").tolist() == [0.5, 1.0]
+    assert C.kl_penalty(lp, ref, "mse").tolist() == [0.125, 0.5]
+    assert C.kl_penalty(lp, ref, "low_var_kl").tolist() == pytest.approx([math.exp(-0.5) - 1 + 0.5, math.exp(1) - 1 - 1])
+    with pytest.raises(ValueError, match="kl penalty kind"):
+        C.kl_penalty(lp, ref, "k4")
+
+
+@needs_verl
+@pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])
+def test_kl_penalty_matches_verl(kind):
+    train, rollout, _ = random_batch(scale=1.0)
+    assert torch.allclose(C.kl_penalty(train, rollout, kind), VERL["kl_penalty_forward"](train, rollout, kind), atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. IS weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_is_weights_hand_values():
+    log_ratio = torch.log(torch.tensor([[0.5, 3.0, 1.0], [1.5, 1.2, 9.0]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    w, _ = C.compute_is_weights(log_ratio, mask, "token", 2.0)
+    assert close(w, [[0.5, 2.0, 1.0], [1.5, 1.2, 0.0]])  # truncated at 2, 0 on padding
+    w, _ = C.compute_is_weights(log_ratio, mask, "sequence", 2.0)
+    assert close(w, [[1.5, 1.5, 1.5], [1.8, 1.8, 0.0]])  # 0.5*3*1 and 1.5*1.2
+    w, _ = C.compute_is_weights(log_ratio, mask, "sequence", 1.6)
+    assert close(w, [[1.5, 1.5, 1.5], [1.6, 1.6, 0.0]])
+    w, m = C.compute_is_weights(log_ratio, mask, "token", "0.8_2.0")  # IcePop: outside the band -> 0
+    assert close(w, [[0.0, 0.0, 1.0], [1.5, 1.2, 0.0]])
+    assert m["rollout_is_oob_ratio"].item() == pytest.approx(2 / 5)
+    w, m = C.compute_is_weights(log_ratio, mask, "token", 2.0, batch_normalize=True)
+    assert C.masked_mean(w, mask).item() == pytest.approx(1.0)
+    assert m["rollout_is_batch_norm_factor"].item() == pytest.approx((0.5 + 2 + 1 + 1.5 + 1.2) / 5)
+    w, m = C.compute_is_weights(log_ratio, mask, "sequence", 2.0, batch_normalize=True)
+    assert ((1.5 + 1.8) / 2) == pytest.approx(m["rollout_is_batch_norm_factor"].item())  # over sequences
+    assert w[0, 0].item() == pytest.approx(1.5 / 1.65)
+
+
+def test_is_weight_is_a_stop_gradient():
+    """autograd through reinforce_loss gives w * grad log pi, without the log pi * grad w term."""
+    logprobs = torch.tensor([[-0.7, -1.2]], requires_grad=True)
+    rollout = torch.tensor([[-0.9, -1.0]])
+    adv, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
+    w, _ = C.compute_is_weights(logprobs - rollout, mask, "token", 5.0)
+    loss, _ = C.reinforce_loss(logprobs, adv, mask, w, agg_mode="token-sum")
+    loss.backward()
+    expected = -(torch.exp(logprobs.detach() - rollout) * adv)  # d/dlogp of -w*A*logp with w constant
+    assert torch.allclose(logprobs.grad, expected)
+    # the naive version (no detach) would differ: it adds -A * logp * w
+    naive_grad = expected - adv * logprobs.detach() * torch.exp(logprobs.detach() - rollout)
+    assert not torch.allclose(logprobs.grad, naive_grad)
+
+
+@needs_verl
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [2.0, 1.1, "0.8_1.25"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_is_weights_match_verl(level, threshold, normalize):
+    train, rollout, mask = random_batch(scale=0.4, seed=3)
+    ours, ours_m = C.compute_is_weights(train - rollout, mask, level, threshold, normalize)
+    theirs, theirs_m = VERL["compute_rollout_correction_weights"](train - rollout, mask, level, threshold, normalize)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert_metrics_match(ours_m, theirs_m)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. rejection masks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_rejection_hand_values():
+    rho = torch.tensor([[1.0, 3.0, 1.0], [1.1, 0.9, 1.0], [0.2, 1.0, 1.0]])
+    log_ratio, mask = torch.log(rho), torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    m, metrics = C.rejection_mask(log_ratio, mask, "token_k1", 2.0)  # keep 0.5 <= rho <= 2
+    assert m.tolist() == [[1, 0, 1], [1, 1, 1], [0, 1, 0]]
+    assert metrics["rollout_rs_masked_fraction"].item() == pytest.approx(2 / 8)
+    assert metrics["rollout_rs_seq_masked_fraction"].item() == pytest.approx(2 / 3)
+    m, _ = C.rejection_mask(log_ratio, mask, "seq_sum_k1", "0.5_2.0")  # products 3, 0.99, 0.2
+    assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    m, _ = C.rejection_mask(log_ratio, mask, "geometric", "0.9_1.1")  # legacy name of seq_mean_k1: 3^(1/3) fails
+    assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    k3 = torch.expm1(log_ratio) - log_ratio
+    m, _ = C.rejection_mask(log_ratio, mask, "seq_max_k3", 0.5)  # max k3: 3-1-ln3=0.90, 0.0053, 0.2-1-ln0.2=0.81
+    assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    seq_mean_k3 = C.masked_mean(k3, mask, dim=-1)
+    m, _ = C.rejection_mask(log_ratio, mask, "seq_mean_k3", float(seq_mean_k3[0]) + 1e-9)  # 0.30 vs 0.0035, 0.40
+    assert m.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0]]
+    m, _ = C.rejection_mask(log_ratio, mask, "token_k2", 0.5 * math.log(0.9) ** 2 + 1e-9)
+    assert m.tolist() == [[1, 0, 1], [1, 1, 1], [0, 1, 0]]
+    m, _ = C.rejection_mask(log_ratio, mask, "token_k1,seq_sum_k2", "0.5_2.0,0.02")  # both must pass
+    assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
+
+
+def test_rejection_asymmetric_k1_follows_the_math_document():
+    """rho = 2.5 with bounds 0.5_3.0: accepted by C_lower <= rho <= C_upper; verl would test 1/rho = 0.4 instead."""
+    log_ratio, mask = torch.log(torch.tensor([[2.5, 0.4]])), torch.ones(1, 2)
+    m, _ = C.rejection_mask(log_ratio, mask, "token_k1", "0.5_3.0")
+    assert m.tolist() == [[1, 0]]
+
+
+@pytest.mark.parametrize("option, threshold, match", [
+    ("token_k4", 2.0, "unknown option"), ("token_k2", "0.5_2.0", "single upper bound"),
+    ("token_k1", "2.0_0.5", "lower bound"), ("token_k1", -1.0, "positive"), ("token_k1", "abc", "rollout_rs_threshold"),
+    ("token_k1,seq_mean_k3", "1_2,3,4", "1 or 2"), ("seq_mean_k3", None, "required"), ("", 1.0, "non-empty"),
+])
+def test_rejection_bad_settings_raise(option, threshold, match):
+    with pytest.raises(ValueError, match=match):
+        C.rejection_mask(torch.zeros(1, 2), torch.ones(1, 2), option, threshold)
+
+
+@needs_verl
+@pytest.mark.parametrize("option, threshold", [
+    ("token_k1", 1.3), ("token_k1", "0.8_1.25"), ("seq_sum_k1", "0.8_1.25"), ("seq_mean_k1", "0.95_1.0526315789"),
+    ("token_k2", 0.02), ("token_k3", 0.02), ("seq_sum_k2", 0.1), ("seq_sum_k3", 0.1), ("seq_mean_k2", 0.02),
+    ("seq_mean_k3", 0.02), ("seq_max_k2", 0.05), ("seq_max_k3", 0.05), ("token_k1,seq_mean_k3", "0.7_1.4285714286,0.03"),
+])
+def test_rejection_masks_match_verl_for_symmetric_bounds(option, threshold):
+    train, rollout, mask = random_batch(B=16, T=12, scale=0.25, seed=5)
+    ours, ours_m = C.rejection_mask(train - rollout, mask, option, threshold)
+    theirs, theirs_m = VERL["compute_rollout_rejection_mask"](train - rollout, mask, option, threshold)
+    assert torch.equal(ours.bool(), theirs.bool())
+    assert 0 < ours.sum() < mask.sum()  # the case is not trivial
+    for key in ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"):
+        assert ours_m[key].item() == pytest.approx(theirs_m[key], abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. veto
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_veto_rejects_whole_sequences():
+    rho = torch.tensor([[1.0, 1e-5, 1.0], [1.0, 0.5, 1e-6]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the 1e-6 of row 2 is padding: no veto
+    m, metrics = C.veto_mask(torch.log(rho), mask, 1e-4)
+    assert m.tolist() == [[0, 0, 0], [1, 1, 0]]
+    assert metrics["rollout_is_veto_fraction"].item() == 0.5
+    assert metrics["rollout_is_catastrophic_token_fraction"].item() == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match="veto"):
+        C.veto_mask(torch.zeros(1, 1), torch.ones(1, 1), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. diagnostics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_offpolicy_metrics_hand_values():
+    train = torch.log(torch.tensor([[0.5, 0.25]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.25]]))
+    m = C.offpolicy_metrics(train, rollout, torch.ones(1, 2))
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.25)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.125)
+    assert m["rollout_corr/kl"] == pytest.approx(-math.log(2) / 2)
+    assert m["rollout_corr/chi2_token"] == pytest.approx((4 + 1) / 2 - 1)
+    assert m["rollout_corr/chi2_seq"] == pytest.approx(4 - 1)
+    assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(-(math.log(0.5) + math.log(0.25)) / 2))
+
+
+@needs_verl
+def test_offpolicy_metrics_match_verl():
+    train, rollout, mask = random_batch(B=8, T=10, scale=0.3, seed=11)
+    ours = C.offpolicy_metrics(train, rollout, mask)
+    assert_metrics_match(ours, VERL["compute_offpolicy_metrics"](train, rollout, mask), prefix="rollout_corr/")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. losses and aggregation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_agg_loss_hand_values():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert C.agg_loss(loss, mask, "token-mean").item() == pytest.approx(18 / 5)
+    assert C.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
+    assert C.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
+    assert C.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((3 + 15) / 2 / 3)
+    assert C.agg_loss(loss, mask, "token-sum").item() == pytest.approx(18)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        C.agg_loss(loss, mask, "seq-sum")
+
+
+@needs_verl
+@pytest.mark.parametrize("mode", C.AGG_MODES)
+def test_agg_loss_matches_verl(mode):
+    train, _, mask = random_batch(B=7, T=8, seed=2)
+    assert C.agg_loss(train, mask, mode).item() == pytest.approx(VERL["agg_loss"](train, mask, mode).item(), abs=1e-6)
+
+
+def test_ppo_clip_loss_hand_values():
+    old = torch.zeros(1, 4)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 5.0]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, m = C.ppo_clip_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, clip_c=3.0, agg_mode="token-sum")
+    # token 1: max(-1.5, -1.28) = -1.28 (clipped); 2: max(-0.5, -0.8) = -0.5; 3: max(1.1, 1.1) = 1.1;
+    # 4: max(5, 1.28) = 5 -> dual-clip min(5, 3) = 3
+    assert loss.item() == pytest.approx(-1.28 - 0.5 + 1.1 + 3.0)
+    assert m["pg_clipfrac"] == pytest.approx(1 / 4)
+    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    w = torch.tensor([[2.0, 1.0, 1.0, 0.5]])
+    loss_w, _ = C.ppo_clip_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, 3.0, "token-sum", is_weights=w)
+    assert loss_w.item() == pytest.approx(-2.56 - 0.5 + 1.1 + 1.5)  # weights multiply after clipping
+
+
+@needs_verl
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_ppo_clip_loss_matches_verl(mode):
+    train, rollout, mask = random_batch(B=8, T=10, scale=0.4, seed=9)
+    adv = torch.randn(8, 10, generator=torch.Generator().manual_seed(1))
+    w, _ = C.compute_is_weights(train - rollout, mask, "token", 2.0)
+    config = types.SimpleNamespace(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={},
+                                   get=lambda key, default: 3.0)
+    theirs, theirs_m = VERL["compute_policy_loss_vanilla"](rollout, train, adv, mask, mode, config, w)
+    ours, ours_m = C.ppo_clip_loss(train, rollout, adv, mask, 0.2, 0.28, 3.0, mode, w)
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    for key in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        assert ours_m[key] == pytest.approx(theirs_m[f"actor/{key}"], abs=1e-6)
+
+
+def test_tis_paper_estimators_at_equal_policies():
+    """With pi_sampler = pi_learner = pi_old every estimator is plain REINFORCE-like PPO: same value, same gradient."""
+    lp = torch.tensor([[-0.3, -1.4]], requires_grad=True)
+    adv = torch.tensor([[0.5, -1.0]])
+    grads = []
+    for fn in (lambda: C.naive_ppo_token_loss(lp, lp.detach(), adv), lambda: C.vanilla_is_token_loss(lp, lp.detach(), adv),
+               lambda: C.ppo_is_token_loss(lp, lp.detach(), adv), lambda: C.tis_ppo_token_loss(lp, lp.detach(), lp.detach(), adv)):
+        lp.grad = None
+        fn().sum().backward()
+        grads.append(lp.grad.clone())
+    for g in grads[1:]:
+        assert torch.allclose(g, grads[0])
+    # under mismatch PPO-IS clips already at theta = theta_old while TIS does not
+    rollout = lp.detach() - torch.tensor([[0.5, 0.5]])  # ratio pi_learner/pi_sampler = e^0.5 > 1.2
+    lp.grad = None
+    C.ppo_is_token_loss(lp, rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
+    assert torch.all(lp.grad == 0)  # clipped: no gradient
+    lp.grad = None
+    C.tis_ppo_token_loss(lp, lp.detach(), rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
+    assert torch.all(lp.grad != 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. presets and the pipeline
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", C.PRESETS + tuple(C.PRESET_ALIASES))
+def test_every_preset_runs_and_gives_finite_gradients(name):
+    config = C.RolloutCorrection.from_name(name)
+    train, rollout, mask = random_batch(B=5, T=7, scale=0.2, seed=4)
+    adv = torch.randn(5, 1, generator=torch.Generator().manual_seed(2)).expand(5, 7)
+    weights, new_mask, metrics = C.apply_rollout_correction(train, rollout, mask, config)
+    assert (new_mask <= mask).all()
+    assert "training/rollout_probs_diff_max" in metrics and "rollout_corr/kl" in metrics
+    assert all(k.startswith(("rollout_corr/", "training/")) for k in metrics)
+    logprobs = train.clone().requires_grad_()
+    loss, loss_metrics = C.policy_loss(config, logprobs, train, rollout, adv, new_mask if not config.bypass_mode else mask,
+                                       is_weights=weights, clip_c=3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+def test_presets_match_verl_definitions():
+    p = C.RolloutCorrection
+    assert p.decoupled_seq_is_rs() == p(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_sum_k1",
+                                        rollout_rs_threshold="0.5_2.0")
+    assert p.bypass_pg_geo_rs_token_tis() == p(rollout_is="token", rollout_rs="seq_mean_k1",
+                                               rollout_rs_threshold="0.999_1.001", bypass_mode=True,
+                                               loss_type="reinforce")
+    assert p.from_name("pg_is") == p.bypass_pg_is() and p.from_name("ppo_is_bypass") == p.bypass_ppo_clip()
+    assert p.decoupled_token_icepop().rollout_is_threshold == "0.5_5.0"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_type="reinforce"), "bypass_mode"), (dict(rollout_is="tokens"), "rollout_is"),
+    (dict(rollout_is="token", rollout_is_threshold="3_1"), "lower bound"), (dict(loss_type="pg"), "loss_type"),
+    (dict(rollout_is="token", rollout_is_threshold=0), "positive"), (dict(rollout_rs="seq_mean_k3"), "required"),
+    (dict(rollout_token_veto_threshold=-1.0), "veto"),
+])
+def test_invalid_settings_raise_value_error_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        C.RolloutCorrection(**kwargs)
+    with pytest.raises(ValueError, match="unknown correction preset"):
+        C.RolloutCorrection.from_name("decoupled_tis")
+
+
+def test_decoupled_vs_bypass_use_the_right_anchor():
+    """bypass ppo_clip clips pi_theta / pi_rollout; decoupled clips pi_theta / pi_old."""
+    old = torch.zeros(1, 2)
+    rollout = torch.full((1, 2), -1.0)  # pi_theta / pi_rollout = e: clipped
+    adv, mask = torch.ones(1, 2), torch.ones(1, 2)
+    lp = old.clone().requires_grad_()
+    loss, _ = C.policy_loss(C.RolloutCorrection.bypass_ppo_clip(), lp, old, rollout, adv, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2) and torch.all(lp.grad == 0)
+    lp.grad = None
+    loss, _ = C.policy_loss(C.RolloutCorrection.disabled(), lp, old, rollout, adv, mask)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0) and torch.all(lp.grad != 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# properties (hypothesis)
+# ---------------------------------------------------------------------------------------------------------------
+
+log_ratios = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False)
+
+
+@st.composite
+def batches(draw):
+    B, T = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    values = torch.tensor(draw(st.lists(log_ratios, min_size=B * T, max_size=B * T))).reshape(B, T)
+    mask = torch.tensor(draw(st.lists(st.booleans(), min_size=B * T, max_size=B * T))).reshape(B, T)
+    return values, mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.sampled_from(C.RS_OPTIONS), st.sampled_from(["token", "sequence"]))
+def test_property_padding_never_changes_a_result(batch, option, level):
+    log_ratio, mask = batch
+    garbage = torch.where(mask, log_ratio, torch.tensor(float("nan")))
+    other = torch.where(mask, log_ratio, torch.tensor(123.0))
+    threshold = "0.5_2.0" if option.endswith("k1") else 0.1
+    for a, b in [(C.rejection_mask(garbage, mask, option, threshold)[0], C.rejection_mask(other, mask, option, threshold)[0]),
+                 (C.compute_is_weights(garbage, mask, level)[0], C.compute_is_weights(other, mask, level)[0]),
+                 (C.veto_mask(garbage, mask)[0], C.veto_mask(other, mask)[0])]:
+        assert torch.equal(a, b)
+    adv = torch.ones_like(log_ratio)
+    assert torch.equal(C.ppo_clip_loss(garbage, torch.zeros_like(garbage), adv, mask)[0],
+                       C.ppo_clip_loss(other, torch.zeros_like(other), adv, mask)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.sampled_from(C.PRESETS), st.sampled_from(C.AGG_MODES))
+def test_property_masks_never_gain_ones_and_outputs_stay_finite(batch, preset, mode):
+    log_ratio, mask = batch
+    mask = mask.double()
+    config = C.RolloutCorrection.from_name(preset)
+    rollout = torch.zeros_like(log_ratio)
+    weights, new_mask, metrics = C.apply_rollout_correction(log_ratio, rollout, mask, config)
+    assert (new_mask <= mask).all()
+    bad = [k for k, v in metrics.items() if not math.isfinite(v) and "ppl" not in k and "chi2" not in k]
+    assert not bad, (bad, metrics)
+    if weights is not None:
+        assert torch.isfinite(weights).all() and (weights[mask == 0] == 0).all()
+    logprobs = log_ratio.clone().requires_grad_()
+    loss, _ = C.policy_loss(config, logprobs, rollout, rollout, torch.ones_like(mask),
+                            mask if config.bypass_mode else new_mask, is_weights=weights, clip_c=3.0, agg_mode=mode)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    if (new_mask if not config.bypass_mode else mask).sum() == 0:
+        assert loss.item() == 0.0  # empty rows / all-rejected batch: a zero loss, never NaN
