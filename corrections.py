@@ -47,7 +47,7 @@ def masked_sum(x, mask, dim=None):
 
 def masked_mean(x, mask, dim=None):
     """mean of x over positions where mask is set; an all-padding row (or batch) gives 0, never NaN."""
-    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    count = mask.count_nonzero() if dim is None else mask.count_nonzero(dim)  # no int64 copy of the mask
     return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
 
 
@@ -158,7 +158,7 @@ def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper
     metrics["rollout_is_std"] = var.clamp(min=0).sqrt() if m.sum() > 1 else zero
     # ESS = 1 / E[(w / E[w])^2], in (0, 1]: the fraction of samples that effectively carry the gradient
     second_moment = masked_mean((clamped / (clamped_mean + 1e-8)).square(), mask)
-    metrics["rollout_is_eff_sample_size"] = 1.0 / second_moment if valid else zero
+    metrics["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment > 0 else zero  # all zero: none
     seq_mean = masked_mean(weights, mask, dim=-1)  # (B,) mean weight per sequence (0 for an empty row, as verl)
     raw_seq_mean = masked_mean(raw_weights, mask, dim=-1)
     metrics["rollout_is_seq_mean"] = seq_mean.mean()
@@ -202,14 +202,14 @@ def compute_is_weights(log_ratio, mask, level="token", threshold=2.0, batch_norm
         raise ValueError(f"rollout_is must be 'token' or 'sequence', got {level!r}")
     lower, upper = parse_is_threshold(threshold)
     zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
-    log_ratio = torch.where(mask.bool(), log_ratio.detach(), zero)  # padding (maybe NaN) -> 0 before anything else
+    valid = mask.bool()
     if level == "token":
-        log_for_max = log_ratio
-        weights = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        log_for_max = None
+        raw_weights = torch.where(valid, log_ratio.detach(), zero).clamp_(-SAFETY_BOUND, SAFETY_BOUND).exp_()
     else:
-        log_for_max = log_ratio.sum(-1, keepdim=True)  # (B, 1) log prod rho
-        weights = torch.exp(log_for_max.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    raw_weights = torch.where(mask.bool(), weights, zero)
+        log_for_max = masked_sum(log_ratio.detach(), valid, dim=-1).unsqueeze(-1)  # (B, 1) log prod rho
+        raw_weights = torch.exp(log_for_max.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+    raw_weights = torch.where(valid, raw_weights, zero)  # padding (maybe NaN in the input) -> weight 0
     if lower is None:
         weights = raw_weights.clamp(max=upper)  # TIS: truncate
     else:
@@ -311,15 +311,18 @@ def rejection_mask(log_ratio, mask, option, threshold):
     bounds = parse_rs_thresholds(options, threshold)
     valid = mask.bool()
     zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
-    log_ratio = torch.where(valid, log_ratio.detach(), zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    k1, k2, k3 = token_divergences(log_ratio)
-    per_token = {"k1": log_ratio, "k2": k2, "k3": k3}  # the k1 statistic is compared as log rho (see note)
+    log_ratio = torch.where(valid, log_ratio.detach(), zero).clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     seq_valid = valid.any(-1)
     keep = valid.clone()
     metrics = {}
     for name in options:
         lower, upper = bounds[name]
-        stat = per_token[name[-2:]]
+        if name.endswith("k1"):
+            stat = log_ratio  # the k1 statistic is compared as log rho (see the note above)
+        elif name.endswith("k2"):
+            stat = 0.5 * log_ratio.square()  # token_divergences' k2, computed only when an option needs it
+        else:
+            stat = torch.expm1(log_ratio).sub_(log_ratio)  # k3
         if name.startswith("token"):
             token_stat = stat
         elif name.startswith("seq_sum"):
@@ -404,21 +407,25 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
     """
     valid = mask.bool()
     zero = torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
-    train = torch.where(valid, train_logprobs.detach(), zero)
-    rollout = torch.where(valid, rollout_logprobs.detach(), zero)
-    log_ratio = train - rollout
+    train, rollout = train_logprobs.detach(), rollout_logprobs.detach()
     seq_valid = valid.any(-1)
     seq_train = masked_mean(train, valid, dim=-1)  # (B,) mean log prob per sequence
     seq_rollout = masked_mean(rollout, valid, dim=-1)
     log_ppl_diff = seq_rollout - seq_train
-    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    seq_log_ratio = masked_sum(log_ratio, valid, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    probs_diff = (torch.exp(rollout.clamp(max=0)) - torch.exp(train.clamp(max=0))).abs()  # probabilities are <= 1
+    log_ratio = torch.where(valid, train - rollout, zero)  # (B, T); at most two more (B, T) temporaries below
+    kl = -masked_mean(log_ratio, valid)
+    seq_log_ratio = log_ratio.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    safe = log_ratio.clamp_(-SAFETY_BOUND, SAFETY_BOUND)
+    k3_kl = masked_mean(torch.expm1(safe).sub_(safe), valid)
+    chi2_token = masked_mean(torch.exp(2 * safe), valid) - 1.0
+    del log_ratio, safe
+    probs_diff = torch.exp(rollout.clamp(max=0)).sub_(torch.exp(train.clamp(max=0))).abs_()  # probabilities <= 1
+    probs_diff.masked_fill_(~valid, 0.0)
     metrics = {
         "rollout_corr/training_ppl": masked_mean(torch.exp(-seq_train), seq_valid),
         "rollout_corr/training_log_ppl": masked_mean(-seq_train, seq_valid),
-        "rollout_corr/kl": masked_mean(rollout - train, valid),
-        "rollout_corr/k3_kl": masked_mean(torch.expm1(safe) - safe, valid),
+        "rollout_corr/kl": kl,
+        "rollout_corr/k3_kl": k3_kl,
         "rollout_corr/rollout_ppl": masked_mean(torch.exp(-seq_rollout), seq_valid),
         "rollout_corr/rollout_log_ppl": masked_mean(-seq_rollout, seq_valid),
         "rollout_corr/log_ppl_diff": masked_mean(log_ppl_diff, seq_valid),
@@ -426,9 +433,9 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
         "rollout_corr/log_ppl_diff_max": log_ppl_diff.masked_fill(~seq_valid, -math.inf).max(),
         "rollout_corr/log_ppl_diff_min": log_ppl_diff.masked_fill(~seq_valid, math.inf).min(),
         "rollout_corr/ppl_ratio": masked_mean(torch.exp(log_ppl_diff), seq_valid),
-        "rollout_corr/chi2_token": masked_mean(torch.exp(2 * safe), valid) - 1.0,
+        "rollout_corr/chi2_token": chi2_token,
         "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_log_ratio), seq_valid) - 1.0,
-        "training/rollout_probs_diff_max": probs_diff.masked_fill(~valid, 0.0).max(),
+        "training/rollout_probs_diff_max": probs_diff.max(),
         "training/rollout_probs_diff_mean": masked_mean(probs_diff, valid),
         "training/rollout_probs_diff_std": masked_var(probs_diff, valid, unbiased=False).sqrt(),
     }
