@@ -1,0 +1,982 @@
+"""RLHF with PPO, the OpenAI way: a one-file reproduction of openai/lm-human-preferences (Ziegler et al., 2019).
+
+Read it top to bottom: `Args` -> helpers -> `train()` (numbered steps) -> `__main__`.
+
+Every implementation detail is commented where it happens with a pointer into "The N Implementation Details of RLHF
+with PPO" (Huang, Liu, von Werra, Hugging Face blog, 2023). The blog numbers its details per section; we cite them as
+    [general N]  "General implementation details"        (1 query+response, 2 pad token, 3 position ids,
+                                                           4 fixed-length sampling, 5 lr annealing, 6 per-rank seeds)
+    [reward N]   "Reward model implementation details"   (1 last-token reward, 2 head init, 3 normalisation)
+    [policy N]   "Policy training implementation details" (1 temperature, 2 value head init, 3 query text,
+                                                           4 no dropout, 5 truncation/rejection, 6 gamma=1,
+                                                           7 batch/minibatch loop, 8 per-token KL, 9 whitening,
+                                                           10 value clipping, 11 adaptive KL)
+    [adam]       "PyTorch Adam optimizer numerical issues w.r.t RLHF"
+and the PyTorch reproduction as [repro] (vwxyzjn/lm-human-preference-details, train_policy_accelerate.py).
+
+Run:
+    python ppo_rlhf.py tiny --output-dir runs/ppo_tiny                       # offline CPU, whole pipeline, minutes
+    torchrun --standalone --nproc_per_node 2 ppo_rlhf.py tiny --output-dir runs/ppo_tiny_ddp   # 2 CPU procs (gloo)
+    torchrun --standalone --nproc_per_node 8 ppo_rlhf.py gpt2_sentiment --output-dir runs/sentiment  # the paper
+"""
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Args:
+    # ---- run ----
+    exp_name: str = "ppo_rlhf"
+    """the name of this experiment (wandb run name prefix)"""
+    seed: int = 1
+    """base seed; rank r uses seed + r * 100003 ([general 6])"""
+    output_dir: str = "runs/ppo_rlhf"
+    """where metrics.jsonl, samples.jsonl, checkpoints/ and the final policy go"""
+    track: bool = False
+    """log to Weights and Biases (wandb is imported only then)"""
+    wandb_project_name: str = "ppo_rlhf"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    cuda: bool = True
+    """use CUDA when available"""
+    bf16: bool = True
+    """bf16 autocast for all forwards on CUDA (ignored on CPU, where everything is float32)"""
+    torch_threads: int = 0
+    """CPU threads per process (0 = torch's default); the tiny preset uses 1: its small matmuls gain nothing
+    from more threads, and on a shared 2-core machine extra threads only spin (measured 13x slower forwards)"""
+
+    # ---- models ----
+    base_model: str = "gpt2"
+    """the pretrained policy (HF hub name or path); empty = the tiny policy saved next to the reward model
+    (`python rewards.py tiny` writes it to <reward model run>/tiny_policy)"""
+    reward_model_path: Optional[str] = None
+    """a reward model saved by rewards.py (`<run>/reward_model`); None = train one first with `reward_preset`"""
+    reward_preset: str = "gpt2_sentiment"
+    """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path is None"""
+
+    # ---- task ([repro] TaskHParams; OpenAI launch.py stylistic tasks) ----
+    query_dataset: Literal["books", "tiny"] = "books"
+    """where queries come from: bookcorpus ([policy 3]) or rewards.tiny_queries (offline)"""
+    query_length: int = 64
+    """queries are truncated / left-padded to exactly this many tokens ([general 2])"""
+    response_length: int = 24
+    """every response has exactly this many sampled tokens, EOS does not stop sampling ([general 4])"""
+    truncate_token: str = "."
+    """responses are cut at the first occurrence of this token at or after `truncate_after` ([policy 5])"""
+    truncate_after: int = 16
+    """the truncate token only counts from this response position on ([policy 5])"""
+    penalty_reward_value: float = -1.0
+    """the score of a response that has no truncate token at or after `truncate_after` ([policy 5])"""
+    temperature: float = 0.7
+    """sampling temperature; logits are divided by it wherever logprobs/entropy are computed ([policy 1])"""
+
+    # ---- PPO ([repro] PpoHParams) ----
+    total_episodes: int = 1_000_000
+    """total number of sampled responses (all ranks together)"""
+    rollout_batch_size: int = 512
+    """responses per PPO update, summed over ranks (the original: 8 GPUs x 64)"""
+    nminibatches: int = 1
+    """optimizer steps per epoch over the rollout batch ([policy 7]; 1 in the original)"""
+    noptepochs: int = 4
+    """PPO epochs over each rollout batch ([policy 7])"""
+    local_micro_batch_size: int = 64
+    """per-rank forward/backward size; gradient accumulation = per-rank minibatch / this (a memory knob only)"""
+    lr: float = 1e-5
+    """peak learning rate, annealed linearly to 0 ([general 5])"""
+    eps: float = 1e-5
+    """Adam epsilon (TF-style epsilon-hat for adam_tf, [adam])"""
+    optimizer: Literal["adam_tf", "adam"] = "adam_tf"
+    """adam_tf = TF1 Adam as in the original ([adam]); adam = torch.optim.Adam"""
+    vf_coef: float = 0.1
+    """value loss coefficient"""
+    cliprange: float = 0.2
+    """PPO ratio clip"""
+    cliprange_value: float = 0.2
+    """value-function clip around the rollout values ([policy 10])"""
+    gamma: float = 1.0
+    """discount ([policy 6])"""
+    lam: float = 0.95
+    """GAE lambda"""
+    whiten_rewards: bool = True
+    """whiten the per-token rewards without shifting the mean ([policy 9])"""
+
+    # ---- KL penalty ([policy 8], [policy 11]) ----
+    kl_coef: float = 0.15
+    """initial beta of the per-token KL penalty"""
+    adaptive_kl: bool = True
+    """adapt beta towards `kl_target` ([policy 11])"""
+    kl_target: float = 6.0
+    """target KL(pi || pi_ref) per response, in nats"""
+    kl_horizon: int = 10000
+    """adaptive KL horizon, in episodes"""
+
+    # ---- optional rollout correction (corrections.py; not in the original) ----
+    correction: Optional[str] = None
+    """a RolloutCorrection preset name (e.g. decoupled_token_is); corrects for generate()-vs-forward mismatch"""
+
+    # ---- memory ----
+    logprob_chunk_rows: int = 1024
+    """rows (batch x time) per chunk when computing logprobs, so no float32 (B, T, V) log-softmax exists"""
+
+    # ---- logging / checkpoints ----
+    sample_freq: int = 10
+    """write a sample table (query, response, score, kl) every this many updates (0 = never)"""
+    num_samples: int = 8
+    """rows in each sample table"""
+    save_freq: int = 50
+    """checkpoint every this many updates (and always at the end)"""
+    keep_checkpoints: int = 2
+    """how many recent checkpoints to keep"""
+    resume_from: Optional[str] = None
+    """a checkpoint directory to resume from; None = the latest one in <output_dir>/checkpoints, if any"""
+
+
+PRESETS = {
+    # Offline CPU: the tiny reward model from rewards.py is trained first (one command runs the whole pipeline),
+    # the policy is the tiny random-init gpt2-arch model rewards.py saved next to it; query 8 / response 16 match the
+    # reward model's tiny preset. KL target 4 = the original 6 nats per 24 tokens scaled to 16 tokens (same KL per
+    # response token); horizon 1000 so beta can move within 120 updates of 64 (the original: 1953 updates of 512);
+    # lr 3e-4 because the tiny policy is small and random-init (gpt2 uses 1e-5). Measured: scores -0.7 -> +0.9,
+    # KL 3-6 around the target of 4 over the second half, ~2 minutes on 2 CPU cores including the reward model.
+    "tiny": (
+        "offline CPU run on the tiny synthetic task (minutes on 2 cores)",
+        Args(
+            exp_name="ppo_rlhf_tiny", base_model="", reward_preset="tiny", query_dataset="tiny",
+            query_length=8, response_length=16, truncate_after=8, temperature=0.7,
+            total_episodes=64 * 120, rollout_batch_size=64, local_micro_batch_size=64, noptepochs=4,
+            lr=3e-4, kl_coef=0.15, kl_target=4.0, kl_horizon=1000, sample_freq=20, save_freq=50, bf16=False,
+            torch_threads=1,
+        ),
+    ),
+    # Ziegler et al. (2019) stylistic continuation, launch.py settings as reproduced by [repro]:
+    # gpt2 (124M), query 64, response 24, truncate "." after 16, penalty -1, T=0.7, 512 rollouts x 1M episodes,
+    # lr 1e-5, beta 0.15 adaptive (target 6, horizon 10000), 4 epochs, 1 minibatch, gamma 1, lambda 0.95,
+    # cliprange 0.2, cliprange_value 0.2, vf_coef 0.1.
+    "gpt2_sentiment": (
+        "gpt2 sentiment (Ziegler et al. 2019; published: score ~1.8, KL ~6, beta ~0.25 at 1M episodes)",
+        Args(exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment"),
+    ),
+    "gpt2_descriptiveness": (
+        "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M episodes)",
+        Args(exp_name="ppo_rlhf_gpt2_descriptiveness", reward_preset="gpt2_descriptiveness"),
+    ),
+}
+
+
+# =====================================================================================================================
+# Helpers: batch arithmetic, seeds, schedules
+# =====================================================================================================================
+
+
+def exact_div(a, b, what):
+    """a / b, or a clear error naming the two quantities that must divide."""
+    if b <= 0 or a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+def batch_sizes(args, world_size):
+    """Global batch sizes -> per-rank sizes; fails with a clear message before any model is loaded.
+
+    The preset gives the *global* rollout batch (512 in the original), so the same preset is the same experiment on
+    1 GPU or 8: only gradient accumulation changes ([policy 7], micro-batches added by [repro]).
+    """
+    if args.truncate_after >= args.response_length:
+        raise ValueError(
+            f"truncate_after ({args.truncate_after}) must be < response_length ({args.response_length}): "
+            "otherwise no response can ever contain the truncate token and every score is the penalty"
+        )
+    if args.total_episodes < args.rollout_batch_size:
+        raise ValueError(f"total_episodes ({args.total_episodes}) < rollout_batch_size ({args.rollout_batch_size})")
+    local_batch = exact_div(args.rollout_batch_size, world_size, "rollout_batch_size over world_size (ranks)")
+    local_mini = exact_div(local_batch, args.nminibatches, "per-rank rollout batch over nminibatches")
+    micro = min(args.local_micro_batch_size, local_mini)
+    grad_accum = exact_div(local_mini, micro, "per-rank minibatch over local_micro_batch_size")
+    if args.whiten_rewards and local_batch < 8:
+        raise ValueError(f"per-rank rollout batch {local_batch} is too small to whiten rewards (need >= 8, [repro])")
+    num_updates = args.total_episodes // args.rollout_batch_size
+    return dict(local_batch=local_batch, local_mini=local_mini, micro=micro, grad_accum=grad_accum,
+                num_updates=num_updates)
+
+
+def validate_args(args, world_size):
+    """All checks that need no model: batch arithmetic, option names. Raises ValueError."""
+    sizes = batch_sizes(args, world_size)
+    if args.correction is not None:
+        import corrections
+
+        try:
+            corrections.RolloutCorrection.from_name(args.correction)
+        except Exception as e:  # unknown preset name
+            raise ValueError(f"unknown --correction {args.correction!r}: {e}") from e
+    if args.query_dataset == "books" and args.base_model == "":
+        raise ValueError("query_dataset 'books' needs a real --base-model (e.g. gpt2)")
+    for name in ("temperature", "lr", "sample_freq", "save_freq", "noptepochs", "logprob_chunk_rows"):
+        if getattr(args, name) < 0 or (name in ("temperature", "noptepochs", "logprob_chunk_rows")
+                                       and getattr(args, name) == 0):
+            raise ValueError(f"{name} must be positive, got {getattr(args, name)}")
+    return sizes
+
+
+def local_seed(seed, rank):
+    """[general 6]: every rank gets its own seed, so the 8 processes sample different responses (OAI core.py)."""
+    return seed + rank * 100003  # 100003 is prime
+
+
+def linear_lr(update, num_updates, lr):
+    """[general 5]: lr annealed linearly to 0; update counts from 1, so the first update uses the full lr."""
+    frac = 1.0 - (update - 1.0) / num_updates
+    return frac * lr
+
+
+def adaptive_kl_update(kl_coef, current_kl, n_steps, target, horizon):
+    """[policy 11] OpenAI's AdaptiveKLController.update: beta *= 1 + clip(kl/target - 1, -0.2, 0.2) * n/horizon."""
+    proportional_error = float(np.clip(current_kl / target - 1, -0.2, 0.2))
+    mult = 1 + proportional_error * n_steps / horizon
+    return kl_coef * mult
+
+
+def minibatch_schedule(perm, local_mini, micro):
+    """[policy 7]: one epoch = a fresh permutation cut into minibatches (one optimizer step each), each cut into
+    micro-batches (one forward/backward each, gradients accumulated). Returns [[micro_inds, ...], ...]."""
+    schedule = []
+    for mini_start in range(0, len(perm), local_mini):
+        mini_inds = perm[mini_start : mini_start + local_mini]
+        schedule.append([mini_inds[s : s + micro] for s in range(0, local_mini, micro)])
+    return schedule
+
+
+# =====================================================================================================================
+# Helpers: padding, position ids, truncation
+# =====================================================================================================================
+
+
+def left_pad_queries(token_lists, query_length, pad_token_id):
+    """[general 2]: truncate each query to `query_length` tokens and LEFT-pad it with the distinct pad token.
+
+    (The original right-pads and [repro] converts to left padding; padding left directly gives the same tensor.)
+    """
+    out = torch.full((len(token_lists), query_length), pad_token_id, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        tokens = tokens[:query_length]
+        if len(tokens) > 0:
+            out[i, query_length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+    return out
+
+
+def move_padding_left(sequences, pad_token_id):
+    """Move every pad token of each row to the left, keeping the real tokens in order (vectorised).
+
+    After truncation the pads sit at the END of the response; the reward model reads its score at the LAST
+    position ([reward 1]), so the real tokens must end the row. A stable sort on "is real token" puts pads first.
+    """
+    is_real = (sequences != pad_token_id).to(torch.int8)
+    order = torch.sort(is_real, dim=1, stable=True).indices  # pads (0) first, real tokens (1) in original order
+    return torch.gather(sequences, 1, order)
+
+
+def masked_inputs(query_responses, pad_token_id):
+    """[general 3]: attention mask from the pad token, position ids = exclusive cumsum of the mask, pads -> id 0.
+
+    So a left-padded row gets positions 0, 1, 2, ... on its real tokens exactly as if it had no padding, and the pad
+    id (which for gpt2 is outside the embedding, OAI's out-of-vocabulary pad) is never looked up.
+    """
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()  # exclusive cumsum
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return input_ids, attention_mask, position_ids
+
+
+def backbone_hidden(backbone, query_responses, pad_token_id):
+    """Last hidden state (B, L, H) of a non-generation forward with our masking and position ids ([general 3])."""
+    input_ids, attention_mask, position_ids = masked_inputs(query_responses, pad_token_id)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def truncate_responses(responses, truncate_token_id, truncate_after, pad_token_id):
+    """[policy 5] step 1: keep each response up to and including the first `truncate_token` found at position
+    >= truncate_after; replace everything after it with pad (OAI: "central example: replace all tokens after the
+    truncate token with the pad token"). Responses without such a token are returned unchanged."""
+    is_trunc = responses == truncate_token_id
+    is_trunc[:, :truncate_after] = False  # the token only counts from position truncate_after on
+    after_first = (is_trunc.cumsum(1) - is_trunc.long()) > 0  # strictly after the first match
+    return torch.masked_fill(responses, after_first, pad_token_id)
+
+
+def penalise_untruncated(scores, postprocessed_responses, truncate_token_id, truncate_after, penalty):
+    """[policy 5] step 3: a response with no truncate token at or after truncate_after gets the fixed penalty
+    (-1) instead of the reward model's score (OAI: "only query humans on responses that pass that filter")."""
+    has_token = (postprocessed_responses[:, truncate_after:] == truncate_token_id).any(dim=1)
+    return torch.where(has_token, scores, torch.full_like(scores, penalty))
+
+
+# =====================================================================================================================
+# Helpers: logprobs without a float32 (B, T, V) log-softmax, GAE, whitening
+# =====================================================================================================================
+
+
+def _chunk_logprobs(logits, tokens, temperature, banned):
+    logits = logits.float() / temperature  # [policy 1]: logits /= temperature, as OAI policy.py
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
+    return logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_entropy(logits, temperature, banned):
+    logits = logits.float() / temperature  # [policy 1]
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    return -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)  # xlogy: 0 * log 0 = 0 for banned tokens
+
+
+def banned_vocab_mask(vocab_size, pad_token_id, device):
+    """OAI's pad token is outside the vocabulary, so the policy can never sample it. Where the tokenizer's pad id is
+    inside the model's vocabulary (the tiny tokenizer), we ban it from the distribution (here and in generate) so
+    the same holds: the logprobs sum over exactly the tokens generate() can sample. None when nothing is banned."""
+    if pad_token_id >= vocab_size:
+        return None
+    banned = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    banned[pad_token_id] = True
+    return banned
+
+
+def logprobs_from_logits(logits, tokens, temperature, banned=None, chunk_rows=1024):
+    """log softmax(logits / T)[token] for (B, T, V) logits, chunked over the B*T rows: per chunk one logsumexp and
+    one gather, so the largest float32 tensor is (chunk_rows, V). With grad enabled each chunk is checkpointed, so
+    the backward recomputes the chunk's softmax instead of keeping B*T*V floats alive."""
+    B, T, V = logits.shape
+    flat_logits, flat_tokens = logits.reshape(B * T, V), tokens.reshape(B * T)
+    out = []
+    for s in range(0, B * T, chunk_rows):
+        args = (flat_logits[s : s + chunk_rows], flat_tokens[s : s + chunk_rows], temperature, banned)
+        if torch.is_grad_enabled() and logits.requires_grad:
+            out.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(*args))
+    return torch.cat(out).reshape(B, T)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits, temperature, banned=None, chunk_rows=1024):
+    """Entropy of softmax(logits / T) per position (B, T), chunked like `logprobs_from_logits` (a metric only)."""
+    B, T, V = logits.shape
+    flat = logits.reshape(B * T, V)
+    return torch.cat([_chunk_entropy(flat[s : s + chunk_rows], temperature, banned)
+                      for s in range(0, B * T, chunk_rows)]).reshape(B, T)
+
+
+def whiten(values, shift_mean=True):
+    """[policy 9] OAI's whiten with tf.nn.moments semantics: (x - mean) / sqrt(var + 1e-8) with the BIASED variance
+    (/N, not torch.var's /(N-1)); shift_mean=False adds the mean back, so only the scale changes. Every response
+    token is valid here (fixed-length responses), so the mask is all ones."""
+    import corrections
+
+    return corrections.masked_whiten(values, torch.ones_like(values), shift_mean=shift_mean, unbiased=False)
+
+
+def compute_gae(rewards, values, gamma, lam):
+    """GAE over the response tokens: delta_t = r_t + gamma V_{t+1} - V_t (V after the last token = 0),
+    A_t = delta_t + gamma lam A_{t+1}; returns = A + V. gamma = 1 in the original ([policy 6])."""
+    T = rewards.shape[1]
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(T)):
+        nextvalues = values[:, t + 1] if t < T - 1 else torch.zeros_like(values[:, t])
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def clipped_value_loss(vpred, values, returns, cliprange_value):
+    """[policy 10] value clipping as in PPO2 / OAI train_policy.py: the new value may move at most cliprange_value
+    from the rollout value; the loss is the max of the clipped and unclipped squared errors.
+    Returns (vf_loss, vf_clipfrac, vf_losses1)."""
+    vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
+    vf_losses1 = torch.square(vpred - returns)
+    vf_losses2 = torch.square(vpredclipped - returns)
+    vf_loss = 0.5 * torch.max(vf_losses1, vf_losses2).mean()
+    vf_clipfrac = (vf_losses2 > vf_losses1).float().mean()
+    return vf_loss, vf_clipfrac, vf_losses1
+
+
+# =====================================================================================================================
+# Helpers: the policy with its value head
+# =====================================================================================================================
+
+
+class PolicyAndValue(nn.Module):
+    """The policy LM and a scalar value head on the SAME backbone, as OAI's policy.py and [repro]'s
+    AutoModelForCausalLMWithScalarHead (one transformer, two heads; OAI did not use a separate value network).
+
+    forward returns the response-position logits (B, R, V) and values (B, R): position t predicts response token t
+    from everything before it, so we slice [context_length - 1, -1) of the query_response ([general 1]: the value
+    head sees query + response). Only the response positions go through the LM head: no (B, L, V) logits.
+    """
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.value_head = nn.Linear(lm.config.hidden_size, 1)
+        # [policy 2]: value head weights ~ N(0, 0) and bias 0, i.e. the value starts at exactly 0
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, query_responses, context_length, pad_token_id):
+        hidden = backbone_hidden(self.lm.base_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+        logits = self.lm.get_output_embeddings()(hidden)
+        values = self.value_head(hidden).squeeze(-1).float()
+        return logits, values
+
+
+def response_logits(lm, query_responses, context_length, pad_token_id):
+    """Logits (B, R, V) at the response positions for a plain LM (the reference policy)."""
+    hidden = backbone_hidden(lm.base_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+    return lm.get_output_embeddings()(hidden)
+
+
+def disable_dropout(model):
+    """[policy 4]: "we do not use dropout for policy training" (Ziegler et al.; OAI policy.py)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout"):
+        if config is not None and isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+    return model
+
+
+def generation_config(args, pad_token_id, banned, output_scores):
+    """[general 4]: fixed-length sampling: exactly response_length tokens, top_k=0, top_p=1, temperature T, and
+    EOS does NOT stop sampling (eos_token_id=None; the model's own generation_config is overridden too, see
+    `load_policy`, because HF would otherwise put its eos back)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=args.response_length, min_new_tokens=args.response_length,
+        do_sample=True, top_k=0, top_p=1.0, temperature=args.temperature,
+        eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        suppress_tokens=[pad_token_id] if banned is not None else None,  # see banned_vocab_mask
+        return_dict_in_generate=True, output_scores=output_scores,
+    )
+
+
+@torch.no_grad()
+def generate(lm, queries, pad_token_id, gen_config):
+    """Sample responses for left-padded queries. Returns (responses (B, R), processed scores or None).
+
+    [general 3.4]: position ids are NOT passed to generate: HF generate derives them from the attention mask itself
+    (cumsum - 1 on the left-padded rows), and [repro] found generations collapse when they were passed as well.
+    """
+    attention_mask = queries != pad_token_id
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)  # the pad id may be outside the embedding (gpt2)
+    out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
+    responses = out.sequences[:, queries.shape[1] :]
+    scores = torch.stack(out.scores, dim=1) if out.scores is not None else None  # (B, R, V): logits / T, processed
+    return responses, scores
+
+
+# =====================================================================================================================
+# Helpers: data, distributed, logging, checkpoints
+# =====================================================================================================================
+
+
+def query_batches(args, tokenizer, seed, local_batch, start_update):
+    """Yield per-rank (B, query_length) left-padded query batches for updates start_update, start_update+1, ...
+
+    Each rank reads its own stream (its local seed), unlike the original where every rank shuffled the dataset with
+    the same seed ([general 6] note). Resuming at update u reproduces the exact same batches.
+    """
+    if args.query_dataset == "tiny":
+        import rewards
+
+        update = start_update
+        while True:
+            texts = rewards.tiny_queries(local_batch, seed=seed * 1_000_003 + update)
+            token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            yield left_pad_queries(token_lists, args.query_length, tokenizer.pad_token_id)
+            update += 1
+    # [policy 3]: bookcorpus is already sentence-split, so [repro] uses start_text=end_text=None: no "." trimming.
+    from datasets import load_dataset
+
+    dataset = load_dataset("bookcorpus", split="train").shuffle(seed=seed)
+    skip = (start_update - 1) * local_batch
+    batch = []
+    for i in range(skip, 10**12):
+        text = dataset[i % len(dataset)]["text"]
+        batch.append(tokenizer.encode(text, add_special_tokens=False))
+        if len(batch) == local_batch:
+            yield left_pad_queries(batch, args.query_length, tokenizer.pad_token_id)
+            batch = []
+
+
+def setup_distributed(args):
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; without them this is a single process. NCCL on GPU, gloo on CPU."""
+    use_cuda = args.cuda and torch.cuda.is_available()
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    return rank, world_size, device
+
+
+def all_mean(tensor):
+    """Mean of a tensor over ranks (identity on one process)."""
+    if dist.is_available() and dist.is_initialized():
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def write_jsonl(path, record):
+    """Append one JSON line and flush, so nothing is lost on a crash."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def drop_records_after(path, step):
+    """On resume: drop the jsonl lines a crashed run wrote after its last checkpoint (they will be redone)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def latest_checkpoint(output_dir):
+    path = os.path.join(output_dir, "checkpoints", "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    ckpt = os.path.join(output_dir, "checkpoints", name)
+    return ckpt if os.path.isdir(ckpt) else None
+
+
+def save_checkpoint(output_dir, update, global_step, model, tokenizer, optimizer, kl_coef, args, rank, keep):
+    """HF-format policy + value head + trainer state, written to a temp dir and renamed (a crash mid-save never
+    leaves a half checkpoint as `latest`). Rank 0 writes weights/optimizer (identical on all ranks); every rank
+    writes its own RNG state."""
+    ckpt_root = os.path.join(output_dir, "checkpoints")
+    name = f"update_{update:07d}"
+    tmp = os.path.join(ckpt_root, name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
+               cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
+    barrier()
+    if rank == 0:
+        model.lm.save_pretrained(os.path.join(tmp, "policy"))
+        tokenizer.save_pretrained(os.path.join(tmp, "policy"))
+        torch.save(model.value_head.state_dict(), os.path.join(tmp, "value_head.pt"))
+        torch.save(dict(update=update, global_step=global_step, kl_coef=kl_coef, optimizer=optimizer.state_dict(),
+                        args=dataclasses.asdict(args)), os.path.join(tmp, "trainer_state.pt"))
+        final = os.path.join(ckpt_root, name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(ckpt_root, "latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
+        old = sorted(d for d in os.listdir(ckpt_root) if d.startswith("update_") and not d.endswith(".tmp"))
+        for d in old[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(ckpt_root, d), ignore_errors=True)
+    barrier()
+
+
+def load_policy(path, device):
+    """An HF causal LM in float32 with dropout off and the model's own eos/pad removed from its generation_config
+    ([general 4]: a GenerationConfig(eos_token_id=None) alone is not enough, the model's config would re-add it)."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    disable_dropout(lm)
+    lm.generation_config.eos_token_id = None
+    lm.generation_config.pad_token_id = None
+    return lm.to(device)
+
+
+def load_tokenizer(path):
+    """[general 2]: a distinct [PAD] token, never EOS. gpt2 has none, so we add "[PAD]" (id 50257, outside gpt2's
+    50257-row embedding, like OAI's out-of-vocabulary pad: masked_inputs replaces it by 0 before every forward)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def reward_model_paths(args):
+    """The reward model dir and the policy path. With no --reward-model-path, train one first with rewards.py (every
+    rank calls rewards.train: it is itself a torchrun-aware script). Trained once: an existing
+    <output_dir>/reward_model_run/DONE is reused, e.g. when resuming."""
+    rm_path = args.reward_model_path
+    if rm_path is None:
+        import rewards
+
+        rm_run = os.path.join(args.output_dir, "reward_model_run")
+        done = os.path.join(rm_run, "DONE")
+        if not os.path.exists(done):  # no race: DONE is written only after every rank finished rewards.train
+            rm_path = rewards.train(dataclasses.replace(rewards.PRESETS[args.reward_preset], output_dir=rm_run))
+            barrier()
+            if int(os.environ.get("RANK", "0")) == 0:
+                with open(done, "w") as f:
+                    f.write(rm_path)
+        barrier()
+        with open(done) as f:
+            rm_path = f.read().strip()
+    # the tiny policy is the model rewards.py's tiny preset saved next to the reward model
+    policy_path = args.base_model or os.path.join(os.path.dirname(os.path.normpath(rm_path)), "tiny_policy")
+    return rm_path, policy_path
+
+
+# =====================================================================================================================
+# train()
+# =====================================================================================================================
+
+
+def train(args: Args):
+    # 0. setup: distributed, batch sizes (checked before any model loads), seeds ----------------------------------
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = validate_args(args, world_size)
+    rank, world_size, device = setup_distributed(args)
+    local_batch, local_mini, micro, grad_accum, num_updates = (
+        sizes["local_batch"], sizes["local_mini"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"])
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    os.makedirs(args.output_dir, exist_ok=True)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and args.bf16
+                else contextlib.nullcontext())
+
+    import corrections
+    import rewards
+    from adam_tf import AdamTF
+
+    # 1. models: reward model (normalised, [reward 3]), reference policy, policy + value head -------------------
+    rm_path, policy_path = reward_model_paths(args)
+    seed = local_seed(args.seed, rank)  # [general 6] (seeded after rewards.train, which seeds for itself)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(policy_path)
+    pad_id = tokenizer.pad_token_id
+    truncate_ids = tokenizer.encode(args.truncate_token, add_special_tokens=False)
+    if len(truncate_ids) != 1:
+        raise ValueError(f"truncate_token {args.truncate_token!r} is not a single token: {truncate_ids}")
+    truncate_token_id = truncate_ids[0]  # "." is id 13 in gpt2 ([repro] truncate_token=13)
+    reward_model = disable_dropout(rewards.load_reward_model(rm_path, device=str(device))).to(device).eval()
+    ref_policy = load_policy(policy_path, device).eval()
+    resume = args.resume_from or latest_checkpoint(args.output_dir)
+    model = PolicyAndValue(load_policy(os.path.join(resume, "policy") if resume else policy_path, device)).to(device)
+    model.eval()  # dropout is already 0; eval() changes nothing else for these models
+    for p in list(reward_model.parameters()) + list(ref_policy.parameters()):
+        p.requires_grad_(False)
+    banned = banned_vocab_mask(model.lm.config.vocab_size, pad_id, device)
+    # [adam]: TF1-style Adam (eps on sqrt(v) without bias correction) is what OAI trained with
+    if args.optimizer == "adam_tf":
+        optimizer = AdamTF(model.parameters(), lr=args.lr, eps=args.eps)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=args.eps)
+    kl_coef, start_update, global_step = args.kl_coef, 1, 0
+    if resume:
+        model.value_head.load_state_dict(torch.load(os.path.join(resume, "value_head.pt"), map_location=device))
+        state = torch.load(os.path.join(resume, "trainer_state.pt"), map_location=device, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        kl_coef, start_update, global_step = state["kl_coef"], state["update"] + 1, state["global_step"]
+        rng_path = os.path.join(resume, f"rng_rank{rank}.pt")
+        if os.path.exists(rng_path):
+            rng = torch.load(rng_path, weights_only=False)
+            random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        if rank == 0:
+            print(f"resumed from {resume} at update {start_update} (kl_coef {kl_coef:.4f})")
+    # DDP averages gradients over ranks; generation and rollout forwards use the unwrapped `model`
+    ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    correction = corrections.RolloutCorrection.from_name(args.correction) if args.correction else None
+    gen_config = generation_config(args, pad_id, banned, output_scores=correction is not None)
+    batches = query_batches(args, tokenizer, seed, local_batch, start_update)
+    wandb = None
+    if args.track and rank == 0:
+        import wandb
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=dataclasses.asdict(args),
+                   name=f"{args.exp_name}__{args.seed}__{int(time.time())}", resume="allow")
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    samples_path = os.path.join(args.output_dir, "samples.jsonl")
+    if rank == 0 and resume:
+        for path in (metrics_path, samples_path):
+            drop_records_after(path, start_update - 1)
+    if rank == 0:
+        print(f"world_size {world_size}: per-rank batch {local_batch}, minibatch {local_mini}, micro-batch {micro}, "
+              f"gradient accumulation {grad_accum}, {num_updates} updates")
+    start_time = time.time()
+
+    for update in range(start_update, num_updates + 1):
+        global_step += args.rollout_batch_size
+        # 2. anneal the learning rate linearly to 0 ([general 5]) -------------------------------------------------
+        lrnow = linear_lr(update, num_updates, args.lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lrnow
+
+        # 3. rollout: sample fixed-length responses, score them, compute logprobs/values --------------------------
+        queries = next(batches).to(device)  # (B, query_length), left-padded ([general 2])
+        context_length = queries.shape[1]
+        with torch.no_grad(), autocast:
+            responses, rollout_logprobs = [], []
+            logprobs, ref_logprobs, values, scores, postprocessed = [], [], [], [], []
+            for s in range(0, local_batch, micro):  # rollout in micro-batch chunks to bound memory
+                q = queries[s : s + micro]
+                # 3a. sample ([general 4]); the processed generate() scores give the rollout logprobs
+                r, gen_scores = generate(model.lm, q, pad_id, gen_config)
+                if gen_scores is not None:
+                    rollout_logprobs.append(logprobs_from_logits(gen_scores, r, 1.0, banned, args.logprob_chunk_rows))
+                qr = torch.cat([q, r], dim=1)  # [general 1]: query + response is the input of every forward
+                # 3b. policy logprobs and values, reference logprobs (logits / T: [policy 1])
+                logits, v = model(qr, context_length, pad_id)
+                logprobs.append(logprobs_from_logits(logits, r, args.temperature, banned, args.logprob_chunk_rows))
+                values.append(v)
+                ref_logits = response_logits(ref_policy, qr, context_length, pad_id)
+                ref_logprobs.append(
+                    logprobs_from_logits(ref_logits, r, args.temperature, banned, args.logprob_chunk_rows))
+                del logits, ref_logits
+                # 3c. truncate at the first "." at or after position truncate_after, pad the tail ([policy 5])
+                pr = truncate_responses(r, truncate_token_id, args.truncate_after, pad_id)
+                # 3d. the reward model scores query + TRUNCATED response; it reads the last position ([reward 1]),
+                #     so the tail pads are moved to the left first. PPO still trains on the raw response `r`.
+                pqr = move_padding_left(torch.cat([q, pr], dim=1), pad_id)
+                input_ids, attention_mask, _ = masked_inputs(pqr, pad_id)
+                score = reward_model(input_ids, attention_mask).float().flatten()  # normalised ([reward 3])
+                # 3e. no "." after truncate_after: fixed penalty -1 instead of the score ([policy 5])
+                scores.append(penalise_untruncated(score, pr, truncate_token_id, args.truncate_after,
+                                                   args.penalty_reward_value))
+                responses.append(r)
+                postprocessed.append(pr)
+            responses, logprobs, ref_logprobs = torch.cat(responses), torch.cat(logprobs), torch.cat(ref_logprobs)
+            values, scores, postprocessed = torch.cat(values), torch.cat(scores), torch.cat(postprocessed)
+            rollout_logprobs = torch.cat(rollout_logprobs) if rollout_logprobs else None
+            query_responses = torch.cat([queries, responses], dim=1)
+
+            # 4. rewards: per-token KL penalty, the score added at the last token ([policy 8]) -------------------
+            kl = logprobs - ref_logprobs  # (B, R) log pi - log pi_ref of the sampled tokens
+            non_score_reward = -kl_coef * kl
+            rewards_t = non_score_reward.clone()
+            rewards_t[:, -1] += scores
+
+            # 5. whiten the rewards WITHOUT shifting the mean (biased variance as tf.nn.moments; [policy 9]).
+            #    nminibatches=1 in the original, so whitening the whole rollout batch once is whitening "per
+            #    minibatch"; as in OAI and [repro] each rank whitens its own rollouts.
+            if args.whiten_rewards:
+                rewards_t = whiten(rewards_t, shift_mean=False)
+
+            # 6. GAE (gamma=1 [policy 6], lam=0.95), returns, then whitened advantages (mean shifted, [policy 9])
+            advantages, returns = compute_gae(rewards_t, values, args.gamma, args.lam)
+            advantages = whiten(advantages)
+            mask = torch.ones_like(logprobs)  # fixed-length responses: every response token is trained on
+            is_weights, pg_mask = None, mask
+            if correction is not None and not correction.bypass_mode:
+                # decoupled PPO (three policies): IS weights pi_old / pi_rollout and rejection mask, once per batch;
+                # old logprobs = the training forward (step 3b), rollout logprobs = generate()'s scores (step 3a)
+                is_weights, pg_mask, rollout_corr_metrics = corrections.apply_rollout_correction(
+                    logprobs, rollout_logprobs, mask, correction)
+            elif correction is not None:  # bypass: policy_loss corrects per micro-batch; log the mismatch here
+                rollout_corr_metrics = corrections.offpolicy_metrics(logprobs, rollout_logprobs, mask)
+
+        # 7. PPO epochs: fresh permutation each epoch, minibatch = optimizer step, micro-batch = accumulation ([policy 7])
+        stats = {k: [] for k in ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "loss")}
+        extra_stats = {}
+        for epoch in range(args.noptepochs):
+            perm = torch.from_numpy(np.random.permutation(local_batch)).to(device)
+            for micro_batches in minibatch_schedule(perm, local_mini, micro):
+                for i, mb in enumerate(micro_batches):
+                    # DDP: all-reduce the gradients only on the last micro-batch of the minibatch
+                    sync = ddp_model.no_sync() if (world_size > 1 and i < len(micro_batches) - 1) \
+                        else contextlib.nullcontext()
+                    with sync, autocast:
+                        logits, vpred = ddp_model(query_responses[mb], context_length, pad_id)
+                        new_logprobs = logprobs_from_logits(logits, responses[mb], args.temperature, banned,
+                                                            args.logprob_chunk_rows)  # [policy 1]
+                        # [policy 10]: value loss with the value clipped around the rollout value
+                        vf_loss, vf_clipfrac, vf_losses1 = clipped_value_loss(
+                            vpred, values[mb], returns[mb], args.cliprange_value)
+                        # the PPO clipped objective, token-mean over the (all valid) response tokens
+                        if correction is None:
+                            pg_loss, pg_metrics = corrections.ppo_clip_loss(
+                                new_logprobs, logprobs[mb], advantages[mb], mask[mb],
+                                clip_low=args.cliprange, clip_high=args.cliprange, agg_mode="token-mean")
+                        else:  # optional: correct for the generate()-vs-forward mismatch (not in the original)
+                            pg_loss, pg_metrics = corrections.policy_loss(
+                                correction, new_logprobs, logprobs[mb], rollout_logprobs[mb], advantages[mb],
+                                pg_mask[mb], is_weights=None if is_weights is None else is_weights[mb],
+                                clip_low=args.cliprange, clip_high=args.cliprange, clip_c=None,
+                                agg_mode="token-mean")
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        (loss / len(micro_batches)).backward()  # gradient accumulation: mean over the minibatch
+                    with torch.no_grad():
+                        logprobs_diff = new_logprobs.detach() - logprobs[mb]
+                        stats["approxkl"].append(0.5 * (logprobs_diff**2).mean())
+                        stats["clipfrac"].append(torch.as_tensor(float(pg_metrics.get("pg_clipfrac", 0.0))))
+                        stats["pg_loss"].append(pg_loss.detach())
+                        stats["vf_loss"].append(vf_loss.detach())
+                        stats["vf_clipfrac"].append(vf_clipfrac)
+                        stats["loss"].append(loss.detach())
+                        stats["entropy"].append(
+                            entropy_from_logits(logits.detach(), args.temperature, banned,
+                                                args.logprob_chunk_rows).mean())
+                        for k, v in pg_metrics.items():
+                            if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1):
+                                extra_stats.setdefault(k, []).append(float(v))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            # last micro-batch tensors, for the ppo/val/* point metrics as in [repro]
+            last = dict(vpred=vpred.detach().mean(), error=vf_losses1.detach().mean(), vf_clipfrac=vf_clipfrac,
+                        ratio=torch.exp(logprobs_diff).mean())
+
+        # 8. metrics (averaged over ranks) and the adaptive KL controller -----------------------------------------
+        with torch.no_grad():
+            mean_kl = kl.sum(1).mean()
+            local = {
+                "objective/kl": mean_kl,
+                "objective/entropy": (-logprobs).sum(1).mean(),  # sampled-token estimate, as [repro]
+                "objective/non_score_reward": non_score_reward.sum(1).mean(),
+                "objective/score_total": non_score_reward.sum(1).mean() + scores.mean(),
+                "objective/scores": scores.mean(),
+                "objective/scores_std": scores.std(),
+                "objective/truncated_frac": (postprocessed[:, args.truncate_after :] == truncate_token_id)
+                .any(1).float().mean(),
+                "ppo/policy/approxkl_avg": torch.stack(stats["approxkl"]).mean(),
+                "ppo/policy/clipfrac_avg": torch.stack(stats["clipfrac"]).float().mean(),
+                "ppo/policy/entropy_avg": torch.stack(stats["entropy"]).mean(),
+                "ppo/loss/policy_avg": torch.stack(stats["pg_loss"]).mean(),
+                "ppo/loss/value_avg": torch.stack(stats["vf_loss"]).mean(),
+                "ppo/val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean(),
+                "ppo/loss/policy": stats["pg_loss"][-1],
+                "ppo/loss/value": stats["vf_loss"][-1],
+                "ppo/loss/total": stats["loss"][-1],
+                "ppo/policy/approxkl": stats["approxkl"][-1],
+                "ppo/policy/clipfrac": stats["clipfrac"][-1].float(),
+                "ppo/policy/entropy": stats["entropy"][-1],
+                "ppo/returns/mean": returns.mean(),
+                "ppo/returns/var": returns.var(),
+                "ppo/val/vpred": last["vpred"],
+                "ppo/val/error": last["error"],
+                "ppo/val/clipfrac": last["vf_clipfrac"],
+                "ppo/val/mean": values.mean(),
+                "ppo/val/var": values.var(),
+                "ppo/val/ratio": last["ratio"],
+                "ppo/val/advantage": advantages.mean(),
+                "ppo/val/num_eos_tokens": (responses == tokenizer.eos_token_id).sum().float()
+                if tokenizer.eos_token_id is not None else torch.tensor(0.0),
+            }
+            for k, v in extra_stats.items():  # ppo_kl, pg_clipfrac_lower; rollout_corr/* per micro-batch (bypass)
+                local[k if "/" in k else f"ppo/policy/{k}"] = torch.tensor(float(np.mean(v)))
+            if correction is not None:
+                for k, v in rollout_corr_metrics.items():
+                    if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1):
+                        local[k] = torch.as_tensor(float(v))
+            keys = sorted(local)
+            reduced = all_mean(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=device).reshape(())
+                                            for k in keys])).tolist()
+            metrics = dict(zip(keys, reduced))
+        # [policy 11]: adapt beta with the KL averaged over ALL ranks. [repro] passed each rank's own mean_kl, so the
+        # ranks' betas (and hence their rewards) drifted apart; the all-reduced value keeps them identical.
+        kl_coef_used = kl_coef
+        if args.adaptive_kl:
+            kl_coef = adaptive_kl_update(kl_coef, metrics["objective/kl"], args.rollout_batch_size,
+                                         args.kl_target, args.kl_horizon)
+        metrics.update({"objective/kl_coef": kl_coef_used, "ppo/lr": lrnow, "ppo/episode": global_step,
+                        "step": update, "time/elapsed_s": time.time() - start_time})
+        if rank == 0:
+            write_jsonl(metrics_path, metrics)
+            if wandb is not None:
+                wandb.log(metrics, step=update)
+            eps_per_s = (update - start_update + 1) * args.rollout_batch_size / (time.time() - start_time)
+            print(f"update {update}/{num_updates} episode {global_step} score {metrics['objective/scores']:.3f} "
+                  f"kl {metrics['objective/kl']:.3f} beta {kl_coef_used:.4f} "
+                  f"approxkl {metrics['ppo/policy/approxkl_avg']:.4f} "
+                  f"clipfrac {metrics['ppo/policy/clipfrac_avg']:.3f} {eps_per_s:.0f} episodes/s", flush=True)
+
+            # 9. a sample table: query, (truncated) response, score, kl --------------------------------------------
+            if args.sample_freq and (update % args.sample_freq == 0 or update == start_update):
+                rows = []
+                for i in range(min(args.num_samples, local_batch)):
+                    rows.append(dict(
+                        step=update,
+                        query=tokenizer.decode(queries[i][queries[i] != pad_id]),
+                        response=tokenizer.decode(postprocessed[i][postprocessed[i] != pad_id]),
+                        score=float(scores[i]), kl=float(kl[i].sum())))
+                    write_jsonl(samples_path, rows[-1])
+                if wandb is not None:
+                    wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                              step=update)
+
+        # 10. checkpoint (HF policy + value head + optimizer + kl_coef + RNG) every save_freq updates and at the end
+        if (args.save_freq and update % args.save_freq == 0) or update == num_updates:
+            save_checkpoint(args.output_dir, update, global_step, model, tokenizer, optimizer, kl_coef, args, rank,
+                            args.keep_checkpoints)
+
+    # 11. the final policy in HF format, plus a checksum every rank writes (the 2-process test compares them) -----
+    if rank == 0:
+        final = os.path.join(args.output_dir, "policy")
+        model.lm.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+        torch.save(model.value_head.state_dict(), os.path.join(final, "value_head.pt"))
+    with torch.no_grad():
+        checksum = float(sum(p.double().sum() for p in model.parameters()))
+        abs_checksum = float(sum(p.double().abs().sum() for p in model.parameters()))
+    with open(os.path.join(args.output_dir, f"final_rank{rank}.json"), "w") as f:
+        json.dump(dict(rank=rank, checksum=checksum, abs_checksum=abs_checksum, kl_coef=kl_coef), f)
+    barrier()
+    if wandb is not None:
+        wandb.finish()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return args.output_dir
+
+
+if __name__ == "__main__":
+    cli_args = tyro.extras.overridable_config_cli(PRESETS)
+    try:  # bad input fails here, with a one-line message, before any model is loaded
+        validate_args(cli_args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        raise SystemExit(f"ppo_rlhf.py: error: {e}")
+    train(cli_args)
