@@ -1,0 +1,412 @@
+"""Tests for rewards.py: reward-model math (head init, last-token reward under left padding, normalisation), the
+rule-based rewards (verl's GSM8K scorer, TinyZero's Countdown with our evaluator), their totality under fuzzing,
+and end-to-end reward-model training (1 process in-process, 2 processes with torchrun/gloo). All offline."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import rewards  # noqa: E402
+
+torch.set_num_threads(1)  # tiny matmuls; on a shared 2-core machine more threads only spin
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hostile_text = st.one_of(
+    st.text(),
+    st.binary(max_size=2000).map(lambda b: b.decode("latin-1")),
+    st.text(alphabet="0123456789#$,.-+*/() <>answerAsistn:\n", max_size=400),
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reward model: head init, last-token reward with left padding, normalisation
+# ---------------------------------------------------------------------------------------------------------------
+
+def tiny_gpt2(hidden_size=32, num_layers=1, num_heads=2, seed=0):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(vocab_size=56, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_reward_head_init_statistics():
+    """[reward 2]: weight ~ N(0, 1/sqrt(d+1)), bias 0, gain 1, bias buffer 0. d=1024 gives 1024 weights: the sample
+    std is within ~2.2% (1 sigma) of the truth, the 10% tolerance is > 4 sigma, and it excludes the 1/(d+1) typo."""
+    d = 1024
+    model = rewards.RewardModel(tiny_gpt2(hidden_size=d, num_layers=0))  # no blocks: only the head matters
+    w = model.scalar_head.weight.detach().flatten()
+    expected_std = 1 / math.sqrt(d + 1)
+    assert w.numel() == d
+    assert abs(w.std().item() / expected_std - 1) < 0.10
+    assert abs(w.mean().item()) < 4 * expected_std / math.sqrt(d)
+    assert model.scalar_head.bias.item() == 0.0
+    assert model.reward_gain.item() == 1.0 and model.reward_bias.item() == 0.0
+    assert "reward_gain" in dict(model.named_buffers()) and "reward_bias" in dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_last_token_reward_left_padding_equals_unpadded(arch):
+    """The reward of a left-padded batch equals each row's reward alone (exclusive-cumsum position ids, padding ids
+    zeroed). The pad id is OUTSIDE the vocabulary, like gpt2's added [PAD]: it must never reach the embedding."""
+    backbone, _ = rewards.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
+    model = rewards.RewardModel(backbone).eval()
+    model.reward_gain.fill_(1.7)
+    model.reward_bias.fill_(-0.3)
+    pad = backbone.config.vocab_size + 5
+    torch.manual_seed(0)
+    rows = [torch.randint(3, 50, (n,)) for n in (7, 3, 11, 1)]
+    width = max(len(r) for r in rows)
+    batch = torch.stack([torch.cat([torch.full((width - len(r),), pad), r]) for r in rows])
+    with torch.no_grad():
+        batched = model(batch, batch != pad)
+        alone = torch.cat([model(r[None], torch.ones(1, len(r), dtype=torch.bool)) for r in rows])
+        # the same rows RIGHT-padded read a padding position: a different number (the test can fail)
+        right = torch.stack([torch.cat([r, torch.full((width - len(r),), pad)]) for r in rows])
+        right_padded = model(right, right != pad)
+    assert batched.shape == (4,)
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+    assert not torch.allclose(right_padded[:3], alone[:3], atol=1e-3)
+    # normalised reward = gain * raw + bias
+    torch.testing.assert_close(batched, 1.7 * model.raw_reward(batch, batch != pad) - 0.3, atol=1e-6, rtol=0)
+
+
+def test_left_pad_and_label_batch_replace_openai_padding():
+    pad, P = 0, rewards.OPENAI_PAD_TOKEN_ID
+    ids = torch.tensor([[5, 6, pad, 7, pad], [pad, 8, 9, 10, 11]])
+    assert rewards.left_pad(ids, pad).tolist() == [[0, 0, 5, 6, 7], [0, 8, 9, 10, 11]]
+    labels = [{"query": [P, 5, 6], "sample0": [7, P], "sample1": [8, 9], "sample2": [P, P], "sample3": [3, 3],
+               "best": 1}]
+    query_responses, best = rewards.label_batch(labels, [0], pad)
+    assert query_responses.tolist() == [[0, 0, 5, 6, 7], [0, 5, 6, 8, 9], [0, 0, 0, 5, 6], [0, 5, 6, 3, 3]]
+    assert best.tolist() == [1]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny_policy"))
+    policy, tokenizer = rewards.build_tiny_model(path, arch="gpt2")
+    return policy.eval(), tokenizer
+
+
+def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):
+    """[reward 3]. On the samples it was fitted on, mean 0 / std 1 hold exactly (up to float error). On 256 FRESH
+    samples they hold statistically: the fitted mean and std have errors ~ 1/sqrt(256) = 0.06 and ~0.045, and the
+    fresh sample mean another 0.06, so |mean| < 0.3 and |std - 1| < 0.25 are > 3 sigma (the reward is not Gaussian
+    and different queries shift it, hence loose bounds)."""
+    policy, tokenizer = tiny_policy
+    model = rewards.RewardModel(rewards.build_tiny_model(None, arch="gpt2", seed=1)[0]).eval()
+    pad = tokenizer.pad_token_id
+    torch.manual_seed(0)
+
+    def sample(seed):
+        queries = rewards.tokenize_queries(tokenizer, rewards.tiny_queries(256, seed), 8)
+        return rewards.sample_query_responses(policy, queries, pad, 16, 0.7, 256)
+
+    fit, fresh = sample(1), sample(2)
+    assert fit.shape == (256, 24) and (fit[:, 8:] != pad).all()  # fixed-length responses, never padding
+    model.reward_gain.fill_(5.0)  # normalisation must reset these first
+    stats = rewards.normalize_reward_model(model, fit, pad)
+    mean, std = rewards.reward_stats(model, fit, pad)
+    assert abs(mean) < 1e-5 and abs(std - 1) < 1e-5
+    assert stats["gain"] == pytest.approx(1 / stats["std_before"]) and stats["std_before"] > 0
+    assert stats["bias"] == pytest.approx(-stats["gain"] * stats["mean_before"])
+    mean, std = rewards.reward_stats(model, fresh, pad)
+    assert abs(mean) < 0.3 and abs(std - 1) < 0.25
+    # reward_stats is the population std, as the original
+    with torch.no_grad():
+        r = model(fresh, fresh != pad).double()
+    assert std == pytest.approx(r.std(unbiased=False).item(), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GSM8K: verl's scorer, quirks included, plus parity with a transcription of verl's code
+# ---------------------------------------------------------------------------------------------------------------
+
+def verl_gsm8k_compute_score(solution_str, ground_truth, method="strict"):
+    """Transcription of verl/utils/reward_score/gsm8k.py (extract_solution + compute_score, defaults
+    format_score=0.0, score=1.0): the trusted reference for the parity test."""
+    if len(solution_str) > 300:
+        solution_str = solution_str[-300:]
+    if method == "strict":
+        solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
+        final_answer = None if len(solutions) == 0 else solutions[-1].replace(",", "").replace("$", "")
+    else:
+        answer = re.findall("(\\-?[0-9\\.\\,]+)", solution_str)
+        final_answer = None
+        if len(answer) > 0:
+            for final_answer in reversed(answer):
+                if final_answer not in ["", "."]:
+                    break
+    if final_answer is None:
+        return 0
+    return 1.0 if final_answer == ground_truth else 0.0
+
+
+GSM8K_CASES = [
+    # (response, ground truth, mode, expected)
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", "strict", 1.0),
+    ("#### 72", "73", "strict", 0.0),
+    ("#### 42.", "42", "strict", 0.0),  # verl quirk: the capture is "42."
+    ("#### 42.", "42", "normalized", 1.0),
+    ("#### 1,000", "1000", "strict", 1.0),  # commas stripped after capture
+    ("#### $42", "42", "strict", 0.0),  # the strict regex does not allow "$" after "#### "
+    ("#### $42", "42", "normalized", 1.0),
+    ("#### $1,000.", "1000", "normalized", 1.0),
+    ("#### 42.0", "42", "normalized", 1.0),  # compared numerically
+    ("#### 42.0", "42", "strict", 0.0),
+    ("#### -5", "-5", "strict", 1.0),
+    ("####42", "42", "strict", 0.0),  # needs the space
+    ("#### 41 no wait #### 42", "42", "strict", 1.0),  # the LAST match
+    ("#### 42 no wait #### 41", "42", "strict", 0.0),
+    ("#### 42" + "x" * 293, "42", "strict", 1.0),  # 300 characters in total: inside the window
+    ("#### 42" + "x" * 294, "42", "strict", 0.0),  # the first "#" falls out of the last 300 characters
+    ("#### 42" + "x" * 294, "42", "normalized", 0.0),
+    ("the answer is 72", "72", "strict", 0.0),
+    ("the answer is 72", "72", "flexible", 1.0),
+    ("so she has 7 .", "7", "flexible", 1.0),  # a lone "." is skipped
+    ("so she has 7.", "7", "flexible", 0.0),  # ... but "7." is a number string != "7"
+    ("it is 1,000", "1000", "flexible", 0.0),  # flexible keeps commas
+    ("3 apples then -12", "-12", "flexible", 1.0),
+    ("", "0", "strict", 0.0),
+    ("", "0", "flexible", 0.0),
+    ("#### 7", 7, "strict", 1.0),  # non-string ground truth compared through str()
+]
+
+
+@pytest.mark.parametrize("response,truth,mode,expected", GSM8K_CASES)
+def test_gsm8k_cases(response, truth, mode, expected):
+    assert rewards.gsm8k_reward(response, truth, mode=mode) == expected
+    if mode != "normalized" and isinstance(truth, str):
+        assert verl_gsm8k_compute_score(response, truth, mode) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="#### 0123456789.,$-ab\n", max_size=340), st.sampled_from(["42", "-3", "1000", "4.5", "."]),
+       st.sampled_from(["strict", "flexible"]))
+def test_gsm8k_parity_with_verl(response, truth, mode):
+    assert rewards.gsm8k_reward(response, truth, mode) == verl_gsm8k_compute_score(response, truth, mode)
+
+
+def test_gsm8k_hostile_inputs_are_fast_and_zero():
+    hostile = ["9" * 10**7, "#### " + "1" * 10**6, "\x00\xff" * 10**5, "#" * 10**6, "١٢٣", None, b"#### 42", 42]
+    start = time.perf_counter()
+    for response in hostile:
+        for mode in ("strict", "flexible", "normalized"):
+            assert rewards.gsm8k_reward(response, "42", mode) == 0.0
+    assert time.perf_counter() - start < 2.0
+    with pytest.raises(ValueError, match="mode"):
+        rewards.gsm8k_reward("#### 1", "1", mode="lenient")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Countdown: TinyZero's scheme, our evaluator
+# ---------------------------------------------------------------------------------------------------------------
+
+COUNTDOWN_CASES = [
+    # (response, numbers, target, expected)
+    ("Assistant: <think>...</think> <answer>(1 + 2) * 3</answer>", [1, 2, 3], 9, 1.0),
+    ("<answer>(1 + 2) * 3</answer>", [3, 2, 1], 9, 1.0),  # no "Assistant:" marker: the whole response
+    ("<answer> 6 / 4 * 2 </answer>", [6, 4, 2], 3, 1.0),  # float division
+    ("<answer>1 + 2 + 3</answer>", [1, 2, 3], 9, 0.1),  # wrong value
+    ("<answer>3 * 3</answer>", [3, 1], 9, 0.1),  # 3 reused, 1 unused
+    ("<answer>3 * 3</answer>", [3, 3, 1], 9, 0.1),  # a number missing
+    ("<answer>3 * 3 * 1</answer>", [3, 3, 1], 9, 1.0),
+    ("<answer>1+1</answer> then <answer>(1+2)*3</answer>", [1, 2, 3], 9, 1.0),  # the last answer
+    ("<answer>(1+2)*3</answer> then <answer>1+1</answer>", [1, 2, 3], 9, 0.1),
+    ("User: <answer>(1+2)*3</answer> Assistant: no idea", [1, 2, 3], 9, 0.0),  # only after "Assistant:"
+    ("(1 + 2) * 3", [1, 2, 3], 9, 0.0),  # no answer tag
+    ("<answer>(1 + 2)\n* 3</answer>", [1, 2, 3], 9, 0.0),  # an answer does not span lines (TinyZero's regex)
+    ("<answer>9**9**9**9</answer>", [9, 9, 9, 9], 1, 0.1),  # "**" is not an operator: refused instantly
+    ("<answer>2 / (1 - 1)</answer>", [2, 1, 1], 2, 0.1),  # division by zero
+    ("<answer>" + "(" * 100 + "1" + ")" * 100 + "</answer>", [1], 1, 0.1),  # too deep
+    ("<answer>" + "(" * 10**5 + "1" + ")" * 10**5 + "</answer>", [1], 1, 0.1),  # too long
+    ("<answer>" + "1" * 10**6 + "</answer>", [1], 1, 0.1),  # 10**6-digit literal
+    ("<answer>٣ + 5</answer>", [3, 5], 8, 0.1),  # Arabic-Indic digit is not a number here
+    ("<answer>３ + 5</answer>", [3, 5], 8, 0.1),  # fullwidth digit
+    ("<answer>1 + 2 × 3</answer>", [1, 2, 3], 7, 0.1),
+    ("<answer>__import__('os').system('true')</answer>", [1], 1, 0.1),
+    ("<answer>🙂</answer>", [1], 1, 0.1),
+    ("", [1, 2], 3, 0.0),
+    (None, [1, 2], 3, 0.0),
+]
+
+
+@pytest.mark.parametrize("response,numbers,target,expected", COUNTDOWN_CASES)
+def test_countdown_cases(response, numbers, target, expected):
+    start = time.perf_counter()
+    assert rewards.countdown_reward(response, numbers, target) == expected
+    assert time.perf_counter() - start < 0.5  # each is microseconds to milliseconds; 0.5 s is for a loaded machine
+
+
+def test_countdown_scores_are_configurable_and_bad_arguments_score_zero():
+    assert rewards.countdown_reward("<answer>1+2</answer>", [1, 2], 3, format_score=0.0, score=2.0) == 2.0
+    assert rewards.countdown_reward("<answer>1+1</answer>", [1, 2], 3, format_score=0.0) == 0.0
+    assert rewards.countdown_reward("<answer>1+2</answer>", None, 3) == 0.0
+    assert rewards.countdown_reward("<answer>1+2</answer>", [1, 2], "x") == 0.0
+
+
+@pytest.mark.parametrize("expression,value", [
+    ("2+3*4", 14.0), ("(2+3)*4", 20.0), ("-3+5", 2.0), ("8/2/2", 2.0), ("2-3-4", -5.0), ("--1", 1.0),
+    ("3.5*2", 7.0), (" ( 1 ) ", 1.0), ("", None), ("1 2", None), ("()", None), ("1+", None), ("(1", None),
+    ("1)", None), ("2**3", None), ("1/0", None), ("1/(2-2)", None), ("-" * 40 + "1", None), ("1e5", None),
+    ("999999999999*999999999999", 999999999999.0 * 999999999999.0), ("9999999999999", None),
+])
+def test_evaluate_arithmetic(expression, value):
+    assert rewards.evaluate_arithmetic(expression) == value
+
+
+def random_expression(draw, depth=0):
+    kind = draw(st.integers(0, 3 if depth < 4 else 0))
+    if kind == 0:
+        return str(draw(st.integers(0, 100)))
+    if kind == 1:
+        return "(" + random_expression(draw, depth + 1) + ")"
+    if kind == 2:
+        return "-" + random_expression(draw, depth + 1)
+    op = draw(st.sampled_from(["+", "-", "*", "/"]))
+    return random_expression(draw, depth + 1) + f" {op} " + random_expression(draw, depth + 1)
+
+
+@FUZZ
+@given(st.data())
+def test_evaluate_arithmetic_parity_with_python(data):
+    """On expressions WE generate (numbers, + - * /, parentheses), the evaluator agrees with Python's arithmetic."""
+    expression = random_expression(data.draw)
+    try:
+        expected = float(eval(expression, {"__builtins__": {}}, {}))  # safe: the test built this string
+    except ZeroDivisionError:
+        expected = None
+    got = rewards.evaluate_arithmetic(expression)
+    if expected is None or len(expression) > rewards.COUNTDOWN_MAX_EQUATION_CHARS:
+        assert got is None  # division by zero, or longer than the evaluator accepts
+    else:
+        assert got == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Totality: every reward function returns a number in [0, 1] for any string, quickly
+# ---------------------------------------------------------------------------------------------------------------
+
+def assert_score(value, low=0.0, high=1.0):
+    assert isinstance(value, (int, float)) and not isinstance(value, bool)
+    assert math.isfinite(value) and low <= value <= high
+
+
+@FUZZ
+@given(hostile_text, hostile_text)
+def test_fuzz_every_reward_function(response, other):
+    start = time.perf_counter()
+    for mode in ("strict", "flexible", "normalized"):
+        assert_score(rewards.gsm8k_reward(response, "42", mode))
+        assert_score(rewards.gsm8k_reward(response, other, mode))
+    assert_score(rewards.countdown_reward(response, [1, 2, 3], 6))
+    assert_score(rewards.countdown_reward("Assistant: <answer>" + response + "</answer>", [1, 2, 3], 6))
+    assert_score(rewards.copy_reward(response, "abc"))
+    assert_score(rewards.copy_reward(response, other))
+    assert_score(rewards.tiny_hidden_score(response))
+    value = rewards.evaluate_arithmetic(response)
+    assert value is None or math.isfinite(value)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_copy_task_and_tiny_task_rewards():
+    pairs = rewards.make_copy_task(5, seed=0)
+    assert all(p == t + "=" for p, t in pairs) and pairs == rewards.make_copy_task(5, seed=0)
+    assert rewards.copy_reward("abc", "abc") == 1.0 and rewards.copy_reward("abcd", "abc") == 0.75
+    assert rewards.tiny_hidden_score("aeiou") == 1.0 and rewards.tiny_hidden_score("xyz ") == 0.0
+    assert rewards.tiny_hidden_score("ab") == 0.5 and rewards.tiny_hidden_score("") == 0.0
+    queries = rewards.tiny_queries(50, seed=3)
+    assert queries == rewards.tiny_queries(50, seed=3) and queries != rewards.tiny_queries(50, seed=4)
+    assert all(4 <= len(q) <= 8 and set(q) <= set(rewards.TINY_QUERY_ALPHABET) for q in queries)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training end to end
+# ---------------------------------------------------------------------------------------------------------------
+
+def read_metrics(path):
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_bad_arguments_fail_before_loading(tmp_path):
+    tiny = replace(rewards.PRESETS["tiny"], output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="multiple of batch_size"):
+        rewards.train(replace(tiny, num_train=100))
+    with pytest.raises(ValueError, match="all set to 'tiny'"):
+        rewards.train(replace(tiny, label_source="labels.json"))
+    assert not os.listdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("rm_tiny"))
+    args = replace(rewards.PRESETS["tiny"], output_dir=out, num_train=512, num_test=256, eval_every=8)
+    return rewards.train(args), out
+
+
+def test_train_tiny_learns_and_checkpoint_reloads(trained_tiny):
+    path, out = trained_tiny
+    assert path == os.path.join(out, "reward_model")
+    records = read_metrics(out)
+    train_steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train_steps] == list(range(1, 17))
+    assert train_steps[-1]["train/lr"] == pytest.approx(1e-3 / 16)  # annealed linearly towards 0
+    final_accuracy = [r["test/accuracy"] for r in records if "test/accuracy" in r][-1]
+    assert final_accuracy >= 0.5, final_accuracy  # chance is 0.25
+    after = next(r for r in records if "normalize_after/mean_after" in r)
+    assert abs(after["normalize_after/mean_after"]) < 0.5 and abs(after["normalize_after/std_after"] - 1) < 0.35
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["script"] == "rewards"
+
+    # reload: identical outputs, gain/bias from the after-training normalisation
+    from transformers import AutoTokenizer
+
+    model = rewards.load_reward_model(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pad = tokenizer.pad_token_id
+    assert model.reward_gain.item() == pytest.approx(after["normalize_after/gain"])
+    assert model.reward_bias.item() == pytest.approx(after["normalize_after/bias"])
+    with open(os.path.join(out, "tiny_labels.json")) as f:
+        labels = json.load(f)
+    batch, best = rewards.label_batch(labels, list(range(512, 576)), pad)
+    reloaded = rewards.load_reward_model(path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch, batch != pad), reloaded(batch, batch != pad), atol=0, rtol=0)
+        # and it ranks held-out samples like the hidden rule far above chance
+        accuracy = (model(batch, batch != pad).view(4, -1).T.argmax(1) == best).float().mean().item()
+    assert accuracy >= 0.5
+
+
+def test_torchrun_two_processes(tmp_path):
+    out = str(tmp_path / "ddp")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "rewards.py"), "tiny", "--output-dir", out, "--num-train", "128", "--num-test",
+               "64", "--normalize-samples", "64", "--debug-normalize", "64", "--eval-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(out)
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["world_size"] == 2
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4]
+    assert any("test/accuracy" in r for r in records)
+    # both ranks end with the same parameters: the all-reduced gradients kept them in sync
+    checksum = [r["debug/rank_param_checksum_max_diff"] for r in records if "debug/rank_param_checksum_max_diff" in r]
+    assert checksum == [0.0]
+    assert os.path.exists(os.path.join(out, "reward_model", rewards.REWARD_HEAD_FILE))
