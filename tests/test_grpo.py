@@ -1,0 +1,424 @@
+"""grpo.py: rollout parity, chunked logprobs, advantages, every correction preset, pi_old, loss aggregation, learning,
+resume, bad input, and a 2-process torchrun run (gloo). One tiny model is shared by the module (budget: 180 s)."""
+
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import corrections  # noqa: E402
+import grpo  # noqa: E402
+import rewards  # noqa: E402
+
+CPU = torch.device("cpu")
+TOL = 1e-4  # max |rollout logprob - trainer recompute| in fp32 (measured ~1e-6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine 2 OpenMP threads were 15x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tokenizer = rewards.build_tiny_model(None, arch="qwen2")
+    return model.eval(), tokenizer
+
+
+def _prompts(tokenizer):
+    texts = ["abc=", "hello world=", "x=", "the quick brown fox="]  # different lengths: left padding matters
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def _small_args(**kw):
+    base = dict(train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, rollout_n=4,
+                max_response_length=8, lr=1e-3, val_every=0, save_every=0)
+    base.update(kw)
+    return dataclasses.replace(grpo.PRESETS["tiny"][1](), **base)
+
+
+def unpadded_logprobs(model, prompt, response, temperature):
+    """Reference: one unpadded fp32 forward per sequence, full log_softmax (no position/mask conventions involved)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+# ------------------------------------------------------------------------------------------------ rollouts / parity
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
+    model, tokenizer = tiny
+    # The model's own generation config must not leak into sampling (Qwen-Instruct ships top_k/top_p/penalties).
+    from transformers import GenerationConfig
+
+    leaky = copy.deepcopy(model)
+    leaky.generation_config = GenerationConfig(do_sample=True, top_k=2, top_p=0.5, temperature=0.3,
+                                               repetition_penalty=2.0, min_new_tokens=3, suppress_tokens=[5],
+                                               eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    prompts, n, max_new = _prompts(tokenizer), 8, 12
+    backend = grpo.make_backend("hf", None, leaky, _small_args(), tokenizer)
+    responses, logprobs, finish = backend.generate(prompts, n, max_new, temperature, seed=3)
+    assert len(responses) == len(logprobs) == len(finish) == len(prompts) * n
+    assert set(finish) == {"stop", "length"}  # responses of different lengths, some ending in EOS
+    eos = tokenizer.eos_token_id
+    for r, lp, f in zip(responses, logprobs, finish):
+        assert len(r) == len(lp)
+        assert (f == "stop") == (r[-1] == eos) and eos not in r[:-1]  # EOS kept as the last action
+        assert f == "stop" or len(r) == max_new
+    # Trainer recompute on the padded batch (left-padded prompts, right-padded responses), chunked lm_head.
+    batch = grpo.make_batch([p for p in prompts for _ in range(n)], responses, logprobs, tokenizer.pad_token_id,
+                            max_new, CPU)
+    with torch.no_grad():
+        recomputed, _ = grpo.compute_logprobs(model, batch, temperature, chunk_size=7)
+    mask = batch["response_mask"].bool()
+    diff = (recomputed - batch["rollout_logprobs"]).abs()[mask].max().item()
+    assert diff < TOL, diff
+    # ... and against unpadded forwards, sample k belonging to prompt k // n (the grouping contract).
+    worst = max((unpadded_logprobs(model, prompts[k // n], r, temperature) - torch.tensor(lp)).abs().max().item()
+                for k, (r, lp) in enumerate(zip(responses, logprobs)))
+    assert worst < TOL, worst
+    if temperature != 1.0:  # processed (tempered) logprobs, not raw ones
+        raw = max((unpadded_logprobs(model, prompts[k // n], r, 1.0) - torch.tensor(lp)).abs().max().item()
+                  for k, (r, lp) in enumerate(zip(responses, logprobs)))
+        assert raw > 100 * TOL
+
+
+def test_hf_backend_seeding(tiny):
+    model, tokenizer = tiny
+    backend = grpo.make_backend("hf", None, model, _small_args(), tokenizer)
+    prompts = _prompts(tokenizer)
+    state = torch.get_rng_state()
+    a = backend.generate(prompts, 2, 6, 1.0, seed=5)
+    assert torch.equal(state, torch.get_rng_state())  # sampling never touches the global RNG (resume depends on it)
+    assert a[0] == backend.generate(prompts, 2, 6, 1.0, seed=5)[0]
+    assert a[0] != backend.generate(prompts, 2, 6, 1.0, seed=6)[0]
+    greedy = backend.generate(prompts, 1, 6, 0.0, seed=1)[0]
+    assert greedy == backend.generate(prompts, 1, 6, 0.0, seed=2)[0]
+
+
+def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
+    """The chunked, checkpointed routine equals a plain (B, T, V) log_softmax: values, entropy and gradients."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    prompts = _prompts(tokenizer)
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (1, 5, 3, 6)]
+    batch = grpo.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 6, CPU)
+    T, weights = 0.8, torch.randn(4, 6, generator=g)
+    mask = batch["response_mask"]
+
+    def naive():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -7:-1] / T
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(-1, batch["responses"][..., None])[..., 0] * mask, -(logp.exp() * logp).sum(-1) * mask
+
+    ref_lp, ref_ent = naive()
+    (ref_lp * weights + ref_ent).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    for chunk in (1, 4, 1024):
+        model.zero_grad()
+        lp, ent = grpo.compute_logprobs(model, batch, T, chunk_size=chunk, entropy_grad=True)
+        assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+        (lp * weights + ent).sum().backward()
+        for p, r in zip(model.parameters(), ref_grads):
+            assert torch.allclose(p.grad, r, atol=1e-5, rtol=1e-4)
+
+
+def test_apply_mismatch():
+    g = torch.Generator().manual_seed(0)
+    named = [("model.embed_tokens.weight", torch.randn(10, 8, generator=g)),
+             ("model.layers.0.mlp.up_proj.weight", torch.randn(6, 8, generator=g) * 3),
+             ("model.layers.0.self_attn.q_proj.bias", torch.randn(6, generator=g)),
+             ("model.norm.weight", torch.randn(8, generator=g))]
+    before = [t.clone() for _, t in named]
+    none = dict(grpo.apply_mismatch(named, "none"))
+    bf16 = dict(grpo.apply_mismatch(named, "bf16"))
+    int8 = dict(grpo.apply_mismatch(named, "int8"))
+    for (name, t), b in zip(named, before):
+        assert torch.equal(t, b)  # the trainer's tensors are never modified
+        assert torch.equal(none[name], t)
+        assert torch.equal(bf16[name], t.to(torch.bfloat16).float()) and not torch.equal(bf16[name], t)
+    w, q = named[1][1], int8["model.layers.0.mlp.up_proj.weight"]
+    scale = w.abs().amax(1, keepdim=True) / 127
+    assert ((q - w).abs() <= scale / 2 + 1e-6).all() and not torch.equal(q, w)
+    assert ((q / scale).round() - q / scale).abs().max() < 1e-4  # on the per-row int8 grid
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"):
+        assert torch.equal(int8[name], dict(named)[name])  # embeddings / 1-D tensors untouched
+    with pytest.raises(ValueError):
+        grpo.apply_mismatch(named, "int4")
+
+
+def test_hf_backend_mismatch_keeps_a_rounded_copy(tiny):
+    model, tokenizer = tiny
+    trainer = copy.deepcopy(model)
+    backend = grpo.make_backend("hf", None, trainer, _small_args(mismatch="bf16"), tokenizer)
+    assert backend.model is not trainer
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.01)
+    backend.sync_weights(trainer)
+    for (name, p), (_, q) in zip(trainer.named_parameters(), backend.model.named_parameters()):
+        assert torch.equal(q, p.to(torch.bfloat16).float()), name
+    assert grpo.make_backend("hf", None, trainer, _small_args(), tokenizer).model is trainer  # none: no copy
+
+
+# ------------------------------------------------------------------------------------------------ advantages
+
+
+def _reference_advantages(scores, ids, eps=1e-6, norm=True):
+    """verl's compute_grpo_outcome_advantage, loop form."""
+    out = []
+    for s, i in zip(scores, ids):
+        group = [x for x, j in zip(scores, ids) if j == i]
+        if len(group) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(group) / len(group)
+            std = (sum((x - mean) ** 2 for x in group) / (len(group) - 1)) ** 0.5
+        out.append((s - mean) / (std + eps) if norm else s - mean)
+    return out
+
+
+def test_grpo_advantages_hand_computed():
+    # groups: 7 -> {1, 0, 0.5} interleaved, 42 -> singleton, 9 -> all equal, -3 -> {1, 0}
+    scores = [1.0, 0.3, 0.0, 0.3, 0.5, 1.0, 0.3, 0.0]
+    ids = [7, 9, 7, 9, 7, -3, 42, -3]
+    adv = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids))
+    # group 7: mean 0.5, unbiased std 0.5 -> (1, -1, 0); group -3: mean 0.5, std sqrt(0.5)
+    s2 = 0.5 ** 0.5
+    expected = [0.5 / (0.5 + 1e-6), 0.0, -0.5 / (0.5 + 1e-6), 0.0, 0.0, 0.5 / (s2 + 1e-6), 0.3 / (1 + 1e-6),
+                -0.5 / (s2 + 1e-6)]
+    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(adv, torch.tensor(_reference_advantages(scores, ids)), atol=1e-6)
+    dr = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids), norm_by_std=False)  # Dr.GRPO
+    assert torch.allclose(dr, torch.tensor([0.5, 0.0, -0.5, 0.0, 0.0, 0.5, 0.3, -0.5]), atol=1e-6)
+    g = torch.Generator().manual_seed(1)
+    many_scores = torch.rand(200, generator=g)
+    many_ids = torch.randint(-1000, 1000, (200,), generator=g) * 37
+    assert torch.allclose(grpo.compute_grpo_advantages(many_scores, many_ids),
+                          torch.tensor(_reference_advantages(many_scores.tolist(), many_ids.tolist())), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ the update
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(tiny):
+    """One rollout of a tiny GRPO step from an int8 rollout copy (so pi_rollout != pi_old), with advantages."""
+    model, tokenizer = tiny
+    args = _small_args(mismatch="int8")
+    backend = grpo.make_backend("hf", None, model, args, tokenizer)
+    prompts = _prompts(tokenizer)
+    responses, logprobs, _ = backend.generate(prompts, args.rollout_n, args.max_response_length, 1.0, seed=11)
+    batch = grpo.make_batch([p for p in prompts for _ in range(args.rollout_n)], responses, logprobs,
+                            tokenizer.pad_token_id, args.max_response_length, CPU)
+    scores = torch.tensor([len(r) / args.max_response_length for r in responses])  # any non-constant score
+    group_ids = torch.arange(len(prompts)).repeat_interleave(args.rollout_n)
+    batch["advantages"] = grpo.compute_grpo_advantages(scores, group_ids)
+    return args, batch
+
+
+def _run_update(model, args, batch, preset, ref_model=None):
+    model = copy.deepcopy(model)
+    batch = dict(batch)
+    correction = corrections.RolloutCorrection.from_name(preset)
+    corr_metrics = grpo.compute_pi_old_and_ref(model, ref_model, batch, args, correction)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    metrics = grpo.update_policy(model, optimizer, batch, args, correction)
+    return model, {**corr_metrics, **metrics}
+
+
+@pytest.mark.parametrize("preset", corrections.PRESETS)
+def test_every_correction_preset_runs_a_step(tiny, rollout_batch, preset):
+    model, _ = tiny
+    args, batch = rollout_batch
+    new_model, metrics = _run_update(model, args, batch, preset)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "rollout_corr/kl", "rollout_corr/chi2_token",
+                "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean"):
+        assert key in metrics, key
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert metrics["training/rollout_probs_diff_max"] > 0  # int8 rollouts really differ from the trainer
+    if metrics["actor/grad_norm"] > 0:  # (a rejection preset may mask every token of this small batch)
+        assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), new_model.parameters()))
+
+
+def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(tiny, rollout_batch, monkeypatch):
+    model, _ = tiny
+    args, batch = rollout_batch
+    seen = []
+    real = corrections.policy_loss
+
+    def spy(config, logprobs, old_logprobs, rollout_logprobs, *a, **kw):
+        seen.append((config.bypass_mode, old_logprobs.detach().clone(), rollout_logprobs.clone(),
+                     logprobs.detach().clone()))
+        return real(config, logprobs, old_logprobs, rollout_logprobs, *a, **kw)
+
+    monkeypatch.setattr(grpo.corrections, "policy_loss", spy)
+    _run_update(model, args, batch, "decoupled_token_is")
+    _run_update(model, args, batch, "bypass_ppo_clip")
+    decoupled = [s for s in seen if not s[0]]
+    bypass = [s for s in seen if s[0]]
+    assert decoupled and bypass
+    mask = batch["response_mask"].bool()
+    # Decoupled: pi_old = the trainer's recompute, which under int8 rollouts differs from pi_rollout; in the first
+    # microbatch the current logprobs equal pi_old exactly (nothing has been updated yet).
+    _, old, rollout, current = decoupled[0]
+    m = mask[: old.shape[0]]
+    assert torch.allclose(old[m], current[m], atol=1e-6)
+    assert (old - rollout).abs()[m].max() > 1e-3
+    # Bypass: pi_old = pi_rollout, no recompute.
+    _, old, rollout, current = bypass[0]
+    assert torch.equal(old, rollout)
+    assert (current - rollout).abs()[m].max() > 1e-3
+
+
+def test_loss_aggregation_modes_and_kl_loss(tiny, rollout_batch):
+    model, _ = tiny
+    args, batch = rollout_batch
+    ref = copy.deepcopy(model)
+    with torch.no_grad():  # a reference that differs from the policy, so the KL term is non-zero
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    losses = {}
+    for mode in corrections.AGG_MODES:
+        a = dataclasses.replace(args, loss_agg_mode=mode, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coeff=0.01)
+        _, metrics = _run_update(model, a, batch, "disabled", ref_model=ref)
+        assert metrics["actor/kl_loss"] > 0
+        losses[mode] = metrics["actor/pg_loss"]
+    assert len({round(v, 8) for v in losses.values()}) == len(losses), losses  # the modes aggregate differently
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def _read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_tiny_run_learns(tmp_path):
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path), total_steps=24, val_every=12,
+                               save_every=0)
+    rows = _read_metrics(grpo.train(args))
+    rewards_ = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
+    print(f"tiny: first-4 reward {first:.3f}, last-4 {last:.3f}")
+    assert last - first > 0.15, rewards_
+    required = ["step", "reward/mean", "response_length/mean", "response_length/max", "response_length/min",
+                "response_length/clip_ratio", "timing/generate", "timing/logprobs", "timing/update", "actor/pg_loss",
+                "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/lr",
+                "rollout_corr/kl", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean"]
+    for key in required:
+        assert key in rows[0], key
+    assert "val/accuracy" in rows[11] and "val/accuracy" in rows[-1] and "val/accuracy" not in rows[0]
+    assert os.path.isfile(tmp_path / "args.json") and os.path.isfile(tmp_path / "checkpoint" / "trainer_state.pt")
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_micro_batch_size_per_gpu=8, val_every=0,
+                 save_every=2, copy_train_size=64)
+    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), **small)
+    full = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "a"), total_steps=4)))
+    grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))  # "crash" after step 2
+    resumed = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4)))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        for key in a:
+            if not key.startswith("timing"):
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    from safetensors.torch import load_file
+
+    pa = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
+    pb = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
+    import transformers
+
+    def boom(*a, **kw):
+        raise AssertionError("a model was loaded before the bad input was rejected")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(rewards, "build_tiny_model", boom)
+    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path))
+    bad = [
+        (dict(correction="nope"), ValueError, "unknown correction"),
+        (dict(mismatch="int4"), ValueError, "mismatch"),
+        (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
+        (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
+        (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "ppo_micro_batch_size_per_gpu"),
+        (dict(max_prompt_length=200, max_response_length=100), ValueError, "max_position_embeddings"),
+    ]
+    for overrides, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            grpo.train(dataclasses.replace(base, **overrides))
+    with pytest.raises(ValueError, match="world size"):
+        grpo.check_args(dataclasses.replace(base, train_batch_size=33, ppo_mini_batch_size=33), world_size=2)
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    if real_find_spec("vllm") is not None:
+        with pytest.raises(NotImplementedError, match="vllm"):
+            grpo.train(dataclasses.replace(base, backend="vllm"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name))
+    with pytest.raises(ValueError, match="needs the vllm package"):
+        grpo.train(dataclasses.replace(base, backend="vllm"))
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["no_such_preset"])
+    assert grpo.parse_args(["tiny", "--total-steps", "3", "--correction", "bypass_pg_is"]).total_steps == 3
+
+
+def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "hf", "--total-steps", "2", "--output-dir", str(out),
+           "--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4",
+           "--ppo-micro-batch-size-per-gpu", "4",
+           "--val-every", "2", "--debug-checksum"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sums = [(out / f"param_checksum_rank{r}.txt").read_text() for r in (0, 1)]
+    assert sums[0] == sums[1]
+    rows = _read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and "val/accuracy" in rows[-1]
+
+
+def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
+    """The real dataset code paths, with datasets.load_dataset replaced by a few local rows (no download)."""
+    import datasets
+
+    gsm8k = {"train": [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}],
+             "test": [{"question": "Total of 1,000 and 234?", "answer": "... #### 1,234"}]}
+    countdown = [{"nums": [3, 5, 7], "target": 22}] * 1030
+
+    def fake_load_dataset(name, config=None, split=None):
+        return countdown if name == "Jiayi-Pan/Countdown-Tasks-3to4" else gsm8k
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    train, val, reward_fn = grpo.load_task(grpo.PRESETS["gsm8k_qwen05b"][1]())
+    assert train[0]["prompt"] == ("What is 2+3? Let's think step by step and output the final answer after "
+                                  '"####".')
+    assert val[0]["answer"] == "1234"  # verl's extract_solution drops the thousands separator
+    assert reward_fn("so 2+3=5 #### 5", train[0]) == 1.0 and reward_fn("#### 6", train[0]) == 0.0
+    args = grpo.PRESETS["countdown"][1]()
+    train, val, reward_fn = grpo.load_task(dataclasses.replace(args, countdown_train_size=4))
+    assert len(train) == 4 and len(val) == 1024 and "equals 22" in train[0]["prompt"]
+    assert reward_fn("<think>ok</think> <answer>3 * 5 + 7</answer>", train[0]) == 1.0
