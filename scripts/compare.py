@@ -5,6 +5,7 @@
     python scripts/compare.py runs/sent_s1 --baseline gpt2_sentiment --x episode --band std
     python scripts/compare.py runs/grpo_s1 runs/grpo_s2 --baseline rollout_corr_health
     python scripts/compare.py runs/ppo_s1 --baseline adam_table      # a table, not a curve: printed, not plotted
+    python scripts/compare.py runs/tiny_s1 runs/tiny_s2 --baseline none --metrics objective/scores objective/kl
 
 It writes `<output_dir>/compare_<baseline>.png` (one panel per metric: each seed faint, the seed mean bold, a min-max
 or mean±std band, the published curve in black, published final values as dotted lines, healthy ranges as green
@@ -37,6 +38,10 @@ Per (metric, label), the rows are one of three shapes:
 The first curve/reference label of a metric in the file is the "main" baseline whose final value (the curve's
 point with the largest x) goes in the table; other labels are listed under the table. `# x: table` marks a file
 that is a table of numbers and not a curve (adam_table.csv): compare.py prints it and plots nothing.
+
+`--baseline none`: no published curve exists (the offline `tiny` presets): only our seeds, their mean and band are
+drawn, `--metrics` is required, the x kind is not checked against anything (the runs must still agree with each
+other), and the table gives our final values with "no published baseline" in the baseline column.
 
 x-axis kinds
 ------------
@@ -87,7 +92,7 @@ class Args:
     run_dirs: tyro.conf.Positional[Annotated[list[str], tyro.conf.arg(metavar="RUN_DIR [RUN_DIR ...]")]]
     """run directories (each with a metrics.jsonl): several seeds of one config"""
     baseline: str
-    """a baseline name under baselines/ (e.g. gpt2_sentiment) or a path to a .csv file"""
+    """a baseline name under baselines/ (e.g. gpt2_sentiment), a path to a .csv file, or `none` (our seeds only)"""
     metrics: tuple[str, ...] = ()
     """metrics to plot; default: every metric the baseline has"""
     output_dir: str = "runs/compare"
@@ -96,6 +101,8 @@ class Args:
     """x-axis: the trainer's step, or episodes seen (`ppo/episode`; the baseline needs `# episodes_per_x`)"""
     band: Literal["minmax", "std"] = "minmax"
     """the band around the seed mean: min-max over seeds, or mean ± one std"""
+    title: str | None = None
+    """the figure's title (default: "ours vs <baseline>"), e.g. to name the runs or to mark synthetic data"""
 
 
 def fail(reason: str):
@@ -234,6 +241,12 @@ def load_baseline(name: str) -> dict:
             "rows": rows}
 
 
+def no_baseline() -> dict:
+    """`--baseline none`: an empty baseline that matches every x kind (the tiny presets have no published curve)."""
+    return {"name": "none", "path": None, "x_kind": "any", "episodes_per_x": None, "rows": [],
+            "notes": ["no published baseline: only our seeds are shown (e.g. a tiny offline preset)"]}
+
+
 def baseline_metrics(baseline: dict) -> list[str]:
     """The metrics a baseline has, in file order."""
     return list(dict.fromkeys(row["metric"] for row in baseline["rows"]))
@@ -309,7 +322,8 @@ def draw_band_rows(ax, row: dict, label: str):
     ax.set_ylim(lo_view, hi_view)
 
 
-def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band: str, png_path: str):
+def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band: str, png_path: str,
+                    title: str | None = None):
     n = len(panels)
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
@@ -352,7 +366,9 @@ def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band:
         ax.legend(fontsize=7, loc="best")
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
-    fig.suptitle(f"ours vs {baseline['name']}", fontsize=12)
+    if title is None:
+        title = "ours (no published baseline)" if baseline["name"] == "none" else f"ours vs {baseline['name']}"
+    fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
@@ -361,7 +377,7 @@ def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band:
 def final_table(panels: list[dict], baseline: dict) -> str:
     """Markdown: per metric, our final value (mean ± std over seeds) / the baseline's final value / ratio."""
     lines = [
-        f"# ours vs `{baseline['name']}`",
+        "# ours (no published baseline)" if baseline["name"] == "none" else f"# ours vs `{baseline['name']}`",
         "",
         "| metric | ours: final value, mean ± std over seeds (step) | baseline final (x) | ours / baseline |",
         "| --- | --- | --- | --- |",
@@ -377,6 +393,8 @@ def final_table(panels: list[dict], baseline: dict) -> str:
             where = f"x={last['x']:g}" if last["x"] is not None else "final"
             ratio = f"{mean / last['value']:.3f}" if last["value"] != 0 else "n/a"
             lines.append(f"| {panel['metric']} | {ours} | {last['value']:g} ({where}) | {ratio} |")
+        elif not panel["baseline"]:
+            lines.append(f"| {panel['metric']} | {ours} | no published baseline | - |")
         for group in panel["baseline"]:
             if group["shape"] == "band":
                 row = group["rows"][0]
@@ -426,8 +444,10 @@ def compare(args: Args) -> dict:
         records = load_metrics(path)
         runs.append({"dir": run_dir, "path": path, "records": records, "x_kind": run_x_kind(run_dir, records)})
 
-    # 2. load the baseline; a table baseline is printed, not plotted
-    baseline = load_baseline(args.baseline)
+    # 2. load the baseline (`none`: our seeds only); a table baseline is printed, not plotted
+    if args.baseline == "none" and not args.metrics:
+        fail("--baseline none needs --metrics (there is no baseline to take the metric list from)")
+    baseline = no_baseline() if args.baseline == "none" else load_baseline(args.baseline)
     md_path = os.path.join(args.output_dir, f"compare_{baseline['name']}.md")
     if baseline["x_kind"] == "table":
         markdown = table_baseline_markdown(baseline)
@@ -452,7 +472,7 @@ def compare(args: Args) -> dict:
     # 4. every requested metric must be in the baseline and in every run
     metrics = list(args.metrics) or baseline_metrics(baseline)
     for metric in metrics:
-        if metric not in baseline_metrics(baseline):
+        if baseline["name"] != "none" and metric not in baseline_metrics(baseline):
             fail(f"metric '{metric}' is not in baseline {baseline['name']} (it has: "
                  f"{', '.join(baseline_metrics(baseline))})")
         for run in runs:
@@ -496,7 +516,7 @@ def compare(args: Args) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     png_path = os.path.join(args.output_dir, f"compare_{baseline['name']}.png")
     x_axis_label = "episode" if args.x == "episode" else X_LABELS[kinds[0]]
-    plot_comparison(panels, baseline, x_axis_label, args.band, png_path)
+    plot_comparison(panels, baseline, x_axis_label, args.band, png_path, args.title)
     markdown = final_table(panels, baseline)
     with open(md_path, "w") as f:
         f.write(markdown)

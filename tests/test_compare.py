@@ -331,3 +331,27 @@ def test_reward_model_run_against_final_only_baseline(tmp_path):
     # the same run against a PPO baseline is refused: a reward-model step is not a PPO update
     assert_refused(make_args([run], "gpt2_sentiment", tmp_path / "out2", metrics=("objective/scores",)),
                    "x-axis mismatch", "rm_step")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --baseline none: our seeds only (the tiny presets have no published curve)
+# ---------------------------------------------------------------------------------------------------------------
+def test_baseline_none_plots_only_our_seed_band(tmp_path):
+    runs = [write_run(tmp_path / f"s{s}", [{"step": step, "objective/scores": 0.1 * step + s, "objective/kl": 1.0}
+                                           for step in range(1, 11)]) for s in range(3)]
+    out = compare.compare(make_args(runs, "none", tmp_path / "out", metrics=("objective/scores", "objective/kl")))
+    assert out["png"].endswith("compare_none.png") and os.path.getsize(out["png"]) > 10_000
+    table = open(out["markdown"]).read()
+    # final scores 1.0, 2.0, 3.0 at step 10: mean 2, population std sqrt(2/3) = 0.82
+    assert "| objective/scores | 2 ± 0.82 (n=3, step 10) | no published baseline | - |" in table
+    assert "| objective/kl | 1 ± 0 (n=3, step 10) | no published baseline | - |" in table
+    assert table.startswith("# ours (no published baseline)")
+    titled = compare.compare(make_args(runs, "none", tmp_path / "titled", metrics=("objective/kl",), title="tiny"))
+    assert os.path.getsize(titled["png"]) > 10_000
+    # the metric list is required, a metric some run lacks is still refused, and so are runs of different kinds
+    assert_refused(make_args(runs, "none", tmp_path / "out2"), "--baseline none needs --metrics")
+    assert_refused(make_args(runs, "none", tmp_path / "out3", metrics=("objective/entropy",)),
+                   "'objective/entropy' is missing from")
+    rm = write_run(tmp_path / "rm", [{"step": 1, "train/loss": 1.3, "objective/kl": 1.0}], args={"script": "rewards"})
+    assert_refused(make_args([runs[0], rm], "none", tmp_path / "out4", metrics=("objective/kl",)),
+                   "count different steps")

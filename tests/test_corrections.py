@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 import corrections as C
 
-torch.set_default_dtype(torch.float64)  # hand-computed values below are exact in float64
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Hand-computed values below are exact in float64; restore the default so other test files are unaffected."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,19 +1,43 @@
-"""The docs match the code: every `[name](../file.py#L123)` pointer lands on the line that defines or uses `name`."""
+"""The docs match the code.
 
+1. Every `[name](../file.py#L123)` pointer lands on the line that defines or uses `name`.
+2. There is a page per concept file.
+3. Glossaries: a page's "## Glossary" table names exactly the metrics its script logs. The logged keys come from a
+   real, very short run made here (not from reading the source), so a renamed or new metric fails this test:
+   every key of metrics.jsonl must be in the glossary, and every name in the glossary must be logged.
+
+Glossary format (docs/ppo_rlhf.md is an example): a markdown table under a heading that starts with "## Glossary";
+the FIRST cell of each row holds one or more backticked metric names. A name with a `*` is a family
+(fnmatch-style, e.g. `rollout_corr/*` for the verl diagnostics, documented in docs/corrections.md): it covers every
+logged key it matches and must match at least one. Every other name must be logged exactly.
+
+Budget (2 CPU cores): about 10-15 s measured, mostly imports, the tiny runs and adam_experiment. grpo.py's page can join by adding
+a fixture that returns its logged keys and a row to GLOSSARY_RUNS.
+"""
+
+import dataclasses
+import fnmatch
+import importlib.util
+import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
+from test_ppo_rlhf import tiny_assets  # noqa: F401  (a fixture: a tiny policy + random reward model, in seconds)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 LINK = re.compile(r"\[`?([^\]`]+?)`?\]\(\.\./([\w/.]+\.py)#L(\d+)\)")
+CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf")  # grpo.md: to be added with its page
+GLOSSARY_ROW = re.compile(r"^\|([^|]*)\|")
+BACKTICKED = re.compile(r"`([^`]+)`")
 
 
 def test_there_is_a_page_per_concept_file():
     names = {p.stem for p in DOCS}
-    for concept in ("corrections",):
-        assert concept in names
+    for concept in CONCEPT_PAGES:
+        assert concept in names, f"docs/{concept}.md is missing"
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
@@ -27,3 +51,107 @@ def test_line_pointers_land_on_their_names(page):
         if key not in target:
             bad.append(f"{name} -> {path}#L{line}: {target.strip()[:80]!r}")
     assert not bad, "stale doc pointers (update the line numbers):\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# glossaries
+# ---------------------------------------------------------------------------------------------------------------
+def glossary_names(text):
+    """The backticked names in the first cell of every table row under the page's "## Glossary..." heading."""
+    names, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("## "):
+            inside = line.startswith("## Glossary")
+            continue
+        match = GLOSSARY_ROW.match(line) if inside else None
+        if match and not set(match.group(1).strip()) <= set("-: "):
+            names += BACKTICKED.findall(match.group(1))
+    return names
+
+
+def glossary_mismatches(names, logged):
+    """(logged keys no glossary name covers, glossary names that match no logged key)."""
+    undocumented = sorted(k for k in logged if not any(fnmatch.fnmatchcase(k, n) for n in names))
+    never_logged = sorted(n for n in names if not any(fnmatch.fnmatchcase(k, n) for k in logged))
+    return undocumented, never_logged
+
+
+def test_glossary_parser_and_families():
+    text = ("## Glossary\n\n| metric | meaning |\n| --- | --- |\n| `a/x` | one |\n| `b/*` | family |\n"
+            "| `c`, `d` | two names |\n\n## Next\n\n| `not/a/metric` | outside the glossary |\n")
+    names = glossary_names(text)
+    assert names == ["a/x", "b/*", "c", "d"]
+    assert glossary_mismatches(names, {"a/x", "b/1", "b/2", "c", "d"}) == ([], [])
+    assert glossary_mismatches(names, {"a/x", "b/1", "c", "d", "e"}) == (["e"], [])
+    assert glossary_mismatches(names, {"a/x", "c", "d"}) == ([], ["b/*"])
+
+
+def logged_keys(path):
+    keys = set()
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                keys |= set(json.loads(line))
+    return keys
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ppo_rlhf_keys(tiny_assets, tmp_path_factory, one_thread):
+    """Two updates of the tiny preset at rollout batch 16, with the random reward model of tests/test_ppo_rlhf.py
+    (no `python rewards.py tiny`) and --correction decoupled_token_is, so the rollout_corr/* family is logged too."""
+    import ppo_rlhf
+
+    out = tmp_path_factory.mktemp("ppo_docs")
+    args = dataclasses.replace(
+        ppo_rlhf.PRESETS["tiny"][1], reward_model_path=str(tiny_assets / "reward_model"), output_dir=str(out),
+        total_episodes=32, rollout_batch_size=16, local_micro_batch_size=16, noptepochs=1, save_freq=0,
+        sample_freq=1, correction="decoupled_token_is")
+    ppo_rlhf.train(args)
+    return logged_keys(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def rewards_keys(tmp_path_factory, one_thread):
+    """One training step of the tiny reward-model preset, with evaluation and both normalisations."""
+    import rewards
+
+    out = tmp_path_factory.mktemp("rm_docs")
+    args = dataclasses.replace(rewards.PRESETS["tiny"], output_dir=str(out), num_train=32, num_test=8,
+                               normalize_samples=16, debug_normalize=16, rollout_batch_size=64, eval_every=1,
+                               save_model=False)
+    rewards.train(args)
+    return logged_keys(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def adam_tf_keys(tmp_path_factory, one_thread):
+    """scripts/adam_experiment.py (the experiment of docs/adam_tf.md) on a 16-sequence batch: its per-step
+    metrics.jsonl keys and the rows of its table (results.json)."""
+    spec = importlib.util.spec_from_file_location("adam_experiment", ROOT / "scripts" / "adam_experiment.py")
+    experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiment)
+    out = tmp_path_factory.mktemp("adam_docs")
+    results = experiment.main(experiment.Args(batch_size=16, num_mini_batches=2, ppo_epochs=1, response_length=4,
+                                              n_embd=32, output_dir=str(out)))
+    return logged_keys(out / "metrics.jsonl") | set(results["adam_tf"])
+
+
+GLOSSARY_RUNS = {"ppo_rlhf": "ppo_rlhf_keys", "rewards": "rewards_keys", "adam_tf": "adam_tf_keys"}
+
+
+@pytest.mark.parametrize("page", sorted(GLOSSARY_RUNS))
+def test_glossary_names_exactly_the_logged_metrics(page, request):
+    logged = request.getfixturevalue(GLOSSARY_RUNS[page])
+    names = glossary_names((ROOT / "docs" / f"{page}.md").read_text())
+    assert names, f"docs/{page}.md has no '## Glossary' table"
+    undocumented, never_logged = glossary_mismatches(names, logged)
+    assert not undocumented, f"docs/{page}.md: logged but not in the glossary: {undocumented}"
+    assert not never_logged, f"docs/{page}.md: in the glossary but never logged: {never_logged}"
