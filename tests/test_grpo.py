@@ -20,6 +20,9 @@ import rewards  # noqa: E402
 
 CPU = torch.device("cpu")
 TOL = 1e-4  # max |rollout logprob - trainer recompute| in fp32 (measured ~1e-6)
+# int8 rollouts, first steps of the near-uniform random-init tiny model: training/rollout_probs_diff_max
+# measured ~1e-4 (fp32 rollouts: < 1e-6)
+INT8_MIN_PROBS_DIFF = 3e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -330,6 +333,22 @@ def test_tiny_run_learns(tmp_path):
     assert os.path.isfile(tmp_path / "args.json") and os.path.isfile(tmp_path / "checkpoint" / "trainer_state.pt")
 
 
+def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
+    """HF backend through grpo.train: with nothing injected pi_rollout is the trainer's own fp32 distribution
+    (training/rollout_probs_diff_max <= 1e-3 at every step, measured ~1e-7); --mismatch int8 samples from a fake-
+    quantised copy, and the difference is clearly non-zero at every step."""
+    small = dict(train_batch_size=16, ppo_mini_batch_size=8, total_steps=3, lr=1e-3, val_every=0, save_every=0)
+    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), **small)
+    fp32 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "fp32"))))
+    int8 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "int8"), mismatch="int8")))
+    fp32_diffs = [r["training/rollout_probs_diff_max"] for r in fp32]
+    int8_diffs = [r["training/rollout_probs_diff_max"] for r in int8]
+    print(f"hf probs_diff_max fp32 {fp32_diffs}, int8 {int8_diffs}")
+    assert max(fp32_diffs) <= 1e-3, fp32_diffs
+    assert min(int8_diffs) > INT8_MIN_PROBS_DIFF and min(int8_diffs) > 100 * max(fp32_diffs), int8_diffs
+    assert all("timing/sync_weights" in r for r in fp32 + int8)
+
+
 def test_resume_continues_the_same_run(tmp_path):
     small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_micro_batch_size_per_gpu=8, val_every=0,
                  save_every=2, copy_train_size=64)
@@ -374,9 +393,10 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    if real_find_spec("vllm") is not None:
-        with pytest.raises(NotImplementedError, match="vllm"):
-            grpo.train(dataclasses.replace(base, backend="vllm"))
+    for overrides, match in [(dict(vllm_dtype="fp8"), "vllm_dtype"), (dict(vllm_gpu_memory_utilization=1.5),
+                                                                        "vllm_gpu_memory_utilization")]:
+        with pytest.raises(ValueError, match=match):
+            grpo.train(dataclasses.replace(base, backend="vllm", **overrides))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name))
     with pytest.raises(ValueError, match="needs the vllm package"):
         grpo.train(dataclasses.replace(base, backend="vllm"))

