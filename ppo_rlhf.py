@@ -39,6 +39,9 @@ import torch.nn.functional as F
 import tyro
 from torch.utils.checkpoint import checkpoint
 
+import corrections
+import rewards
+
 
 @dataclass
 class Args:
@@ -221,7 +224,6 @@ def validate_args(args, world_size):
     """All checks that need no model: batch arithmetic, option names. Raises ValueError."""
     sizes = batch_sizes(args, world_size)
     if args.correction is not None:
-        import corrections
 
         try:
             corrections.RolloutCorrection.from_name(args.correction)
@@ -280,17 +282,6 @@ def left_pad_queries(token_lists, query_length, pad_token_id):
         if len(tokens) > 0:
             out[i, query_length - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
     return out
-
-
-def move_padding_left(sequences, pad_token_id):
-    """Move every pad token of each row to the left, keeping the real tokens in order (vectorised).
-
-    After truncation the pads sit at the END of the response; the reward model reads its score at the LAST
-    position ([reward 1]), so the real tokens must end the row. A stable sort on "is real token" puts pads first.
-    """
-    is_real = (sequences != pad_token_id).to(torch.int8)
-    order = torch.sort(is_real, dim=1, stable=True).indices  # pads (0) first, real tokens (1) in original order
-    return torch.gather(sequences, 1, order)
 
 
 def masked_inputs(query_responses, pad_token_id):
@@ -389,7 +380,6 @@ def whiten(values, shift_mean=True):
     """[policy 9] OAI's whiten with tf.nn.moments semantics: (x - mean) / sqrt(var + 1e-8) with the BIASED variance
     (/N, not torch.var's /(N-1)); shift_mean=False adds the mean back, so only the scale changes. Every response
     token is valid here (fixed-length responses), so the mask is all ones."""
-    import corrections
 
     return corrections.masked_whiten(values, torch.ones_like(values), shift_mean=shift_mean, unbiased=False)
 
@@ -456,18 +446,6 @@ def response_logits(lm, query_responses, context_length, pad_token_id):
     return lm.get_output_embeddings()(hidden)
 
 
-def disable_dropout(model):
-    """[policy 4]: "we do not use dropout for policy training" (Ziegler et al.; OAI policy.py)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    config = getattr(model, "config", None)
-    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout"):
-        if config is not None and isinstance(getattr(config, key, None), float):
-            setattr(config, key, 0.0)
-    return model
-
-
 def generation_config(args, pad_token_id, banned, output_scores):
     """[general 4]: fixed-length sampling: exactly response_length tokens, top_k=0, top_p=1, temperature T, and
     EOS does NOT stop sampling (eos_token_id=None; the model's own generation_config is overridden too, see
@@ -510,7 +488,6 @@ def query_batches(args, tokenizer, seed, local_batch, start_update):
     the same seed ([general 6] note). Resuming at update u reproduces the exact same batches.
     """
     if args.query_dataset == "tiny":
-        import rewards
 
         update = start_update
         while True:
@@ -628,7 +605,7 @@ def load_policy(path, device):
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    disable_dropout(lm)
+    rewards.disable_dropout(lm)  # [policy 4] no dropout (rewards.py's helper also resets the config)
     lm.generation_config.eos_token_id = None
     lm.generation_config.pad_token_id = None
     return lm.to(device)
@@ -651,7 +628,6 @@ def reward_model_paths(args):
     <output_dir>/reward_model_run/DONE is reused, e.g. when resuming."""
     rm_path = args.reward_model_path
     if rm_path is None:
-        import rewards
 
         rm_run = os.path.join(args.output_dir, "reward_model_run")
         done = os.path.join(rm_run, "DONE")
@@ -687,8 +663,6 @@ def train(args: Args):
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and args.bf16
                 else contextlib.nullcontext())
 
-    import corrections
-    import rewards
     from adam_tf import AdamTF
 
     # 1. models: reward model (normalised, [reward 3]), reference policy, policy + value head -------------------
@@ -703,7 +677,7 @@ def train(args: Args):
     if len(truncate_ids) != 1:
         raise ValueError(f"truncate_token {args.truncate_token!r} is not a single token: {truncate_ids}")
     truncate_token_id = truncate_ids[0]  # "." is id 13 in gpt2 ([repro] truncate_token=13)
-    reward_model = disable_dropout(rewards.load_reward_model(rm_path, device=str(device))).to(device).eval()
+    reward_model = rewards.disable_dropout(rewards.load_reward_model(rm_path, device=str(device))).to(device).eval()
     ref_policy = load_policy(policy_path, device).eval()
     resume = args.resume_from or latest_checkpoint(args.output_dir)
     model = PolicyAndValue(load_policy(os.path.join(resume, "policy") if resume else policy_path, device)).to(device)
@@ -783,7 +757,7 @@ def train(args: Args):
                 pr = truncate_responses(r, truncate_token_id, args.truncate_after, pad_id)
                 # 3d. the reward model scores query + TRUNCATED response; it reads the last position ([reward 1]),
                 #     so the tail pads are moved to the left first. PPO still trains on the raw response `r`.
-                pqr = move_padding_left(torch.cat([q, pr], dim=1), pad_id)
+                pqr = rewards.left_pad(torch.cat([q, pr], dim=1), pad_id)  # pads first: the RM reads the last token
                 input_ids, attention_mask, _ = masked_inputs(pqr, pad_id)
                 score = reward_model(input_ids, attention_mask).float().flatten()  # normalised ([reward 3])
                 # 3e. no "." after truncate_after: fixed penalty -1 instead of the score ([policy 5])

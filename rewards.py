@@ -475,12 +475,17 @@ PRESETS: dict[str, Args] = {
 
 def disable_dropout(model):
     """Dropout off everywhere ([policy 4]: "we do not use dropout for policy training"; the reward model is the same
-    network). Covers nn.Dropout modules and attention modules that keep a float `attention_dropout` (Qwen2)."""
+    network). Covers nn.Dropout modules, attention modules that keep a float `attention_dropout` (Qwen2), and the
+    config's dropout fields (so a model saved from here reloads without dropout). ppo_rlhf.py uses it too."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout"):
+        if config is not None and isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
     return model
 
 

@@ -11,8 +11,8 @@ the FIRST cell of each row holds one or more backticked metric names. A name wit
 (fnmatch-style, e.g. `rollout_corr/*` for the verl diagnostics, documented in docs/corrections.md): it covers every
 logged key it matches and must match at least one. Every other name must be logged exactly.
 
-Budget (2 CPU cores): about 10-15 s measured, mostly imports, the tiny runs and adam_experiment. grpo.py's page can join by adding
-a fixture that returns its logged keys and a row to GLOSSARY_RUNS.
+Budget (2 CPU cores): about 10-15 s measured, mostly imports, the tiny runs and adam_experiment (the grpo run adds
+about 1 s). A page joins by adding a fixture that returns its logged keys and a row to GLOSSARY_RUNS.
 """
 
 import dataclasses
@@ -29,7 +29,7 @@ from test_ppo_rlhf import tiny_assets  # noqa: F401  (a fixture: a tiny policy +
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 LINK = re.compile(r"\[`?([^\]`]+?)`?\]\(\.\./([\w/.]+\.py)#L(\d+)\)")
-CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf")  # grpo.md: to be added with its page
+CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf", "grpo")
 GLOSSARY_ROW = re.compile(r"^\|([^|]*)\|")
 BACKTICKED = re.compile(r"`([^`]+)`")
 
@@ -144,7 +144,23 @@ def adam_tf_keys(tmp_path_factory, one_thread):
     return logged_keys(out / "metrics.jsonl") | set(results["adam_tf"])
 
 
-GLOSSARY_RUNS = {"ppo_rlhf": "ppo_rlhf_keys", "rewards": "rewards_keys", "adam_tf": "adam_tf_keys"}
+@pytest.fixture(scope="module")
+def grpo_keys(tmp_path_factory, one_thread):
+    """Two steps of grpo.py's tiny preset at 4 prompts x 4 samples (the small sizes of tests/test_grpo.py), with
+    validation at every step (val/*, timing/validate) and --correction decoupled_token_is, so the IS-weight keys of
+    the rollout_corr/* family are logged too. timing/sync_weights is logged at every step by every backend."""
+    import grpo
+    from test_grpo import _small_args
+
+    out = tmp_path_factory.mktemp("grpo_docs")
+    args = _small_args(output_dir=str(out), total_steps=2, val_every=1, copy_train_size=64, copy_val_size=8,
+                       correction="decoupled_token_is")
+    grpo.train(args)
+    return logged_keys(out / "metrics.jsonl")
+
+
+GLOSSARY_RUNS = {"ppo_rlhf": "ppo_rlhf_keys", "rewards": "rewards_keys", "adam_tf": "adam_tf_keys",
+                 "grpo": "grpo_keys"}
 
 
 @pytest.mark.parametrize("page", sorted(GLOSSARY_RUNS))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import ppo_rlhf
+import rewards
 from ppo_rlhf import (
     Args,
     PRESETS,
@@ -33,7 +34,6 @@ from ppo_rlhf import (
     logprobs_from_logits,
     masked_inputs,
     minibatch_schedule,
-    move_padding_left,
     penalise_untruncated,
     truncate_responses,
     validate_args,
@@ -75,7 +75,7 @@ def test_left_pad_queries_truncates_and_left_pads():
 
 def test_move_padding_left_keeps_token_order():
     x = torch.tensor([[0, 5, 6, 7, 0, 0], [0, 0, 1, 0, 2, 0], [3, 4, 5, 6, 7, 8]])
-    assert move_padding_left(x, PAD).tolist() == [[0, 0, 0, 5, 6, 7], [0, 0, 0, 0, 1, 2], [3, 4, 5, 6, 7, 8]]
+    assert rewards.left_pad(x, PAD).tolist() == [[0, 0, 0, 5, 6, 7], [0, 0, 0, 0, 1, 2], [3, 4, 5, 6, 7, 8]]
 
 
 def test_truncation_at_first_token_after_position_and_penalty():
@@ -97,7 +97,7 @@ def test_truncation_at_first_token_after_position_and_penalty():
     assert penalise_untruncated(scores, post, DOT, 3, -1.0).tolist() == pytest.approx([0.5, -1.0, -1.0, -0.3])
     # the reward model's view: query + truncated response with the tail pads moved left, last position real
     q = torch.tensor([[0, 11, 12]] * 4)
-    rm_input = move_padding_left(torch.cat([q, post], 1), PAD)
+    rm_input = rewards.left_pad(torch.cat([q, post], 1), PAD)
     assert rm_input[0].tolist() == [0, 0, 0, 0, 11, 12, 1, DOT, 2, 3, DOT]
     assert (rm_input[:, -1] != PAD).all()
 
