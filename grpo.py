@@ -95,7 +95,7 @@ class Args:
     # --- lengths and sampling
     max_prompt_length: int = 16
     """Prompts longer than this (in tokens) are dropped (verl filter_overlong_prompts)."""
-    max_response_length: int = 4
+    max_response_length: int = 6
     """max_new_tokens; responses are padded to exactly this length (as verl pads them)."""
     rollout_n: int = 8
     """Samples per prompt: the GRPO group size (verl actor_rollout_ref.rollout.n). (Not `--n`: torchrun would
@@ -186,7 +186,8 @@ class Args:
 
 def _preset_tiny():
     # Tuned so a random-init model learns the copy task from scratch in a few minutes on 2 CPU cores: 3 letters +
-    # EOS fit in 4 new tokens; AdamW at 1e-3 (a random-init model needs a large lr; 3e-3 learned faster, then
+    # EOS in up to 6 new tokens (with only 4, "abc" + any 4th token scored 3/4 of the EOS answer, too small a gap:
+    # the policy collapsed onto a 4th letter and never learned to stop; with 6 it stops, length 4.0); AdamW at 1e-3 (a random-init model needs a large lr; 3e-3 learned faster, then
     # collapsed: ppo_kl 0.3, reward 0.7 -> 0.45 by step 100); two optimizer steps per rollout batch (mini batch =
     # half the prompts); no KL (beta = 0: no reference model). The defaults of Args are this preset's values.
     return Args(exp_name="grpo_tiny", torch_threads=1)
@@ -417,6 +418,15 @@ def load_task(args):
     if args.val_size:
         val = val[: args.val_size]
     return train, val, reward_fn
+
+
+def response_text(tokenizer, response_ids):
+    """The text a rule-based reward sees: the response without its final EOS (the "stop" action), decoded with every
+    other special token kept. verl decodes with skip_special_tokens=True; we keep them so that a policy cannot hide
+    tokens that decode to nothing (on the tiny copy task it learned to end with [UNK] instead of stopping)."""
+    if response_ids and response_ids[-1] == tokenizer.eos_token_id:
+        response_ids = response_ids[:-1]
+    return tokenizer.decode(response_ids, skip_special_tokens=False)
 
 
 def tokenize_prompts(tokenizer, examples, args):
@@ -1118,7 +1128,7 @@ def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, 
         responses, _, _ = backend.generate([val_prompt_ids[i] for i in mine], 1, args.max_response_length,
                                            args.val_temperature, sampling_seed(args, step, rank) + 1)
         for i, ids in zip(mine, responses):
-            r = reward_fn(tokenizer.decode(ids, skip_special_tokens=True), val_examples[i])
+            r = reward_fn(response_text(tokenizer, ids), val_examples[i])
             correct, total, score_sum = correct + (r == 1.0), total + 1, score_sum + r
     return {"val/correct": correct, "val/total": total, "val/score_sum": score_sum}
 
@@ -1230,7 +1240,7 @@ def train(args, backend=None):
 
         # 2. Rewards: the outcome reward sits on the last valid response token (verl's token_level_scores); every
         #    other token gets 0, and the sequence score is their sum.
-        scores = torch.tensor([reward_fn(tokenizer.decode(ids, skip_special_tokens=True), train_examples[i])
+        scores = torch.tensor([reward_fn(response_text(tokenizer, ids), train_examples[i])
                                for ids, i in zip(response_ids, [i for i in indices for _ in range(args.rollout_n)])])
         lengths = mask.sum(-1).long().cpu()
         token_level_scores = torch.zeros(mask.shape)

@@ -442,3 +442,16 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
     train, val, reward_fn = grpo.load_task(dataclasses.replace(args, countdown_train_size=4))
     assert len(train) == 4 and len(val) == 1024 and "equals 22" in train[0]["prompt"]
     assert reward_fn("<think>ok</think> <answer>3 * 5 + 7</answer>", train[0]) == 1.0
+
+
+def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens():
+    """A policy must not be able to hide tokens that decode to nothing: "abc" + [UNK] is not "abc"."""
+    import rewards
+
+    tokenizer = rewards.build_tiny_tokenizer()
+    abc = tokenizer("abc").input_ids
+    eos, unk = tokenizer.eos_token_id, tokenizer.unk_token_id
+    assert grpo.response_text(tokenizer, abc + [eos]) == "abc"
+    assert grpo.response_text(tokenizer, abc) == "abc"
+    assert grpo.response_text(tokenizer, abc + [unk]) == "abc[UNK]"
+    assert rewards.copy_reward(grpo.response_text(tokenizer, abc + [unk]), "abc") < 1.0
