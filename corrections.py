@@ -17,7 +17,7 @@ Notation (verl, "Mathematical Formulations of Rollout Correction Methods", Nov 2
 Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or float) unless said otherwise.
 Padding is sacred: values at padded positions (which may be NaN or inf) never reach a result or a gradient.
 
-Reading order: masked reductions -> divergences and KL penalties -> IS weights -> rejection masks -> veto ->
+Reading order: masked reductions -> token logprobs/entropy -> divergences and KL penalties -> IS weights -> rejection masks -> veto ->
 diagnostics -> policy losses and aggregation -> the TIS paper's estimators side by side -> RolloutCorrection presets
 -> apply_rollout_correction / policy_loss (what grpo.py and ppo_rlhf.py call).
 """
@@ -28,6 +28,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
 
@@ -70,6 +71,56 @@ def masked_whiten(x, mask, shift_mean=True, unbiased=False, eps=1e-8):
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1b. Log-probabilities and entropy of sampled tokens, without a float32 (N, V) log-softmax of the whole batch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy_grad):
+    logits = project(hidden)  # (n, V): the only vocab-sized tensor, one chunk at a time; bf16 -> at least float32
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if banned is not None:
+        logits = logits.masked_fill(banned, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - lse
+    z = logits if entropy_grad else logits.detach()
+    p = torch.softmax(z, dim=-1)
+    if banned is not None:
+        z = z.masked_fill(banned, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
+    entropy = (lse if entropy_grad else lse.detach()) - (p * z).sum(-1)
+    return logprobs, entropy
+
+
+def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_size=512, banned=None,
+                               entropy_grad=False):
+    """Log-probability of each sampled token and the entropy of its distribution, for N positions:
+
+        z_t       = project(hidden_t) / T          (the LM head on hidden states, or logits when project is None)
+        logprob_t = z_t[token_t] - logsumexp(z_t)
+        entropy_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
+
+    Dividing by the sampling temperature wherever a logprob is computed matches the distribution that was sampled
+    (RLHF blog detail policy 1; verl does the same). `banned` (V,) bool removes tokens the sampler can never emit.
+    Work goes chunk by chunk over N, so the largest float32 tensor is (chunk_size, V); under autograd each chunk is
+    checkpointed, so backward recomputes its logits instead of keeping all N x V of them. The entropy is a constant
+    (no gradient) unless entropy_grad. Returns (logprobs (N,), entropy (N,)) in float32 (float64 stays float64).
+    """
+    project = project if project is not None else (lambda x: x)
+    logprob_parts, entropy_parts = [], []
+    for start in range(0, tokens.shape[0], chunk_size):
+        args = (project, hidden[start: start + chunk_size], tokens[start: start + chunk_size], temperature, banned,
+                entropy_grad)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = _logprob_entropy_chunk(*args)
+        logprob_parts.append(lp), entropy_parts.append(ent)
+    if not logprob_parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logprob_parts), torch.cat(entropy_parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -865,25 +865,14 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _logprob_entropy_chunk(lm_head, hidden, tokens, temperature, entropy_grad):
-    """One chunk of N response positions: hidden (N, H) -> logprob of tokens (N,), entropy (N,), in float32.
-        logprob = logit[token] / T - logsumexp(logits / T)
-        entropy = logsumexp(z) - sum softmax(z) * z,  z = logits / T   (verl computes both on logits / T)"""
-    logits = lm_head(hidden).float() / temperature  # (N, V): the only vocab-sized tensor, one chunk at a time
-    lse = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - lse
-    z = logits if entropy_grad else logits.detach()
-    entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-    return logprobs, entropy
-
-
 def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax.
 
     The backbone (model.model for Qwen2) gives hidden states; we keep only the positions that predict a valid
-    response token (position t predicts token t+1), then apply lm_head chunk by chunk. Under autograd each chunk is
-    checkpointed: backward recomputes its logits instead of keeping them, so the peak extra memory is one chunk's
-    (chunk_size, V) logits whether or not we differentiate. Padding positions get logprob 0 and entropy 0.
+    response token (position t predicts token t+1), then apply lm_head chunk by chunk
+    (corrections.token_logprobs_and_entropy: logit / T - logsumexp, checkpointed under autograd), so the peak extra
+    memory is one chunk's (chunk_size, V) logits whether or not we differentiate. Padding positions get logprob 0
+    and entropy 0.
     """
     if rows is not None:
         batch = {k: v[rows] for k, v in batch.items()}
@@ -895,20 +884,11 @@ def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=Fal
         hidden = hidden[:, -R - 1: -1]  # (B, R, H): the positions that predict the R response tokens
         valid = batch["response_mask"].bool()
         hidden, tokens = hidden[valid], batch["responses"][valid]  # (N, H), (N,) valid response tokens only
-        logprob_parts, entropy_parts = [], []
-        for start in range(0, tokens.shape[0], chunk_size):
-            args = (lm_head, hidden[start: start + chunk_size], tokens[start: start + chunk_size], temperature,
-                    entropy_grad)
-            if torch.is_grad_enabled():
-                lp, ent = torch.utils.checkpoint.checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
-            else:
-                lp, ent = _logprob_entropy_chunk(*args)
-            logprob_parts.append(lp), entropy_parts.append(ent)
-    logprobs = torch.zeros(valid.shape, device=hidden.device)
-    entropy = torch.zeros(valid.shape, device=hidden.device)
-    if logprob_parts:
-        logprobs = logprobs.masked_scatter(valid, torch.cat(logprob_parts))
-        entropy = entropy.masked_scatter(valid, torch.cat(entropy_parts))
+        # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (corrections.py, shared with ppo_rlhf)
+        token_logprobs, token_entropy = corrections.token_logprobs_and_entropy(
+            hidden, tokens, temperature, project=lm_head, chunk_size=chunk_size, entropy_grad=entropy_grad)
+    logprobs = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_logprobs)
+    entropy = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_entropy)
     return logprobs, entropy
 
 

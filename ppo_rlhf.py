@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
-from torch.utils.checkpoint import checkpoint
 
 import corrections
 import rewards
@@ -325,21 +324,6 @@ def penalise_untruncated(scores, postprocessed_responses, truncate_token_id, tru
 # =====================================================================================================================
 
 
-def _chunk_logprobs(logits, tokens, temperature, banned):
-    logits = logits.float() / temperature  # [policy 1]: logits /= temperature, as OAI policy.py
-    if banned is not None:
-        logits = logits.masked_fill(banned, float("-inf"))
-    return logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-
-
-def _chunk_entropy(logits, temperature, banned):
-    logits = logits.float() / temperature  # [policy 1]
-    if banned is not None:
-        logits = logits.masked_fill(banned, float("-inf"))
-    logp = torch.log_softmax(logits, dim=-1)
-    return -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)  # xlogy: 0 * log 0 = 0 for banned tokens
-
-
 def banned_vocab_mask(vocab_size, pad_token_id, device):
     """OAI's pad token is outside the vocabulary, so the policy can never sample it. Where the tokenizer's pad id is
     inside the model's vocabulary (the tiny tokenizer), we ban it from the distribution (here and in generate) so
@@ -352,28 +336,23 @@ def banned_vocab_mask(vocab_size, pad_token_id, device):
 
 
 def logprobs_from_logits(logits, tokens, temperature, banned=None, chunk_rows=1024):
-    """log softmax(logits / T)[token] for (B, T, V) logits, chunked over the B*T rows: per chunk one logsumexp and
-    one gather, so the largest float32 tensor is (chunk_rows, V). With grad enabled each chunk is checkpointed, so
-    the backward recomputes the chunk's softmax instead of keeping B*T*V floats alive."""
+    """log softmax(logits / T)[token] for (B, T, V) logits ([policy 1]: logits /= temperature, as OAI policy.py),
+    chunked over the B*T rows by corrections.token_logprobs_and_entropy: the largest float32 tensor is
+    (chunk_rows, V), and with grad enabled each chunk is checkpointed instead of keeping B*T*V floats alive."""
     B, T, V = logits.shape
-    flat_logits, flat_tokens = logits.reshape(B * T, V), tokens.reshape(B * T)
-    out = []
-    for s in range(0, B * T, chunk_rows):
-        args = (flat_logits[s : s + chunk_rows], flat_tokens[s : s + chunk_rows], temperature, banned)
-        if torch.is_grad_enabled() and logits.requires_grad:
-            out.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(*args))
-    return torch.cat(out).reshape(B, T)
+    logprobs, _ = corrections.token_logprobs_and_entropy(logits.reshape(B * T, V), tokens.reshape(B * T), temperature,
+                                                         chunk_size=chunk_rows, banned=banned)
+    return logprobs.reshape(B, T)
 
 
 @torch.no_grad()
 def entropy_from_logits(logits, temperature, banned=None, chunk_rows=1024):
-    """Entropy of softmax(logits / T) per position (B, T), chunked like `logprobs_from_logits` (a metric only)."""
+    """Entropy of softmax(logits / T) per position (B, T), chunked the same way (a metric only)."""
     B, T, V = logits.shape
-    flat = logits.reshape(B * T, V)
-    return torch.cat([_chunk_entropy(flat[s : s + chunk_rows], temperature, banned)
-                      for s in range(0, B * T, chunk_rows)]).reshape(B, T)
+    tokens = torch.zeros(B * T, dtype=torch.long, device=logits.device)  # any token: only the entropy is used
+    _, entropy = corrections.token_logprobs_and_entropy(logits.reshape(B * T, V), tokens, temperature,
+                                                        chunk_size=chunk_rows, banned=banned)
+    return entropy.reshape(B, T)
 
 
 def whiten(values, shift_mean=True):

@@ -2,8 +2,8 @@
 
 tests/test_docs.py fails when a pointer's line no longer contains its name. Pointers were right at some commit
 (default HEAD), so this script maps each pointed line from that commit's version of the file to the working tree
-with difflib (the same line, wherever it moved); a line that was edited falls back to the nearest line containing
-the name. It prints what it changed and what it could not fix.
+with difflib (the same line, wherever it moved); a line that was edited falls back to the name's definition, else to
+the nearest line containing the name. Run it once per commit (the pointers must be right at --base). It prints what it changed and what it could not fix.
 
     .venv/bin/python scripts/update_doc_pointers.py [--base HEAD]
 """
@@ -50,8 +50,10 @@ def main():
             if path not in maps:
                 maps[path] = line_map(path, base)
             new = maps[path].get(old)
-            if new is None or key not in lines[new - 1]:
-                near = [i for i, text_line in enumerate(lines, 1) if key in text_line]
+            if new is None or key not in lines[new - 1]:  # edited line: the definition, else the nearest use
+                near = [i for i, text_line in enumerate(lines, 1)
+                        if re.match(rf"\s*(def|class)\s+{re.escape(key)}\b", text_line)]
+                near = near or [i for i, text_line in enumerate(lines, 1) if key in text_line]
                 new = min(near, key=lambda i: abs(i - (new or old))) if near else None
             if new is None:
                 print(f"{page.name}: cannot find {key!r} in {path} (left at L{old})")

@@ -476,3 +476,30 @@ def test_property_masks_never_gain_ones_and_outputs_stay_finite(batch, preset, m
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
     if (new_mask if not config.bypass_mode else mask).sum() == 0:
         assert loss.item() == 0.0  # empty rows / all-rejected batch: a zero loss, never NaN
+
+
+@pytest.mark.parametrize("banned_id", [None, 3])
+def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(banned_id):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(11, 5, generator=g, requires_grad=True)  # a tiny "LM head"
+    hidden = torch.randn(13, 5, generator=g).requires_grad_()
+    tokens = torch.randint(0, 11, (13,), generator=g)
+    banned = None
+    if banned_id is not None:
+        banned = torch.zeros(11, dtype=torch.bool)
+        banned[banned_id] = True
+        tokens[tokens == banned_id] = 0
+    logprobs, entropy = C.token_logprobs_and_entropy(hidden, tokens, 0.7, project=lambda h: h @ weight.T,
+                                                     chunk_size=4, banned=banned)
+    logits = (hidden @ weight.T) / 0.7
+    if banned is not None:
+        logits = logits.masked_fill(banned, -math.inf)
+    full = torch.log_softmax(logits, -1)
+    expected_entropy = -(full.exp() * full.masked_fill(torch.isinf(full), 0.0)).sum(-1)
+    assert torch.allclose(logprobs, full.gather(-1, tokens[:, None])[:, 0], atol=1e-10)
+    assert torch.allclose(entropy, expected_entropy, atol=1e-10) and not entropy.requires_grad
+    grad_chunked = torch.autograd.grad(logprobs.sum(), (hidden, weight))
+    grad_full = torch.autograd.grad(full.gather(-1, tokens[:, None]).sum(), (hidden, weight))
+    for a, b in zip(grad_chunked, grad_full):
+        assert torch.allclose(a, b, atol=1e-10)
+    assert C.token_logprobs_and_entropy(hidden[:0], tokens[:0], 1.0)[0].shape == (0,)
