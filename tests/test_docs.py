@@ -95,16 +95,10 @@ def logged_keys(path):
     return keys
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
-def ppo_rlhf_keys(tiny_assets, tmp_path_factory, one_thread):
+def ppo_rlhf_keys(tiny_assets, tmp_path_factory):
     """Two updates of the tiny preset at rollout batch 16, with the random reward model of tests/test_ppo_rlhf.py
     (no `python rewards.py tiny`) and --correction decoupled_token_is, so the rollout_corr/* family is logged too."""
     import ppo_rlhf
@@ -119,7 +113,7 @@ def ppo_rlhf_keys(tiny_assets, tmp_path_factory, one_thread):
 
 
 @pytest.fixture(scope="module")
-def rewards_keys(tmp_path_factory, one_thread):
+def rewards_keys(tmp_path_factory):
     """One training step of the tiny reward-model preset, with evaluation and both normalisations."""
     import rewards
 
@@ -132,7 +126,7 @@ def rewards_keys(tmp_path_factory, one_thread):
 
 
 @pytest.fixture(scope="module")
-def adam_tf_keys(tmp_path_factory, one_thread):
+def adam_tf_keys(tmp_path_factory):
     """scripts/adam_experiment.py (the experiment of docs/adam_tf.md) on a 16-sequence batch: its per-step
     metrics.jsonl keys and the rows of its table (results.json)."""
     spec = importlib.util.spec_from_file_location("adam_experiment", ROOT / "scripts" / "adam_experiment.py")
@@ -145,7 +139,7 @@ def adam_tf_keys(tmp_path_factory, one_thread):
 
 
 @pytest.fixture(scope="module")
-def grpo_keys(tmp_path_factory, one_thread):
+def grpo_keys(tmp_path_factory):
     """Two steps of grpo.py's tiny preset at 4 prompts x 4 samples (the small sizes of tests/test_grpo.py), with
     validation at every step (val/*, timing/validate) and --correction decoupled_token_is, so the IS-weight keys of
     the rollout_corr/* family are logged too. timing/sync_weights is logged at every step by every backend."""

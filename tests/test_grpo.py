@@ -25,13 +25,6 @@ TOL = 1e-4  # max |rollout logprob - trainer recompute| in fp32 (measured ~1e-6)
 INT8_MIN_PROBS_DIFF = 3e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared 2-core machine 2 OpenMP threads were 15x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -44,14 +44,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PAD = 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is faster, and on a shared 2-core machine a second thread only spins (the tiny
-    preset sets torch_threads=1 for the same reason). Restored afterwards for the other test files."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -21,8 +21,6 @@ sys.path.insert(0, ROOT)
 
 import rewards  # noqa: E402
 
-torch.set_num_threads(1)  # tiny matmuls; on a shared 2-core machine more threads only spin
-
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 hostile_text = st.one_of(
     st.text(),
