@@ -75,8 +75,10 @@ class Args:
     """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path is None"""
 
     # ---- task ([repro] TaskHParams; OpenAI launch.py stylistic tasks) ----
-    query_dataset: Literal["books", "tiny"] = "books"
-    """where queries come from: bookcorpus ([policy 3]) or rewards.tiny_queries (offline)"""
+    query_dataset: str = "books"
+    """where queries come from (rewards.load_query_dataset): "books" = the Hub's bookcorpus Parquet files
+    ([policy 3]), "tldr" = OpenAI's TL;DR posts, a path/URL/glob of .parquet/.json/.jsonl files with a "text" or
+    "content" column, or "tiny" = rewards.tiny_queries (offline)"""
     query_length: int = 64
     """queries are truncated / left-padded to exactly this many tokens ([general 2])"""
     response_length: int = 24
@@ -89,6 +91,16 @@ class Args:
     """the score of a response that has no truncate token at or after `truncate_after` ([policy 5])"""
     temperature: float = 0.7
     """sampling temperature; logits are divided by it wherever logprobs/entropy are computed ([policy 1])"""
+    start_text: Optional[str] = None
+    """OpenAI's query trimming (rewards.trim_query_tokens): start after the first occurrence of this one-token text,
+    skip texts without it. launch.py books task: "."; default None as lm-human-preference-details' benchmark"""
+    end_text: Optional[str] = None
+    """OpenAI's query trimming: end at the last occurrence of this one-token text, skip texts without it.
+    launch.py books task: "."; default None as lm-human-preference-details' benchmark"""
+    query_prefix: str = ""
+    """text before every query the policy sees (lm_tasks.py query_formatter); the reward model scores the raw query"""
+    query_suffix: str = ""
+    """text after every query the policy sees ("\\n\\nTL;DR:" for summarisation); not shown to the reward model"""
 
     # ---- PPO ([repro] PpoHParams) ----
     total_episodes: int = 1_000_000
@@ -119,6 +131,10 @@ class Args:
     """GAE lambda"""
     whiten_rewards: bool = True
     """whiten the per-token rewards without shifting the mean ([policy 9])"""
+    whiten_group_size: int = 0
+    """whiten rewards and advantages within groups of this many consecutive rollouts of a rank; 0 = the whole
+    per-rank batch. OpenAI whitened each of its 8 ranks' own 64 rollouts, so 64 (rollout_batch_size / 8) on one
+    GPU computes what the 8-GPU run computed; the gpt2 presets set it ([policy 9])"""
 
     # ---- KL penalty ([policy 8], [policy 11]) ----
     kl_coef: float = 0.15
@@ -171,14 +187,27 @@ PRESETS = {
     # Ziegler et al. (2019) stylistic continuation, launch.py settings as reproduced by [repro]:
     # gpt2 (124M), query 64, response 24, truncate "." after 16, penalty -1, T=0.7, 512 rollouts x 1M episodes,
     # lr 1e-5, beta 0.15 adaptive (target 6, horizon 10000), 4 epochs, 1 minibatch, gamma 1, lambda 0.95,
-    # cliprange 0.2, cliprange_value 0.2, vf_coef 0.1.
+    # cliprange 0.2, cliprange_value 0.2, vf_coef 0.1. Whitening in groups of 64 rollouts: on 8 GPUs that is each
+    # rank's own batch (as OpenAI), on 1 GPU it computes what the 8 ranks computed.
     "gpt2_sentiment": (
         "gpt2 sentiment (Ziegler et al. 2019; published: score ~1.8, KL ~6, beta ~0.25 at 1M episodes)",
-        Args(exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment"),
+        Args(exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment", whiten_group_size=64),
     ),
     "gpt2_descriptiveness": (
         "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M episodes)",
-        Args(exp_name="ppo_rlhf_gpt2_descriptiveness", reward_preset="gpt2_descriptiveness"),
+        Args(exp_name="ppo_rlhf_gpt2_descriptiveness", reward_preset="gpt2_descriptiveness", whiten_group_size=64),
+    ),
+    # OpenAI's TL;DR summarisation (launch.py summarize_tldr_task + get_experiments()["tldr"]): query = the first
+    # 500 tokens of a post + "\n\nTL;DR:" (the reward model sees the post without the suffix), response 75 tokens,
+    # truncated at the first "\n" (gpt2 id 198) from token 55 on, T=0.7; a FIXED KL coefficient 0.03 ("0.01 too
+    # low"; adaptive KL commented out), no reward whitening, rollout batch 32 (4 per rank on 8 GPUs, hence
+    # advantage whitening in groups of 4), lr 2e-6, 1M episodes; the reward model is rewards.py's gpt2_tldr.
+    "gpt2_tldr": (
+        "gpt2 TL;DR summarisation (lm-human-preferences launch.py tldr; not run here, see docs/ppo_rlhf.md)",
+        Args(exp_name="ppo_rlhf_gpt2_tldr", reward_preset="gpt2_tldr", query_dataset="tldr", query_length=500,
+             response_length=75, query_suffix="\n\nTL;DR:", truncate_token="\n", truncate_after=55,
+             temperature=0.7, total_episodes=1_000_000, rollout_batch_size=32, local_micro_batch_size=16, lr=2e-6,
+             kl_coef=0.03, adaptive_kl=False, whiten_rewards=False, whiten_group_size=4),
     ),
 }
 
@@ -212,8 +241,13 @@ def batch_sizes(args, world_size):
     local_mini = exact_div(local_batch, args.nminibatches, "per-rank rollout batch over nminibatches")
     micro = min(args.local_micro_batch_size, local_mini)
     grad_accum = exact_div(local_mini, micro, "per-rank minibatch over local_micro_batch_size")
-    if args.whiten_rewards and local_batch < 8:
-        raise ValueError(f"per-rank rollout batch {local_batch} is too small to whiten rewards (need >= 8, [repro])")
+    if args.whiten_group_size < 0:
+        raise ValueError(f"whiten_group_size must be >= 0 (0 = the whole per-rank batch), got {args.whiten_group_size}")
+    group = args.whiten_group_size or local_batch
+    exact_div(local_batch, group, "per-rank rollout batch over whiten_group_size")
+    if args.whiten_rewards and group < 8:
+        raise ValueError(f"whitening group of {group} rollouts is too small to whiten rewards (need >= 8, OpenAI "
+                         "train_policy.py asserts a per-rank minibatch >= 8)")
     num_updates = args.total_episodes // args.rollout_batch_size
     return dict(local_batch=local_batch, local_mini=local_mini, micro=micro, grad_accum=grad_accum,
                 num_updates=num_updates)
@@ -228,8 +262,10 @@ def validate_args(args, world_size):
             corrections.RolloutCorrection.from_name(args.correction)
         except Exception as e:  # unknown preset name
             raise ValueError(f"unknown --correction {args.correction!r}: {e}") from e
-    if args.query_dataset == "books" and args.base_model == "":
-        raise ValueError("query_dataset 'books' needs a real --base-model (e.g. gpt2)")
+    if args.query_dataset != "tiny" and args.base_model == "":
+        raise ValueError(f"query_dataset {args.query_dataset!r} needs a real --base-model (e.g. gpt2)")
+    if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
+        raise ValueError("the tiny task has no start_text/end_text/query_prefix/query_suffix")
     for name in ("temperature", "lr", "sample_freq", "save_freq", "noptepochs", "logprob_chunk_rows"):
         if getattr(args, name) < 0 or (name in ("temperature", "noptepochs", "logprob_chunk_rows")
                                        and getattr(args, name) == 0):
@@ -355,12 +391,16 @@ def entropy_from_logits(logits, temperature, banned=None, chunk_rows=1024):
     return entropy.reshape(B, T)
 
 
-def whiten(values, shift_mean=True):
+def whiten(values, shift_mean=True, group_size=0):
     """[policy 9] OAI's whiten with tf.nn.moments semantics: (x - mean) / sqrt(var + 1e-8) with the BIASED variance
     (/N, not torch.var's /(N-1)); shift_mean=False adds the mean back, so only the scale changes. Every response
-    token is valid here (fixed-length responses), so the mask is all ones."""
+    token is valid here (fixed-length responses), so the mask is all ones.
 
-    return corrections.masked_whiten(values, torch.ones_like(values), shift_mean=shift_mean, unbiased=False)
+    group_size > 0: rows [0, g), [g, 2g), ... are whitened separately, each with its own moments -- what OpenAI's
+    ranks did, each whitening its own rollouts (utils.whiten inside PPOTrainer.loss, per rank). 0 = all rows."""
+    group_size = group_size or values.shape[0]
+    return torch.cat([corrections.masked_whiten(chunk, torch.ones_like(chunk), shift_mean=shift_mean, unbiased=False)
+                      for chunk in values.split(group_size)])
 
 
 def compute_gae(rewards, values, gamma, lam):
@@ -460,11 +500,15 @@ def generate(lm, queries, pad_token_id, gen_config):
 # =====================================================================================================================
 
 
-def query_batches(args, tokenizer, seed, local_batch, start_update):
-    """Yield per-rank (B, query_length) left-padded query batches for updates start_update, start_update+1, ...
+def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, world_size=1):
+    """Yield per-rank (B, query_length) left-padded RAW query batches for updates start_update, start_update+1, ...
+    (the reward model scores these; the policy sees them through `rewards.format_queries` with prefix/suffix).
 
-    Each rank reads its own stream (its local seed), unlike the original where every rank shuffled the dataset with
-    the same seed ([general 6] note). Resuming at update u reproduces the exact same batches.
+    tiny: each rank draws its own queries from its local seed. Datasets: as the original (language/datasets.py),
+    the corpus is shuffled once with ONE seed shared by all ranks (`args.seed`; OpenAI used 0) and sharded by rank,
+    so the 8 ranks never see the same query (rewards.query_texts, the stream the reward model's normalisation read
+    too); queries are trimmed by start_text/end_text (rewards.trim_query_tokens). Resuming at update u replays the
+    stream to the same position, so the batches are exactly those of an uninterrupted run.
     """
     if args.query_dataset == "tiny":
 
@@ -474,18 +518,17 @@ def query_batches(args, tokenizer, seed, local_batch, start_update):
             token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
             yield left_pad_queries(token_lists, args.query_length, tokenizer.pad_token_id)
             update += 1
-    # [policy 3]: bookcorpus is already sentence-split, so [repro] uses start_text=end_text=None: no "." trimming.
-    from datasets import load_dataset
-
-    dataset = load_dataset("bookcorpus", split="train").shuffle(seed=seed)
-    skip = (start_update - 1) * local_batch
-    batch = []
-    for i in range(skip, 10**12):
-        text = dataset[i % len(dataset)]["text"]
-        batch.append(tokenizer.encode(text, add_special_tokens=False))
-        if len(batch) == local_batch:
-            yield left_pad_queries(batch, args.query_length, tokenizer.pad_token_id)
-            batch = []
+    # [policy 3]: bookcorpus is already sentence-split, so [repro] uses start_text=end_text=None: no "." trimming
+    # (our default); OpenAI's books task trimmed at "." (--start-text . --end-text .).
+    texts = rewards.query_texts(args, seed, rank, world_size)
+    start_token = rewards.single_token_id(tokenizer, args.start_text)
+    end_token = rewards.single_token_id(tokenizer, args.end_text)
+    update = 1
+    while True:
+        batch = rewards.query_token_batch(texts, tokenizer, local_batch, args.query_length, start_token, end_token)
+        if update >= start_update:
+            yield batch
+        update += 1
 
 
 def setup_distributed(args):
@@ -509,6 +552,15 @@ def all_mean(tensor):
         tensor = tensor.clone()
         dist.all_reduce(tensor)
         tensor /= dist.get_world_size()
+    return tensor
+
+
+def all_gather_cat(tensor):
+    """1-D tensors of the same length on every rank -> their concatenation, rank by rank (identity on one process)."""
+    if dist.is_available() and dist.is_initialized():
+        gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, tensor.contiguous())
+        return torch.cat(gathered)
     return tensor
 
 
@@ -611,7 +663,10 @@ def reward_model_paths(args):
         rm_run = os.path.join(args.output_dir, "reward_model_run")
         done = os.path.join(rm_run, "DONE")
         if not os.path.exists(done):  # no race: DONE is written only after every rank finished rewards.train
-            rm_path = rewards.train(dataclasses.replace(rewards.PRESETS[args.reward_preset], output_dir=rm_run))
+            # the reward model gets the policy's seed, as lm-human-preference-details' train_both script, so a
+            # seed sweep varies the reward model too (launch.py pinned run.seed 1 for both)
+            rm_path = rewards.train(dataclasses.replace(rewards.PRESETS[args.reward_preset], output_dir=rm_run,
+                                                        seed=args.seed))
             barrier()
             if int(os.environ.get("RANK", "0")) == 0:
                 with open(done, "w") as f:
@@ -687,7 +742,10 @@ def train(args: Args):
     ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
     correction = corrections.RolloutCorrection.from_name(args.correction) if args.correction else None
     gen_config = generation_config(args, pad_id, banned, output_scores=correction is not None)
-    batches = query_batches(args, tokenizer, seed, local_batch, start_update)
+    batches = query_batches(args, tokenizer, seed, local_batch, start_update, rank, world_size)
+    # the policy sees prefix + query + suffix (lm_tasks.py query_formatter); empty for the books tasks
+    prefix_ids = tokenizer.encode(args.query_prefix, add_special_tokens=False) if args.query_prefix else []
+    suffix_ids = tokenizer.encode(args.query_suffix, add_special_tokens=False) if args.query_suffix else []
     wandb = None
     if args.track and rank == 0:
         import wandb
@@ -712,7 +770,8 @@ def train(args: Args):
             group["lr"] = lrnow
 
         # 3. rollout: sample fixed-length responses, score them, compute logprobs/values --------------------------
-        queries = next(batches).to(device)  # (B, query_length), left-padded ([general 2])
+        raw_queries = next(batches).to(device)  # (B, query_length), left-padded ([general 2]): the RM's query
+        queries = rewards.format_queries(raw_queries, prefix_ids, suffix_ids, pad_id)  # (B, context): the policy's
         context_length = queries.shape[1]
         with torch.no_grad(), autocast:
             responses, rollout_logprobs = [], []
@@ -736,7 +795,8 @@ def train(args: Args):
                 pr = truncate_responses(r, truncate_token_id, args.truncate_after, pad_id)
                 # 3d. the reward model scores query + TRUNCATED response; it reads the last position ([reward 1]),
                 #     so the tail pads are moved to the left first. PPO still trains on the raw response `r`.
-                pqr = rewards.left_pad(torch.cat([q, pr], dim=1), pad_id)  # pads first: the RM reads the last token
+                #     The RM scores the RAW query (no prefix/suffix), as OpenAI's score_fn(queries, responses).
+                pqr = rewards.left_pad(torch.cat([raw_queries[s : s + micro], pr], dim=1), pad_id)  # pads first
                 input_ids, attention_mask, _ = masked_inputs(pqr, pad_id)
                 score = reward_model(input_ids, attention_mask).float().flatten()  # normalised ([reward 3])
                 # 3e. no "." after truncate_after: fixed penalty -1 instead of the score ([policy 5])
@@ -757,13 +817,14 @@ def train(args: Args):
 
             # 5. whiten the rewards WITHOUT shifting the mean (biased variance as tf.nn.moments; [policy 9]).
             #    nminibatches=1 in the original, so whitening the whole rollout batch once is whitening "per
-            #    minibatch"; as in OAI and [repro] each rank whitens its own rollouts.
+            #    minibatch"; as in OAI and [repro] each rank whitens its own rollouts, and whiten_group_size=64
+            #    whitens groups of 64, so one GPU computes what OpenAI's 8 ranks of 64 computed.
             if args.whiten_rewards:
-                rewards_t = whiten(rewards_t, shift_mean=False)
+                rewards_t = whiten(rewards_t, shift_mean=False, group_size=args.whiten_group_size)
 
             # 6. GAE (gamma=1 [policy 6], lam=0.95), returns, then whitened advantages (mean shifted, [policy 9])
             advantages, returns = compute_gae(rewards_t, values, args.gamma, args.lam)
-            advantages = whiten(advantages)
+            advantages = whiten(advantages, group_size=args.whiten_group_size)  # per group, as rewards
             mask = torch.ones_like(logprobs)  # fixed-length responses: every response token is trained on
             is_weights, pg_mask = None, mask
             if correction is not None and not correction.bypass_mode:
@@ -775,7 +836,8 @@ def train(args: Args):
                 rollout_corr_metrics = corrections.offpolicy_metrics(logprobs, rollout_logprobs, mask)
 
         # 7. PPO epochs: fresh permutation each epoch, minibatch = optimizer step, micro-batch = accumulation ([policy 7])
-        stats = {k: [] for k in ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "loss")}
+        stats = {k: [] for k in ("approxkl", "clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "loss",
+                                 "ratio", "vf_error")}
         extra_stats = {}
         for epoch in range(args.noptepochs):
             perm = torch.from_numpy(np.random.permutation(local_batch)).to(device)
@@ -812,6 +874,8 @@ def train(args: Args):
                         stats["vf_loss"].append(vf_loss.detach())
                         stats["vf_clipfrac"].append(vf_clipfrac)
                         stats["loss"].append(loss.detach())
+                        stats["ratio"].append(torch.exp(logprobs_diff).mean())  # [repro] ratio_stats
+                        stats["vf_error"].append(vf_losses1.detach().mean())  # OAI's ppo/val/error, every step
                         stats["entropy"].append(
                             entropy_from_logits(logits.detach(), args.temperature, banned,
                                                 args.logprob_chunk_rows).mean())
@@ -870,6 +934,18 @@ def train(args: Args):
             reduced = all_mean(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=device).reshape(())
                                             for k in keys])).tolist()
             metrics = dict(zip(keys, reduced))
+            # [repro]: variance of the per-micro-batch mean ratios (all epochs, all ranks; unbiased), and the variance
+            # of the advantage means of each whitening group (each rank, in [repro]; unbiased); 0.0 for a single value
+            ratio_means = all_gather_cat(torch.stack(stats["ratio"]).float())
+            metrics["ppo/val/ratio_var"] = ratio_means.var().item() if ratio_means.numel() > 1 else 0.0
+            group = args.whiten_group_size or local_batch
+            group_means = advantages.reshape(-1, group, advantages.shape[1]).mean((1, 2))
+            group_means = all_gather_cat(group_means.float())
+            metrics["ppo/val/advantage_var"] = group_means.var().item() if group_means.numel() > 1 else 0.0
+            # OAI train_policy.py: var_explained = 1 - error / returns var, from the rank-averaged error (mean over
+            # every PPO step) and the per-rank population variance of the returns (tf.nn.moments)
+            error_var = all_mean(torch.stack([torch.stack(stats["vf_error"]).mean(), returns.var(unbiased=False)]))
+            metrics["ppo/val/var_explained"] = 1.0 - (error_var[0] / error_var[1]).item()
         # [policy 11]: adapt beta with the KL averaged over ALL ranks. [repro] passed each rank's own mean_kl, so the
         # ranks' betas (and hence their rewards) drifted apart; the all-reduced value keeps them identical.
         kl_coef_used = kl_coef

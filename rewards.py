@@ -413,13 +413,27 @@ class Args:
     """best-of-4 label file (URL or path to a JSON list of {query, sample0..3, best} token ids); "tiny" writes
     <output_dir>/tiny_labels.json from the tiny policy and `tiny_hidden_score`"""
     query_dataset: str = "bookcorpus"
-    """where normalisation queries come from: an HF dataset name with a "text" column, or "tiny" (tiny_queries)"""
+    """where normalisation queries come from (load_query_dataset): "bookcorpus" (the Hub's Parquet files),
+    "tldr" (OpenAI's TL;DR posts), a path/URL/glob of .parquet/.json/.jsonl files with a "text" or "content"
+    column, or "tiny" (tiny_queries)"""
     query_length: int = 64
     """query tokens (left-padded); 64 for the books tasks (lm-human-preferences launch.py)"""
     response_length: int = 24
     """response tokens, sampled at fixed length without stopping at EOS ([general 4]); 24 for the books tasks"""
     temperature: float = 0.7
     """sampling temperature of the frozen policy used for normalisation (launch.py: policy.temperature 0.7)"""
+    start_text: str | None = None
+    """OpenAI's query trimming (language/datasets.py): start the query right after the first occurrence of this
+    one-token text, and skip texts without it. launch.py's books task uses "."; lm-human-preference-details'
+    benchmark runs use None (bookcorpus is already split into sentences), which is our default"""
+    end_text: str | None = None
+    """OpenAI's query trimming: cut the (query_length-token) query after the LAST occurrence of this one-token text,
+    and skip texts without it. Books task in launch.py: "."; default None as lm-human-preference-details"""
+    query_prefix: str = ""
+    """text put before every query the POLICY sees (lm_tasks.py query_formatter); the reward model scores the raw
+    query + response, without prefix or suffix, as the original's score_fn and label files"""
+    query_suffix: str = ""
+    """text put after every query the policy sees; "\\n\\nTL;DR:" for the summarisation task (launch.py)"""
 
     num_train: int = 4992
     """labels trained on, one epoch ([general 5]); launch.py labels.num_train 4992; a multiple of batch_size"""
@@ -449,6 +463,11 @@ class Args:
     """evaluate test/accuracy every this many steps (and always after the last step)"""
     save_model: bool = True
     """write the checkpoint <output_dir>/reward_model/"""
+    kl_samples: int = 64
+    """at every evaluation, sample this many responses (global) from the reward model's own LM head and log
+    train/kl = E[sum_t log p_trained - log p_pretrained], the drift of the backbone from the pretrained policy
+    (lm-human-preference-details' train_reward_accelerate.py, "not presented in the original code"; it uses one
+    rollout batch); 0 = skip"""
 
 
 PRESETS: dict[str, Args] = {
@@ -469,6 +488,16 @@ PRESETS: dict[str, Args] = {
     "gpt2_descriptiveness": Args(
         exp_name="rewards_gpt2_descriptiveness", output_dir="runs/reward_gpt2_descriptiveness",
         label_source=f"{OPENAI_LABELS_URL}/descriptiveness/offline_5k.json",
+    ),
+    # launch.py summarize_tldr_task + get_train_reward_experiments()["tldr"]: queries are the first 500 tokens of a
+    # Reddit post (OpenAI's tldr/train-subset.json, no start/end trimming), the policy sees them with the suffix
+    # "\n\nTL;DR:", responses are 75 tokens at temperature 0.7; best-of-4 labels online_45k (46,000 trained on),
+    # batch 16 (2 x 8), lr 2.5e-5, rollout_batch_size 128, normalize_samples 256 (= two rollout batches).
+    "gpt2_tldr": Args(
+        exp_name="rewards_gpt2_tldr", output_dir="runs/reward_gpt2_tldr", query_dataset="tldr",
+        label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json", query_length=500, response_length=75,
+        query_suffix="\n\nTL;DR:", temperature=0.7, num_train=46_000, batch_size=16, lr=2.5e-5,
+        rollout_batch_size=128,
     ),
 }
 
@@ -499,7 +528,10 @@ class RewardModel(nn.Module):
     - Every forward here is a non-generation forward: position ids are the exclusive cumsum of the attention mask
       (real tokens get 0, 1, 2, ...) and padding ids are set to 0 so an out-of-vocabulary pad id (gpt2's added
       [PAD] = 50257) never indexes the embedding ([general 3]).
-    - reward_gain / reward_bias are buffers: set by normalize_reward_model, never by the optimizer.
+    - reward_gain / reward_bias are trainable scalar parameters, as in the original (rewards.py get_params() returns
+      the model's params + [reward_gain, reward_bias], and train_reward.py minimises over get_params()) and in
+      lm-human-preference-details (nn.Parameter, requires_grad=True): the optimizer moves them during training and
+      normalize_reward_model overwrites them before and after it.
     """
 
     def __init__(self, backbone):
@@ -509,8 +541,8 @@ class RewardModel(nn.Module):
         self.scalar_head = nn.Linear(d_model, 1)
         nn.init.normal_(self.scalar_head.weight, std=1.0 / math.sqrt(d_model + 1))  # [reward 2]
         nn.init.zeros_(self.scalar_head.bias)  # [reward 2]
-        self.register_buffer("reward_gain", torch.tensor(1.0))
-        self.register_buffer("reward_bias", torch.tensor(0.0))
+        self.reward_gain = nn.Parameter(torch.tensor(1.0))  # trainable, as the original's reward_norm/gain
+        self.reward_bias = nn.Parameter(torch.tensor(0.0))  # trainable, as the original's reward_norm/bias
 
     def raw_reward(self, input_ids, attention_mask):
         """(B,) head output at the last position, before gain and bias."""
@@ -551,8 +583,9 @@ def load_reward_model(path, device="cpu"):
     head = torch.load(os.path.join(path, REWARD_HEAD_FILE), map_location="cpu", weights_only=True)
     model.scalar_head.load_state_dict({k.removeprefix("scalar_head."): v for k, v in head.items()
                                       if k.startswith("scalar_head.")})
-    model.reward_gain.copy_(head["reward_gain"])
-    model.reward_bias.copy_(head["reward_bias"])
+    with torch.no_grad():  # they are parameters: copy without recording an in-place op for autograd
+        model.reward_gain.copy_(head["reward_gain"])
+        model.reward_bias.copy_(head["reward_bias"])
     return model.to(device).eval()
 
 
@@ -723,29 +756,169 @@ def evaluate(reward_model, labels, indices, pad_token_id, device, batch_size, ra
     return {"test/accuracy": sums[0].item() / count, "test/loss": sums[1].item() / count}
 
 
+def single_token_id(tokenizer, text):
+    """The id of a text that must encode to exactly one token (start_text, end_text), or None for None/""."""
+    if not text:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{text!r} must encode to exactly one token, got {ids}")
+    return ids[0]
+
+
+def trim_query_tokens(tokens, query_length, start_token=None, end_token=None):
+    """OpenAI's query trimming (lm_human_preferences/language/datasets.py tf_dataset), token list -> token list or
+    None (the text is skipped, as the original's `continue`):
+      1. start_token: drop everything up to and including its first occurrence (kept as is when that occurrence is
+         the last token); a text without it is skipped.
+      2. keep the first query_length tokens.
+      3. end_token: cut after its LAST occurrence in what is left; a text without it is skipped."""
+    if start_token is not None:
+        if start_token not in tokens:
+            return None
+        first = tokens.index(start_token) + 1
+        if first < len(tokens):
+            tokens = tokens[first:]
+    tokens = tokens[:query_length]
+    if end_token is not None:
+        if end_token not in tokens:
+            return None
+        tokens = tokens[:len(tokens) - tokens[::-1].index(end_token)]
+    return tokens
+
+
+def query_token_batch(texts, tokenizer, n, query_length, start_token=None, end_token=None):
+    """(n, query_length) LEFT-padded raw query ids: the next n texts of the iterator `texts` that survive
+    trim_query_tokens ([general 2]: the distinct pad token)."""
+    rows = []
+    while len(rows) < n:
+        tokens = trim_query_tokens(tokenizer.encode(next(texts), add_special_tokens=False), query_length,
+                                   start_token, end_token)
+        if tokens is not None:
+            rows.append(tokens)
+    pad = tokenizer.pad_token_id
+    return torch.tensor([[pad] * (query_length - len(r)) + r for r in rows], dtype=torch.long)
+
+
+def format_queries(raw_queries, prefix_ids, suffix_ids, pad_token_id):
+    """What the POLICY sees: prefix + query + suffix (lm_tasks.py query_formatter), LEFT-padded.
+
+    The original right-pads the query to query_length and then concatenates, [prefix, query, pads, suffix]; its
+    model masks the pads, so moving them to the left, [pads, prefix, query, suffix], is the same input once the
+    position ids skip the pads ([general 3]). (B, Lq) -> (B, len(prefix) + Lq + len(suffix))."""
+    b = raw_queries.shape[0]
+    prefix = torch.tensor(prefix_ids, dtype=torch.long).expand(b, len(prefix_ids))
+    suffix = torch.tensor(suffix_ids, dtype=torch.long).expand(b, len(suffix_ids))
+    return left_pad(torch.cat([prefix, raw_queries.cpu(), suffix], dim=1), pad_token_id).to(raw_queries.device)
+
+
 def sample_normalization_batch(policy, tokenizer, args, n, query_iter):
-    """n (this rank's share) left-padded query+response rows from the frozen policy for normalisation."""
-    queries = tokenize_queries(tokenizer, [next(query_iter) for _ in range(n)], args.query_length)
+    """n (this rank's share) rows of LEFT-padded RAW query + response for normalisation: the frozen policy samples
+    from prefix + query + suffix, the reward model scores the raw query + response (train_reward.py
+    sample_policy_batch returns the sampler's raw queries)."""
+    start_token, end_token = single_token_id(tokenizer, args.start_text), single_token_id(tokenizer, args.end_text)
+    raw = query_token_batch(query_iter, tokenizer, n, args.query_length, start_token, end_token)
+    prefix = tokenizer.encode(args.query_prefix, add_special_tokens=False) if args.query_prefix else []
+    suffix = tokenizer.encode(args.query_suffix, add_special_tokens=False) if args.query_suffix else []
+    queries = format_queries(raw, prefix, suffix, tokenizer.pad_token_id)
     local_rollout = max(1, args.rollout_batch_size // max(1, dist.get_world_size() if dist.is_initialized() else 1))
-    return sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length, args.temperature,
-                                  local_rollout)
+    query_responses = sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length,
+                                             args.temperature, local_rollout)
+    return torch.cat([raw, query_responses[:, queries.shape[1]:]], dim=1)
 
 
-def query_texts(args, local_seed):
-    """An endless iterator of query strings for normalisation: tiny_queries, or an HF text dataset (bookcorpus,
-    streamed, shuffled per rank). bookcorpus is already split into sentences, so OpenAI's start_text/end_text "."
-    trimming is not needed ([policy 3])."""
+@torch.no_grad()
+def backbone_kl(reward_model, policy, tokenizer, args, n, query_iter):
+    """train/kl: how far reward-model training moved the backbone's LM head from the pretrained policy, as
+    lm-human-preference-details' train_reward_accelerate.py logs it (the original logs no KL here): n (this rank's
+    share) responses sampled from the reward model's own backbone at `temperature`, then
+    mean over samples of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / temperature), averaged over
+    ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
+    pad = tokenizer.pad_token_id
+    start_token, end_token = single_token_id(tokenizer, args.start_text), single_token_id(tokenizer, args.end_text)
+    raw = query_token_batch(query_iter, tokenizer, n, args.query_length, start_token, end_token)
+    prefix = tokenizer.encode(args.query_prefix, add_special_tokens=False) if args.query_prefix else []
+    suffix = tokenizer.encode(args.query_suffix, add_special_tokens=False) if args.query_suffix else []
+    queries = format_queries(raw, prefix, suffix, pad)
+    context_length = queries.shape[1]
+    local_rollout = max(1, args.rollout_batch_size // max(1, dist.get_world_size() if dist.is_initialized() else 1))
+    query_responses = sample_query_responses(reward_model.backbone, queries, pad, args.response_length,
+                                             args.temperature, local_rollout)
+    device = reward_model.reward_gain.device
+    query_responses = query_responses.to(device)
+    responses = query_responses[:, context_length:]
+    attention_mask = query_responses != pad
+    position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # exclusive cumsum ([general 3])
+    input_ids = query_responses.masked_fill(~attention_mask, 0)
+
+    def response_logprobs(lm):  # the LM head on the response positions only: no (B, T, vocab) logits
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask.long(),
+                               position_ids=position_ids).last_hidden_state[:, context_length - 1:-1]
+        logits = lm.get_output_embeddings()(hidden).float() / args.temperature
+        if pad < logits.shape[-1]:
+            logits[..., pad] = float("-inf")
+        return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+    kl = (response_logprobs(reward_model.backbone) - response_logprobs(policy)).sum(1).double()
+    sums = torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64, device=device)])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
+
+
+def normalization_sample_count(normalize_samples, rollout_batch_size):
+    """How many samples (global) a normalisation really draws: whole rollout batches, ceil(normalize_samples /
+    rollout_batch_size) of them (train_reward.py sample_policy_responses, utils.ceil_div). launch.py's 256 with
+    rollout_batch_size 512 is ONE batch of 512 (8 ranks x 64); lm-human-preference-details draws the same way."""
+    return -(-normalize_samples // rollout_batch_size) * rollout_batch_size
+
+
+# Query sources. OpenAI read its own files (datasets/books.py book_passages/{mode}.jsonl, datasets/tldr.py
+# tldr/{mode}-subset.json); lm-human-preference-details reads the Hub's bookcorpus for the books tasks. Under
+# datasets >= 4 a Hub dataset with a loading script raises "Dataset scripts are no longer supported"; bookcorpus
+# was converted to Parquet on the Hub (commit d904700c "Convert dataset to Parquet": plain_text/train-0000k-of-00010
+# .parquet, one "text" column, 74,004,228 sentences), and we read those files with the packaged "parquet" builder,
+# which never looks for a script.
+BOOKCORPUS_PARQUET = "hf://datasets/bookcorpus/bookcorpus/plain_text/train-*.parquet"
+OPENAI_TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr/train-subset.json"
+
+
+def clean_tldr_text(text):
+    """datasets/tldr.py: runs of 3+ newlines -> 2, strip. (The original first applies ftfy.fix_text, a mojibake
+    fixer; ftfy is not a dependency here, see docs/rewards.md differences.)"""
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def load_query_dataset(name):
+    """A `datasets.Dataset` of query texts, column "text", for a query source name:
+    "bookcorpus"/"books" (BOOKCORPUS_PARQUET), "tldr" (OPENAI_TLDR_URL, a JSON list of posts whose "content" is the
+    query, cleaned by clean_tldr_text), or a path/URL/glob of .parquet, .json or .jsonl files with a "text" or
+    "content" column (the tests use a tiny local file through this same code)."""
+    from datasets import load_dataset
+
+    files = {"bookcorpus": BOOKCORPUS_PARQUET, "books": BOOKCORPUS_PARQUET, "tldr": OPENAI_TLDR_URL}.get(name, name)
+    builder = "json" if files.endswith((".json", ".jsonl")) else "parquet"
+    dataset = load_dataset(builder, data_files=files, split="train")
+    if "content" in dataset.column_names:  # OpenAI's TL;DR files: {"content": post, ...}
+        dataset = dataset.map(lambda row: {"text": clean_tldr_text(row["content"])})
+    return dataset
+
+
+def query_texts(args, local_seed, rank=0, world_size=1):
+    """An endless iterator of query strings: tiny_queries (per-rank seeds), or a dataset shuffled ONCE with the
+    shared `args.seed` (a permutation of the whole corpus, not a streaming buffer) and sharded by rank: rank r
+    reads rows r, r + W, r + 2W, ... of the shuffled order, as the original (datasets.py: shuffle with one seed,
+    then tf_dataset.shard(num_ranks, rank)). ppo_rlhf.py reads the same stream, so the reward model's
+    normalisation samples start from the same queries as the first PPO batch, as in the original."""
     if args.query_dataset == "tiny":
         chunk = 0
         while True:  # fresh queries: offset seeds so they never repeat the label queries (seeded with args.seed)
             yield from tiny_queries(1024, seed=local_seed + 7919 * (chunk + 1))
             chunk += 1
-    from datasets import load_dataset
-
-    dataset = load_dataset(args.query_dataset, split="train", streaming=True).shuffle(seed=local_seed)
-    while True:
-        for row in dataset:
-            yield row["text"]
+    dataset = load_query_dataset(args.query_dataset).shuffle(seed=args.seed)
+    while True:  # repeat forever, as tf_dataset.repeat()
+        for i in range(rank, len(dataset), world_size):
+            yield dataset[i]["text"]
 
 
 def check_args(args, world_size):
@@ -762,8 +935,13 @@ def check_args(args, world_size):
         problems.append(f"need lr >= 0, eps >= 0, temperature > 0 (got {args.lr}, {args.eps}, {args.temperature})")
     if (args.normalize_before or args.normalize_after) and args.normalize_samples < 2 * world_size:
         problems.append(f"normalize_samples ({args.normalize_samples}) must be >= 2 per rank to estimate a std")
-    if args.debug_normalize < 0 or args.rollout_batch_size <= 0 or args.eval_every <= 0:
-        problems.append("debug_normalize must be >= 0, rollout_batch_size and eval_every > 0")
+    if args.debug_normalize < 0 or args.rollout_batch_size <= 0 or args.eval_every <= 0 or args.kl_samples < 0:
+        problems.append("debug_normalize and kl_samples must be >= 0, rollout_batch_size and eval_every > 0")
+    elif args.rollout_batch_size % world_size or args.kl_samples % world_size:
+        problems.append(f"rollout_batch_size ({args.rollout_batch_size}) and kl_samples ({args.kl_samples}) are "
+                        f"global and must divide by the world size ({world_size})")
+    if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
+        problems.append("the tiny task has no start_text/end_text/query_prefix/query_suffix")
     tiny = [args.base_model == "tiny", args.label_source == "tiny", args.query_dataset == "tiny"]
     if any(tiny) and not all(tiny):
         problems.append("the tiny task needs base_model, label_source and query_dataset all set to 'tiny' (its "
@@ -843,7 +1021,7 @@ def train(args: Args) -> str:
     policy.requires_grad_(False)
     reward_model = RewardModel(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)).to(device)
     params = [p for p in reward_model.parameters() if p.requires_grad]
-    synced = params + [reward_model.reward_gain, reward_model.reward_bias]  # what must be equal on every rank
+    synced = params  # what must be equal on every rank (reward_gain and reward_bias are among the parameters)
     if world_size > 1:
         for tensor in synced:
             dist.broadcast(tensor.data, src=0)
@@ -854,9 +1032,10 @@ def train(args: Args) -> str:
     else:
         optimizer = torch.optim.Adam(params, lr=args.lr, eps=args.eps)
 
-    query_iter = query_texts(args, local_seed)
-    local_normalize = -(-args.normalize_samples // world_size)  # this rank's share, rounded up
-    local_debug = -(-args.debug_normalize // world_size)
+    query_iter = query_texts(args, local_seed, rank, world_size)
+    # whole rollout batches, as the original: 256 asked with rollout_batch_size 512 -> 512 drawn (this rank's share)
+    local_normalize = normalization_sample_count(args.normalize_samples, args.rollout_batch_size) // world_size
+    local_debug = normalization_sample_count(args.debug_normalize, args.rollout_batch_size) // world_size
 
     def normalize(name, step):
         """[reward 3]: normalise on fresh frozen-policy samples, then measure on other fresh samples."""
@@ -903,6 +1082,9 @@ def train(args: Args) -> str:
         if (step % args.eval_every == 0 or step == num_steps) and num_test > 0:
             metrics.update(evaluate(reward_model, labels, test_indices, pad, device, args.batch_size, rank,
                                     world_size))
+            if args.kl_samples:  # drift of the backbone's LM head from the pretrained policy ([repro] train/kl)
+                metrics["train/kl"] = backbone_kl(reward_model, policy, tokenizer, args, args.kl_samples // world_size,
+                                                  query_iter)
             if rank == 0:
                 print(f"step {step}/{num_steps} train/loss {metrics['train/loss']:.4f} "
                       f"test/accuracy {metrics['test/accuracy']:.4f}", flush=True)
@@ -945,6 +1127,7 @@ if __name__ == "__main__":
         "tiny": "offline CPU: tiny random policy, synthetic best-of-4 labels from the vowel rule (about a minute)",
         "gpt2_sentiment": "gpt2, OpenAI's sentiment offline_5k labels (lm-human-preferences launch.py)",
         "gpt2_descriptiveness": "gpt2, OpenAI's descriptiveness offline_5k labels (lm-human-preferences launch.py)",
+        "gpt2_tldr": "gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)",
     }
     args = tyro.extras.overridable_config_cli({name: (descriptions.get(name, name), preset)
                                                for name, preset in PRESETS.items()})

@@ -299,8 +299,8 @@ def tiny_assets(tmp_path_factory):
     x = torch.randint(3, len(tok), (256, 24))
     with torch.no_grad():
         raw = rm(x, torch.ones_like(x))
-    rm.reward_gain.fill_(1.0 / raw.std().item())
-    rm.reward_bias.fill_(-raw.mean().item() / raw.std().item())
+        rm.reward_gain.fill_(1.0 / raw.std().item())  # parameters (trainable in rewards.train): set without grad
+        rm.reward_bias.fill_(-raw.mean().item() / raw.std().item())
     rewards.save_reward_model(rm, str(root / "reward_model"), tok)
     return root
 
@@ -384,3 +384,125 @@ def test_bypass_rollout_correction_runs_and_logs_mismatch(tiny_assets, tmp_path)
     m = read_metrics(out)
     # generate() scores vs the training forward: same fp32 weights on CPU, so the mismatch is ~0 but measured
     assert abs(m[0]["rollout_corr/kl"]) < 1e-3 and np.isfinite(m[-1]["ppo/loss/total"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OpenAI fidelity: per-group whitening, the reward model's seed, the TL;DR preset and its query path, new metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def openai_whiten(x, shift_mean=True):
+    """lm_human_preferences/utils/core.py whiten, transcribed in numpy: tf.nn.moments (biased variance) over all
+    elements, (x - mean) * rsqrt(var + 1e-8), the mean added back when shift_mean is False."""
+    mean, var = x.mean(), x.var()
+    out = (x - mean) / np.sqrt(var + 1e-8)
+    return out if shift_mean else out + mean
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_in_groups_of_64_equals_what_eight_ranks_compute(shift_mean):
+    """OpenAI's 8 ranks each whitened their own 64 rollouts. One process with group_size=64 must give, row for row,
+    the 8 ranks' results (each computed here as the original would on its 64 rows), and differ from whitening all
+    512 at once when the ranks' batches have different scales."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 24, generator=g, dtype=torch.float64)
+    x = x * torch.arange(1, 9, dtype=torch.float64).repeat_interleave(64)[:, None] + 0.3  # rank r: scale r + 1
+    ranks = np.concatenate([openai_whiten(x[64 * r: 64 * (r + 1)].numpy(), shift_mean) for r in range(8)])
+    grouped = whiten(x, shift_mean=shift_mean, group_size=64)
+    np.testing.assert_allclose(grouped.numpy(), ranks, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(whiten(x, shift_mean=shift_mean).numpy(), openai_whiten(x.numpy(), shift_mean),
+                               rtol=1e-10, atol=1e-10)  # group_size 0: the whole batch, as before
+    assert not np.allclose(whiten(x, shift_mean=shift_mean).numpy(), ranks, atol=1e-3)
+
+
+def test_whiten_group_size_is_checked():
+    gpt2 = PRESETS["gpt2_sentiment"][1]
+    assert gpt2.whiten_group_size == 64  # 512 / 8 ranks: one GPU reproduces the 8-GPU experiment
+    assert batch_sizes(gpt2, 1)["local_batch"] == 512 and batch_sizes(gpt2, 8)["local_batch"] == 64
+    with pytest.raises(ValueError, match="whiten_group_size"):
+        validate_args(dataclasses.replace(gpt2, whiten_group_size=48), 1)
+    with pytest.raises(ValueError, match="too small to whiten rewards"):
+        validate_args(dataclasses.replace(gpt2, whiten_group_size=4), 1)
+    with pytest.raises(ValueError, match="whiten_group_size"):
+        validate_args(dataclasses.replace(gpt2, whiten_group_size=-1), 1)
+
+
+def test_gpt2_tldr_preset_follows_launch_py():
+    """Every value of launch.py's summarize_tldr_task and get_experiments()['tldr'] / get_train_reward_experiments()
+    ['tldr'], and it validates on 1 and 8 ranks (4 rollouts per rank on 8: no reward whitening there)."""
+    a = PRESETS["gpt2_tldr"][1]
+    assert (a.query_dataset, a.query_length, a.response_length, a.query_suffix, a.query_prefix) == \
+        ("tldr", 500, 75, "\n\nTL;DR:", "")
+    assert (a.start_text, a.end_text, a.truncate_token, a.truncate_after, a.temperature) == (None, None, "\n", 55, 0.7)
+    assert (a.total_episodes, a.rollout_batch_size, a.lr, a.kl_coef, a.adaptive_kl, a.whiten_rewards) == \
+        (1_000_000, 32, 2e-6, 0.03, False, False)
+    assert (a.noptepochs, a.nminibatches, a.gamma, a.lam, a.vf_coef, a.cliprange, a.cliprange_value) == \
+        (4, 1, 1.0, 0.95, 0.1, 0.2, 0.2)
+    assert validate_args(a, 1)["local_batch"] == 32 and validate_args(a, 8)["local_batch"] == 4
+    r = rewards.PRESETS[a.reward_preset]
+    assert r.label_source.endswith("/labels/tldr/online_45k.json") and r.query_dataset == "tldr"
+    assert (r.num_train, r.batch_size, r.lr, r.rollout_batch_size, r.normalize_samples) == (46_000, 16, 2.5e-5, 128,
+                                                                                           256)
+    # the reward model must see the task the policy trains on (train_policy.py asserts hparams.task equality)
+    for key in ("query_length", "response_length", "temperature", "query_suffix", "query_prefix", "start_text",
+                "end_text"):
+        assert getattr(r, key) == getattr(a, key), key
+
+
+def test_inline_reward_model_gets_the_policy_seed(tmp_path, monkeypatch):
+    """lm-human-preference-details' train-both script seeds the reward model with the policy's seed."""
+    seen = {}
+
+    def fake_train(rm_args):
+        seen["seed"], seen["output_dir"] = rm_args.seed, rm_args.output_dir
+        os.makedirs(rm_args.output_dir, exist_ok=True)  # rewards.train creates it
+        return os.path.join(rm_args.output_dir, "reward_model")
+
+    monkeypatch.setattr(rewards, "train", fake_train)
+    args = dataclasses.replace(PRESETS["tiny"][1], seed=7, output_dir=str(tmp_path))
+    rm_path, _ = ppo_rlhf.reward_model_paths(args)
+    assert seen["seed"] == 7 and rm_path == os.path.join(str(tmp_path), "reward_model_run", "reward_model")
+
+
+def test_tldr_query_batches_offline(tmp_path, monkeypatch):
+    """The gpt2_tldr query path on a local file in OpenAI's tldr JSON format (a list of posts with "content"):
+    raw left-padded queries for the reward model, the policy's queries end with the suffix, and resuming at
+    update 2 replays the stream (sharded by rank, shared shuffle) to exactly the second batch."""
+    posts = [{"id": str(i), "subreddit": "s", "title": "t", "content": f"post {i}\n\n\n\nends", "summary": "x"}
+             for i in range(10)]
+    path = tmp_path / "train-subset.json"
+    path.write_text(json.dumps(posts))
+    monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
+    tokenizer = rewards.build_tiny_tokenizer()
+    args = dataclasses.replace(PRESETS["gpt2_tldr"][1], query_length=12)
+    stream = ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=1)
+    first, second = next(stream), next(stream)
+    assert first.shape == (2, 12)
+    texts = [tokenizer.decode(row[row != tokenizer.pad_token_id]) for row in torch.cat([first, second])]
+    assert all(t.startswith("post ") and "\n\n\n" not in t for t in texts) and len(set(texts)) == 4
+    suffix = tokenizer.encode(args.query_suffix, add_special_tokens=False)
+    policy_queries = rewards.format_queries(first, [], suffix, tokenizer.pad_token_id)
+    assert policy_queries.shape == (2, 12 + len(suffix)) and policy_queries[:, -len(suffix):].tolist() == [suffix] * 2
+    resumed = next(ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=2))
+    assert torch.equal(resumed, second)
+    rank1 = next(ppo_rlhf.query_batches(args, tokenizer, seed=100004, local_batch=2, start_update=1, rank=1,
+                                        world_size=2))
+    rank0 = next(ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=1, rank=0,
+                                        world_size=2))
+    assert torch.equal(torch.stack([rank0[0], rank1[0], rank0[1], rank1[1]]), torch.cat([first, second]))
+
+
+def test_grouped_whitening_run_logs_the_new_metrics(tiny_assets, tmp_path):
+    """Two updates with whitening groups of 8: the [repro]/OpenAI metrics ppo/val/ratio_var, advantage_var and
+    var_explained are logged; the group means of the whitened advantages are 0, so advantage_var is ~0 (as [repro]
+    logs it across ranks), ratio_var > 0 (the ratio is exactly 1 only before the first optimizer step), and
+    var_explained = 1 - error / var(returns) <= 1."""
+    out = tmp_path / "grouped"
+    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=32, rollout_batch_size=16, local_micro_batch_size=8,
+                             whiten_group_size=8, save_freq=0))
+    m = read_metrics(out)
+    assert len(m) == 2
+    for r in m:
+        assert 0.0 <= r["ppo/val/advantage_var"] < 1e-10
+        assert r["ppo/val/ratio_var"] > 0 and np.isfinite(r["ppo/val/ratio_var"])
+        assert np.isfinite(r["ppo/val/var_explained"]) and r["ppo/val/var_explained"] <= 1.0

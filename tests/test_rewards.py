@@ -54,7 +54,26 @@ def test_reward_head_init_statistics():
     assert abs(w.mean().item()) < 4 * expected_std / math.sqrt(d)
     assert model.scalar_head.bias.item() == 0.0
     assert model.reward_gain.item() == 1.0 and model.reward_bias.item() == 0.0
-    assert "reward_gain" in dict(model.named_buffers()) and "reward_bias" in dict(model.named_buffers())
+
+def test_reward_gain_and_bias_are_trainable():
+    """The original trains reward_norm/gain and /bias with the network (rewards.py get_params() includes them;
+    lm-human-preference-details: nn.Parameter). Hand-computed gradients of sum(gain * raw + bias): d/dgain =
+    sum(raw), d/dbias = B; and one Adam step moves each by ~lr (Adam's first step is lr * sign(grad))."""
+    model = rewards.RewardModel(tiny_gpt2())
+    params = dict(model.named_parameters())
+    assert params["reward_gain"].requires_grad and params["reward_bias"].requires_grad
+    x = torch.randint(0, 50, (5, 7))
+    reward = model(x, torch.ones_like(x))
+    reward.sum().backward()
+    with torch.no_grad():
+        raw = model.raw_reward(x, torch.ones_like(x))
+    assert model.reward_gain.grad.item() == pytest.approx(raw.sum().item(), rel=1e-5, abs=1e-6)
+    assert model.reward_bias.grad.item() == pytest.approx(5.0)
+    from adam_tf import AdamTF
+
+    AdamTF(model.parameters(), lr=1e-3, eps=1e-5).step()
+    assert model.reward_bias.item() == pytest.approx(-1e-3, rel=1e-3)  # grad +5 -> moves down by lr
+    assert abs(model.reward_gain.item() - 1.0) == pytest.approx(1e-3, rel=1e-2)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
@@ -63,8 +82,9 @@ def test_last_token_reward_left_padding_equals_unpadded(arch):
     zeroed). The pad id is OUTSIDE the vocabulary, like gpt2's added [PAD]: it must never reach the embedding."""
     backbone, _ = rewards.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
     model = rewards.RewardModel(backbone).eval()
-    model.reward_gain.fill_(1.7)
-    model.reward_bias.fill_(-0.3)
+    with torch.no_grad():
+        model.reward_gain.fill_(1.7)
+        model.reward_bias.fill_(-0.3)
     pad = backbone.config.vocab_size + 5
     torch.manual_seed(0)
     rows = [torch.randint(3, 50, (n,)) for n in (7, 3, 11, 1)]
@@ -117,7 +137,8 @@ def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):
 
     fit, fresh = sample(1), sample(2)
     assert fit.shape == (256, 24) and (fit[:, 8:] != pad).all()  # fixed-length responses, never padding
-    model.reward_gain.fill_(5.0)  # normalisation must reset these first
+    with torch.no_grad():
+        model.reward_gain.fill_(5.0)  # normalisation must reset these first
     stats = rewards.normalize_reward_model(model, fit, pad)
     mean, std = rewards.reward_stats(model, fit, pad)
     assert abs(mean) < 1e-5 and abs(std - 1) < 1e-5
@@ -369,6 +390,9 @@ def test_train_tiny_learns_and_checkpoint_reloads(trained_tiny):
     assert final_accuracy >= 0.5, final_accuracy  # chance is 0.25
     after = next(r for r in records if "normalize_after/mean_after" in r)
     assert abs(after["normalize_after/mean_after"]) < 0.5 and abs(after["normalize_after/std_after"] - 1) < 0.35
+    # train/kl at each evaluation (steps 8 and 16): the backbone drifted from the pretrained policy, KL > 0
+    kl = [(r["step"], r["train/kl"]) for r in records if "train/kl" in r]
+    assert [step for step, _ in kl] == [8, 16] and all(value > 0 for _, value in kl), kl
     with open(os.path.join(out, "args.json")) as f:
         assert json.load(f)["script"] == "rewards"
 
@@ -395,7 +419,8 @@ def test_torchrun_two_processes(tmp_path):
     out = str(tmp_path / "ddp")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                os.path.join(ROOT, "rewards.py"), "tiny", "--output-dir", out, "--num-train", "128", "--num-test",
-               "64", "--normalize-samples", "64", "--debug-normalize", "64", "--eval-every", "2"]
+               "64", "--normalize-samples", "64", "--debug-normalize", "64", "--eval-every", "2",
+               "--rollout-batch-size", "64", "--kl-samples", "16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -408,3 +433,120 @@ def test_torchrun_two_processes(tmp_path):
     checksum = [r["debug/rank_param_checksum_max_diff"] for r in records if "debug/rank_param_checksum_max_diff" in r]
     assert checksum == [0.0]
     assert os.path.exists(os.path.join(out, "reward_model", rewards.REWARD_HEAD_FILE))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# OpenAI fidelity: normalisation sample counts, query trimming/formatting, query sources (bookcorpus Parquet, TL;DR
+# JSON) read offline from tiny local files in the same formats, the backbone KL metric
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_normalization_draws_whole_rollout_batches():
+    """train_reward.py sample_policy_responses: ceil(n / rollout_batch_size) whole batches. launch.py's books tasks
+    ask 256 with rollout batches of 512, so 512 are drawn; TL;DR asks 256 of 128, so 256."""
+    assert rewards.normalization_sample_count(256, 512) == 512
+    assert rewards.normalization_sample_count(256, 128) == 256
+    assert rewards.normalization_sample_count(300, 128) == 384
+    assert rewards.normalization_sample_count(1024, 512) == 1024
+    assert rewards.normalization_sample_count(0, 512) == 0
+
+
+def test_trim_query_tokens_follows_openai_datasets_py():
+    """Hand-worked cases of language/datasets.py (start token ".", end token "." as launch.py's books task; tokens
+    are ints, 9 stands for ".")."""
+    trim = rewards.trim_query_tokens
+    assert trim([1, 2, 9, 3, 4, 9, 5], 10, start_token=9, end_token=9) == [3, 4, 9]  # after first ".", up to last
+    assert trim([1, 2, 3], 10, start_token=9) is None  # no start token: skipped
+    assert trim([1, 2, 9], 10, start_token=9) == [1, 2, 9]  # "." is the last token: kept whole
+    assert trim([9, 1, 2, 3, 9, 4], 3, start_token=9, end_token=9) is None  # [1, 2, 3] has no end token: skipped
+    assert trim([9, 1, 9, 3, 9, 4], 3, start_token=9, end_token=9) == [1, 9]  # cut to 3, then at the last "."
+    assert trim([5, 6, 7, 8], 2) == [5, 6]  # no trimming: just the first query_length tokens
+
+
+def test_format_queries_puts_prefix_and_suffix_around_the_real_tokens():
+    pad = 0
+    raw = torch.tensor([[pad, pad, 5, 6], [7, 8, 9, 10]])
+    out = rewards.format_queries(raw, [1], [2, 3], pad)
+    assert out.tolist() == [[pad, pad, 1, 5, 6, 2, 3], [1, 7, 8, 9, 10, 2, 3]]
+    assert rewards.format_queries(raw, [], [], pad).tolist() == raw.tolist()
+
+
+def write_bookcorpus_parquet(path, n=40):
+    """A tiny file with the schema of the Hub's bookcorpus Parquet files: one string column "text"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"sentence number {i} ." for i in range(n)]}), path)
+
+
+def test_bookcorpus_parquet_loader_shuffles_once_and_shards_by_rank(tmp_path):
+    """The query stream on a local Parquet file of bookcorpus's schema, read by the same code as the Hub's files: one
+    shuffle with the shared seed, rank r of W takes rows r, r+W, ...: the two ranks' first 20 queries are disjoint
+    and together are exactly the single process's first 40 (so 8 ranks never share a query, unlike independent
+    per-rank shuffles)."""
+    path = str(tmp_path / "train-00000-of-00001.parquet")
+    write_bookcorpus_parquet(path)
+    assert len(rewards.load_query_dataset(path)) == 40
+    args = replace(rewards.PRESETS["gpt2_sentiment"], query_dataset=path, seed=3)
+    take = lambda it, n: [next(it) for _ in range(n)]  # noqa: E731
+    single = take(rewards.query_texts(args, local_seed=0), 40)
+    rank0 = take(rewards.query_texts(args, local_seed=0, rank=0, world_size=2), 20)
+    rank1 = take(rewards.query_texts(args, local_seed=100003, rank=1, world_size=2), 20)
+    assert sorted(single) == sorted(f"sentence number {i} ." for i in range(40))  # a permutation of the corpus
+    assert single != [f"sentence number {i} ." for i in range(40)]  # shuffled
+    assert not set(rank0) & set(rank1) and sorted(rank0 + rank1) == sorted(single)
+    assert rank0 == single[0::2] and rank1 == single[1::2]
+    other_seed = take(rewards.query_texts(replace(args, seed=4), local_seed=0), 40)
+    assert other_seed != single
+
+
+TLDR_POSTS = [  # OpenAI's tldr/{train,valid}-subset.json: a JSON list of posts; "content" is the query text
+    {"id": "a1", "subreddit": "relationships", "title": "t1", "content": "my cat sat\n\n\n\non the mat  ",
+     "summary": "cat"},
+    {"id": "a2", "subreddit": "tifu", "title": "t2", "content": "  i ate the cake", "summary": "cake"},
+]
+
+
+def test_tldr_loader_reads_openai_json_and_cleans_text(tmp_path, monkeypatch):
+    """The TL;DR code path offline: OPENAI_TLDR_URL pointed at a local file of the same format; as datasets/tldr.py,
+    3+ newlines become 2 and the text is stripped."""
+    path = tmp_path / "train-subset.json"
+    path.write_text(json.dumps(TLDR_POSTS))
+    monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
+    dataset = rewards.load_query_dataset("tldr")
+    assert sorted(dataset["text"]) == ["i ate the cake", "my cat sat\n\non the mat"]
+
+
+def test_tldr_normalization_samples_raw_query_plus_response(tiny_policy, tmp_path, monkeypatch):
+    """The gpt2_tldr preset's normalisation path with the tiny policy: the policy samples from query + suffix, the
+    returned rows (what the reward model scores) are the RAW query + response, as train_reward.py."""
+    policy, tokenizer = tiny_policy
+    path = tmp_path / "train-subset.json"
+    path.write_text(json.dumps(TLDR_POSTS * 4))
+    monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
+    args = replace(rewards.PRESETS["gpt2_tldr"], query_length=12, response_length=5, rollout_batch_size=4)
+    assert args.query_suffix == "\n\nTL;DR:" and args.query_dataset == "tldr"
+    rows = rewards.sample_normalization_batch(policy, tokenizer, args, 4, rewards.query_texts(args, 0))
+    assert rows.shape == (4, 12 + 5)
+    pad = tokenizer.pad_token_id
+    queries = {tokenizer.decode(r[:12][r[:12] != pad]) for r in rows}
+    assert queries <= {"i ate the cake"[:12], "my cat sat\n\non the mat"[:12]}  # raw, no suffix
+    assert (rows[:, 12:] != pad).all()
+
+
+def test_backbone_kl_is_zero_for_the_pretrained_weights_and_grows_with_drift(tiny_policy):
+    """train/kl ([repro] train_reward_accelerate.py): sum over response tokens of log p_backbone - log p_policy on
+    samples of the backbone. Same weights: exactly 0. Perturbed backbone: positive (a KL, estimated on 64
+    samples of 16 tokens; the perturbation makes it large compared with its sampling noise)."""
+    policy, tokenizer = tiny_policy
+    import copy
+
+    reward_model = rewards.RewardModel(copy.deepcopy(policy))
+    args = replace(rewards.PRESETS["tiny"], rollout_batch_size=64)
+    texts = rewards.query_texts(args, local_seed=5)
+    torch.manual_seed(0)
+    assert rewards.backbone_kl(reward_model, policy, tokenizer, args, 64, texts) == pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        for p in reward_model.backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert rewards.backbone_kl(reward_model, policy, tokenizer, args, 64, texts) > 0.5
