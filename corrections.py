@@ -879,6 +879,15 @@ def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, ma
 GIB = 2 ** 30
 
 
+def gpu_memory_bytes(gpu_memory_gib=0.0):
+    """A plan's GPU size: --gpu-memory-gib if given, else the total memory of the GPU torch sees, else None."""
+    if gpu_memory_gib > 0:
+        return int(gpu_memory_gib * GIB)
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1]
+    return None
+
+
 def model_shape(config):
     """The sizes the plan needs, from an HF config (gpt2's n_embd/n_layer/n_inner or llama/qwen2 names):
     dict(hidden, layers, intermediate, vocab, heads, kv_dim, gated_mlp, tied)."""

@@ -226,13 +226,16 @@ def _preset_gsm8k_qwen15b():
 
 
 def _preset_countdown():
-    # TinyZero (github.com/Jiayi-Pan/TinyZero, README "3B+ model" run on verl): Qwen2.5-3B base,
-    # data.train_batch_size=256, max_prompt_length=256, max_response_length=1024, actor lr=1e-6,
-    # ppo_mini_batch_size=128, kl_loss_coef=0.001, TRAIN_SIZE=327680 / TEST_SIZE=1024; GRPO with rollout.n=5 and
-    # low_var_kl as in verl's GRPO example. TinyZero's prompt is wrapped by hand in Qwen's chat format; we use the
-    # tokenizer's chat template (the 3B base tokenizer ships the same template).
+    # TinyZero (github.com/Jiayi-Pan/TinyZero, README "3B+ model" run, scripts/train_tiny_zero.sh on its verl fork):
+    # Qwen2.5-3B base, data.train_batch_size=256, max_prompt_length=256, max_response_length=1024, actor lr=1e-6,
+    # ppo_mini_batch_size=128, ppo_micro_batch_size=8, kl 0.001; examples/data_preprocess/countdown.py: the first
+    # 327680 rows of Jiayi-Pan/Countdown-Tasks-3to4 train, the next 1024 test, template_type "base" (the default): a
+    # plain-text "A conversation between User and Assistant ... User: ... Assistant: Let me solve this step by
+    # step.\n<think>" prompt, and its rl_dataset.py tokenizes chat[0]["content"] as is: NO chat template (the chat
+    # format is its "qwen-instruct" ablation: --use-chat-template). TinyZero's own 3B run trained PPO with a critic;
+    # this preset is GRPO (rollout.n=5, low_var_kl KL loss) as in verl's GRPO example and TinyZero's GRPO option.
     return Args(
-        exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=True,
+        exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=False,
         max_prompt_length=256, max_response_length=1024, rollout_n=5, train_batch_size=256, ppo_mini_batch_size=128,
         ppo_micro_batch_size_per_gpu=8, generation_batch_size=256, total_steps=300, lr=1e-6, weight_decay=0.01,
         kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True,
@@ -243,7 +246,8 @@ PRESETS = {
     "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.", _preset_tiny),
     "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", _preset_gsm8k_qwen05b),
     "gsm8k_qwen15b": ("The same with Qwen2.5-1.5B-Instruct (GPU).", _preset_gsm8k_qwen15b),
-    "countdown": ("TinyZero-style Countdown with Qwen2.5-3B (GPU).", _preset_countdown),
+    "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).",
+                  _preset_countdown),
 }
 
 
@@ -383,6 +387,11 @@ def reduce_metrics(metrics, world_size, device):
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
 COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
                     "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
+# TinyZero's template_type="base" (its default, used for the 3B base-model run): plain text, no chat template
+COUNTDOWN_BASE_PREFIX = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves "
+                         "it. The assistant first thinks about the reasoning process in the mind and then provides the "
+                         "user with the answer.\nUser: ")
+COUNTDOWN_BASE_SUFFIX = "\nAssistant: Let me solve this step by step.\n<think>"
 
 
 def load_task(args):
@@ -424,6 +433,8 @@ def load_task(args):
                       "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
                       "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
                       "<answer> (1 + 2) / 3 </answer>.")
+            if not args.use_chat_template:  # TinyZero's "base" template (tokenize_prompts adds the chat format else)
+                prompt = COUNTDOWN_BASE_PREFIX + prompt + COUNTDOWN_BASE_SUFFIX
             return {"prompt": prompt, "answer": target, "nums": nums}
 
         n_train = args.countdown_train_size
@@ -1188,15 +1199,6 @@ def load_model_config(model_name_or_path):
         raise ValueError(f"cannot read the config of {model_name_or_path!r}: {str(e).splitlines()[0]}") from e
 
 
-def gpu_memory_bytes(gpu_memory_gib):
-    """--gpu-memory-gib if given, else the total memory of the GPU torch sees, else None (no GPU)."""
-    if gpu_memory_gib > 0:
-        return int(gpu_memory_gib * corrections.GIB)
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[1]
-    return None
-
-
 def plan_memory(args, config, world_size, gpu_bytes):
     """Per-GPU bytes of one GRPO rank, in two phases that do not overlap in time:
       train:   fp32 weights + fp32 gradients + AdamW (m, v) + the all-reduce's gradient copy (more than one GPU) +
@@ -1257,7 +1259,7 @@ def dry_run(args):
     except ValueError as e:
         print(f"grpo.py: error: {e}")
         return 2
-    gpu_bytes = gpu_memory_bytes(args.gpu_memory_gib)
+    gpu_bytes = corrections.gpu_memory_bytes(args.gpu_memory_gib)
     plan = plan_memory(args, config, world_size, gpu_bytes)
     title = (f"grpo.py {args.exp_name}: {args.model_name_or_path} ({plan['n_params'] / 1e6:.1f}M parameters), "
              f"{world_size} GPU(s), backend {args.backend}{' + sleep mode' if args.vllm_sleep_mode else ''}")
