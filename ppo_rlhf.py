@@ -166,6 +166,15 @@ class Args:
     resume_from: Optional[str] = None
     """a checkpoint directory to resume from; None = the latest one in <output_dir>/checkpoints, if any"""
 
+    # ---- memory plan ----
+    dry_run: bool = False
+    """check every argument, read the policy's config (no weights), print the per-GPU memory plan and exit: status 0
+    if it fits, 2 (one line) if it does not or an argument is bad"""
+    gpu_memory_gib: float = 0.0
+    """GPU memory to plan for in GiB (0 = what torch.cuda sees; no GPU and 0: the plan without a verdict)"""
+    dry_run_gpus: int = 0
+    """--dry-run only: the number of GPUs (torchrun processes) to plan for (0 = WORLD_SIZE, or 1)"""
+
 
 PRESETS = {
     # Offline CPU: the tiny reward model from rewards.py is trained first (one command runs the whole pipeline),
@@ -680,6 +689,85 @@ def reward_model_paths(args):
 
 
 # =====================================================================================================================
+# Memory plan (--dry-run): the arithmetic is corrections.memory_plan, shared with grpo.py
+# =====================================================================================================================
+
+
+def load_model_config(args):
+    """The policy's config alone (AutoConfig, no weights); the tiny preset's gpt2-arch policy is built in memory
+    (rewards.build_tiny_model with its defaults, what `rewards.py tiny` saves)."""
+    if not args.base_model:
+        return rewards.build_tiny_model(None, arch="gpt2")[0].config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(args.base_model)
+    except OSError as e:  # not on the hub / not cached offline: one line, not a traceback
+        raise ValueError(f"cannot read the config of {args.base_model!r}: {str(e).splitlines()[0]}") from e
+
+
+def plan_memory(args, config, world_size, gpu_bytes):
+    """Per-GPU bytes of one PPO rank, in two phases that do not overlap in time:
+      train:   policy + value head (fp32 weights, gradients, Adam m and v), DDP's gradient bucket copy (more than one
+               GPU), autocast's bf16 weight copies, the frozen reference (bf16 linears under bf16 autocast) and reward
+               model (fp32; its backbone assumed the policy's architecture, as in OpenAI's setup), activations of one
+               micro-batch (no gradient checkpointing; the (micro, response, vocab) logits counted 3x in fp32)
+      rollout: the same resident models + generate's KV cache and scores for one micro-batch of query + response
+    plus 1 GiB for the CUDA context and allocator slack (an estimate)."""
+    gib = corrections.GIB
+    shape = corrections.model_shape(config)
+    n_lm = corrections.count_parameters(config)
+    n = n_lm + shape["hidden"] + 1  # + the value head
+    n_rm = n_lm + shape["hidden"] + 1  # backbone + scalar head
+    bf16 = args.bf16
+    embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
+    ref = 2 * (n_lm - embeddings) + 4 * embeddings if bf16 else 4 * n_lm
+    micro = batch_sizes(args, world_size)["micro"]
+    seq = args.query_length + args.response_length
+    resident = {"policy + value head weights (fp32)": 4 * n, "Adam state (fp32 m and v)": 8 * n,
+                "reference policy (bf16 linears)" if bf16 else "reference policy (fp32)": ref,
+                "reward model (fp32)": 4 * n_rm}
+    context = {"CUDA context + allocator slack (estimate)": 1 * gib}
+    train_rows = dict(resident)
+    train_rows["gradients (fp32)"] = 4 * n
+    if world_size > 1:
+        train_rows["DDP gradient buckets (fp32)"] = 4 * n
+    if bf16:
+        train_rows["autocast bf16 weight copies"] = 2 * n
+    train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = corrections.activation_bytes(
+        shape, micro * seq, False, micro * args.response_length)
+    rollout_rows = dict(resident)
+    rollout_rows[f"KV cache + scores (generate, {micro} x {seq} tokens)"] = (
+        micro * seq * corrections.kv_cache_bytes_per_token(shape, 2 if bf16 else 4)
+        + 2 * micro * args.response_length * shape["vocab"] * 4)
+    train_rows.update(context), rollout_rows.update(context)
+    plan = corrections.memory_plan(gpu_bytes, {"train": train_rows, "rollout": rollout_rows})
+    plan["n_params"] = n_lm
+    return plan
+
+
+def dry_run(args):
+    """--dry-run: check every argument, read the config, print the per-GPU plan. Returns the exit status: 0 if it fits
+    (or no GPU size is known), 2 with a one-line reason if an argument is bad or the plan does not fit."""
+    try:
+        world_size = args.dry_run_gpus or int(os.environ.get("WORLD_SIZE", "1"))
+        validate_args(args, world_size)
+        config = load_model_config(args)
+    except ValueError as e:
+        print(f"ppo_rlhf.py: error: {e}")
+        return 2
+    plan = plan_memory(args, config, world_size, corrections.gpu_memory_bytes(args.gpu_memory_gib))
+    title = (f"ppo_rlhf.py {args.exp_name}: {args.base_model or 'tiny gpt2'} ({plan['n_params'] / 1e6:.1f}M "
+             f"parameters), {world_size} GPU(s), {'bf16 autocast' if args.bf16 else 'fp32'}")
+    print(corrections.format_memory_plan(plan, title))
+    if plan["fits"] is False:
+        print(f"ppo_rlhf.py: error: the plan needs {plan['peak'] / corrections.GIB:.2f} GiB per GPU, more than "
+              f"{plan['gpu_bytes'] / corrections.GIB:.2f} GiB: lower --local-micro-batch-size or use more/larger GPUs")
+        return 2
+    return 0
+
+
+# =====================================================================================================================
 # train()
 # =====================================================================================================================
 
@@ -713,6 +801,8 @@ def train(args: Args):
     truncate_token_id = truncate_ids[0]  # "." is id 13 in gpt2 ([repro] truncate_token=13)
     reward_model = rewards.disable_dropout(rewards.load_reward_model(rm_path, device=str(device))).to(device).eval()
     ref_policy = load_policy(policy_path, device).eval()
+    if device.type == "cuda" and args.bf16:  # under bf16 autocast: the same logprobs at ~half the memory (verl)
+        corrections.bf16_frozen_linears_(ref_policy)
     resume = args.resume_from or latest_checkpoint(args.output_dir)
     model = PolicyAndValue(load_policy(os.path.join(resume, "policy") if resume else policy_path, device)).to(device)
     model.eval()  # dropout is already 0; eval() changes nothing else for these models
@@ -1004,6 +1094,8 @@ def train(args: Args):
 
 if __name__ == "__main__":
     cli_args = tyro.extras.overridable_config_cli(PRESETS)
+    if cli_args.dry_run:  # the plan only: no model, no data, no process group
+        raise SystemExit(dry_run(cli_args))
     try:  # bad input fails here, with a one-line message, before any model is loaded
         validate_args(cli_args, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:

@@ -434,6 +434,11 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
     args = grpo.PRESETS["countdown"][1]()
     train, val, reward_fn = grpo.load_task(dataclasses.replace(args, countdown_train_size=4))
     assert len(train) == 4 and len(val) == 1024 and "equals 22" in train[0]["prompt"]
+    # TinyZero's 3B run: the "base" template as plain text, no chat template (its rl_dataset.py tokenizes it as is)
+    assert not args.use_chat_template
+    assert train[0]["prompt"].startswith("A conversation between User and Assistant.")
+    assert "\nUser: Using the numbers [3, 5, 7], create" in train[0]["prompt"]
+    assert train[0]["prompt"].endswith("\nAssistant: Let me solve this step by step.\n<think>")
     assert reward_fn("<think>ok</think> <answer>3 * 5 + 7</answer>", train[0]) == 1.0
 
 

