@@ -27,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -928,8 +929,9 @@ def train(args: Args):
 
 if __name__ == "__main__":
     cli_args = tyro.extras.overridable_config_cli(PRESETS)
-    try:  # bad input fails here, with a one-line message, before any model is loaded
+    try:  # bad input: one line on stderr and exit code 2 (argparse's convention), before any model loads
         validate_args(cli_args, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
-        raise SystemExit(f"ppo_rlhf.py: error: {e}")
+        print(f"ppo_rlhf.py: error: {e}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
     train(cli_args)
