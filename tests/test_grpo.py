@@ -310,7 +310,7 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for p in ref.parameters():
-            p.add_(0.02 * torch.randn_like(p, generator=None))
+            p.add_(0.02 * torch.randn_like(p))
     batch = dict(batch)
     grpo.compute_pi_old_and_ref(model, ref, batch, args, corrections.RolloutCorrection.disabled())
     corrected = batch["response_mask"].clone()
@@ -332,6 +332,33 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     assert metrics["actor/entropy"] == pytest.approx(mean(expected["actor/entropy"]), rel=1e-5)
     assert metrics["actor/kl_loss"] == pytest.approx(mean(expected["actor/kl_loss"]), rel=1e-5)
     assert abs(metrics["actor/entropy"] - mean(expected["plain_entropy"])) > 1e-4  # the mask made a difference
+
+
+def test_verl_source_uses_one_corrected_mask_for_every_loss_term():
+    """What the test above reproduces, read from verl 0.9.1's source: compute_rollout_correction_and_add_to_batch
+    overwrites batch["response_mask"] with the RS mask, and ppo_loss passes that one response_mask to the policy
+    loss, the entropy agg_loss and the KL agg_loss."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        pytest.skip("verl not installed (scripts/setup_cpu.sh installs it)")
+    root = Path(spec.origin).parent
+
+    def function(relpath, name):
+        tree = ast.parse((root / relpath).read_text())
+        return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+    add = function("trainer/ppo/rollout_corr_helper.py", "compute_rollout_correction_and_add_to_batch")
+    targets = [ast.unparse(t) for n in ast.walk(add) if isinstance(n, ast.Assign) for t in n.targets]
+    assert "batch.batch['response_mask']" in targets
+    loss = function("workers/utils/losses.py", "ppo_loss")
+    masks = [(ast.unparse(call.func), ast.unparse(kw.value)) for call in ast.walk(loss) if isinstance(call, ast.Call)
+             for kw in call.keywords if kw.arg in ("loss_mask", "response_mask")]
+    assert [f for f, _ in masks] == ["policy_loss_fn", "agg_loss", "agg_loss"]  # pg, entropy, kl
+    assert {m for _, m in masks} == {"response_mask"}
 
 
 def _verl_lr_schedules():
