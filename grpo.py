@@ -1053,8 +1053,9 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode)
                 loss = pg_loss
                 # Entropy and KL terms use the same mask as the PG term: in decoupled mode the RS/veto-corrected one
-                # (verl replaces response_mask with it for every loss term, rollout_corr_helper
-                # compute_rollout_correction_and_add_to_batch -> workers/utils/losses.py ppo_loss); bypass: the plain mask.
+                # (verl replaces response_mask with it for every loss term: rollout_corr_helper
+                # compute_rollout_correction_and_add_to_batch, then workers/utils/losses.py ppo_loss); bypass: the
+                # plain mask.
                 entropy_loss = corrections.agg_loss(entropy, loss_mask, args.loss_agg_mode)
                 if args.entropy_coeff != 0:
                     loss = loss - args.entropy_coeff * entropy_loss

@@ -413,7 +413,8 @@ def test_torchrun_two_processes(tmp_path):
 def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
     out = tmp_path / "bad"
     proc = subprocess.run([sys.executable, "rewards.py", "tiny", "--output-dir", str(out), "--num-train", "7"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and ppo_rlhf.py
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rewards.py: error: num_train (7) must be a positive multiple")
