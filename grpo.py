@@ -1126,7 +1126,7 @@ def find_checkpoint(args):
 
 def restart_metrics_file(path, step):
     """On resume: keep the rows of steps <= the checkpoint's step; rows the crashed run wrote after it are moved to
-    metrics.jsonl.discarded (never deleted), since the resumed run writes those steps again."""
+    <path>.discarded (never deleted), since the resumed run writes those steps again (metrics.jsonl, samples.jsonl)."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -1251,9 +1251,10 @@ def train(args, backend=None):
             json.dump(dataclasses.asdict(args), f, indent=2)
         if checkpoint:
             restart_metrics_file(metrics_path, start_step)
-        metrics_file = open(metrics_path, "a" if checkpoint else "w")
-        if not checkpoint and os.path.exists(samples_path):
+            restart_metrics_file(samples_path, start_step)  # the same for the sample rows
+        elif os.path.exists(samples_path):
             os.remove(samples_path)  # a fresh run: samples.jsonl is appended to below
+        metrics_file = open(metrics_path, "a" if checkpoint else "w")
         if args.track:
             import wandb
 

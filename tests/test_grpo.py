@@ -473,6 +473,8 @@ def test_resume_continues_the_same_run(tmp_path):
     grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))  # "crash" after step 2
     resumed = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4)))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    samples = _read_metrics(tmp_path / "b" / "samples.jsonl")  # step 1, then the first step after the resume
+    assert [r["step"] for r in samples] == [1] * base.num_log_samples + [3] * base.num_log_samples
     for a, b in zip(full, resumed):
         for key in a:
             if not key.startswith("timing"):
