@@ -680,7 +680,8 @@ def ppo_is_token_loss(logprobs, rollout_logprobs, advantages, clip=0.2):
 
 def tis_ppo_token_loss(logprobs, old_logprobs, rollout_logprobs, advantages, clip=0.2, cap=2.0):
     """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios are clipped
-    separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so PPO's trust region is intact."""
+    separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so PPO's trust region is intact.
+    cap=math.inf is vanilla IS in the PPO form, the paper's ablation (preset decoupled_token_vanilla_is)."""
     weight = torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
     return weight * naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip)
 

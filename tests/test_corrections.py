@@ -412,6 +412,11 @@ def test_tis_paper_estimators_at_equal_policies():
     lp.grad = None
     C.tis_ppo_token_loss(lp, lp.detach(), rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
     assert torch.all(lp.grad != 0)
+    # cap = inf is vanilla IS in the PPO form: the weight e^0.5 = 1.65 survives; the default C = 2 caps a larger one
+    far = lp.detach() - torch.tensor([[0.5, 1.5]])  # weights e^0.5, e^1.5 = 4.48
+    vanilla = C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2), cap=math.inf)
+    assert torch.allclose(vanilla, -torch.exp(torch.tensor([[0.5, 1.5]])))
+    assert C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2))[0, 1].item() == pytest.approx(-2.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
