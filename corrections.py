@@ -406,7 +406,7 @@ def rejection_mask(log_ratio, mask, option, threshold):
             option_keep = token_stat <= hi
         rejected = valid & ~option_keep
         keep &= option_keep
-        metrics.update(_rs_option_metrics(f"rollout_rs_{name}", token_stat, seq_values, valid, seq_valid, lo, hi,
+        metrics.update(_rs_option_metrics(f"rollout_rs_{name}", stat, seq_values, valid, seq_valid, lo, hi,
                                           name.startswith("token"), name.endswith("k1")))
         metrics[f"rollout_rs_{name}_masked_fraction"] = masked_mean(rejected.float(), valid)
         metrics[f"rollout_rs_{name}_seq_masked_fraction"] = masked_mean(rejected.any(-1).float(), seq_valid)
@@ -416,31 +416,39 @@ def rejection_mask(log_ratio, mask, option, threshold):
     return (mask.bool() & keep).to(mask.dtype), metrics
 
 
-def _rs_option_metrics(prefix, token_stat, seq_values, valid, seq_valid, lo, hi, token_level, has_lower):
-    """verl 0.9.1's compute_rs_metrics for one option (see rejection_mask). token_stat (B, T) is the statistic each
-    token is tested with; seq_values (B,) one value per sequence. An all-padding batch gives zeros (verl raises)."""
-    zero = token_stat.new_zeros(())
+def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token_level, has_lower):
+    """verl 0.9.1's compute_rs_metrics for one option (see rejection_mask). stat (B, T): the per-token statistic of a
+    token option; seq_values (B,): one value per sequence (a sequence option tests every token with its sequence's
+    value, so its token-weighted statistics are count-weighted sums over sequences: no extra (B, T) tensor).
+    An all-padding batch gives zeros (verl raises)."""
+    zero = seq_values.new_zeros(())
     seqs = seq_values[seq_valid]  # valid sequences only
-    n_tokens = valid.sum()
-    m = {f"{prefix}_mean": masked_mean(token_stat, valid)}
+    counts = valid.sum(-1).to(seq_values.dtype)  # (B,) tokens per sequence
+    n_tokens = counts.sum()
+    floor = lo if has_lower else 0.0  # the std clamps the statistic to its bounds (k2/k3: to [0, upper])
+    if token_level:
+        clamped = stat.clamp(min=floor, max=hi)
+        token_mean, clamped_mean = masked_mean(stat, valid), masked_mean(clamped, valid)
+        clamped_sq_mean = masked_mean(clamped.square(), valid)
+    else:
+        clamped = seq_values.clamp(min=floor, max=hi)
+        token_mean, clamped_mean, clamped_sq_mean = (
+            (v * counts).sum() / n_tokens.clamp(min=1) for v in (seq_values, clamped, clamped.square()))
+    m = {f"{prefix}_mean": token_mean}
     if not token_level and seqs.numel():  # a sequence option: extremes and fractions over sequences
         m[f"{prefix}_max"], m[f"{prefix}_min"] = seqs.max(), seqs.min()
         m[f"{prefix}_fraction_high"] = (seqs > hi).float().mean()
         m[f"{prefix}_fraction_low"] = (seqs < lo).float().mean() if has_lower else zero
-    elif n_tokens:
-        m[f"{prefix}_max"] = token_stat.masked_fill(~valid, -math.inf).max()
-        m[f"{prefix}_min"] = token_stat.masked_fill(~valid, math.inf).min()
-        m[f"{prefix}_fraction_high"] = masked_mean((token_stat > hi).float(), valid)
-        m[f"{prefix}_fraction_low"] = masked_mean((token_stat < lo).float(), valid) if has_lower else zero
+    elif token_level and n_tokens:
+        m[f"{prefix}_max"] = stat.masked_fill(~valid, -math.inf).max()
+        m[f"{prefix}_min"] = stat.masked_fill(~valid, math.inf).min()
+        m[f"{prefix}_fraction_high"] = masked_mean((stat > hi).float(), valid)
+        m[f"{prefix}_fraction_low"] = masked_mean((stat < lo).float(), valid) if has_lower else zero
     else:
         for k in ("max", "min", "fraction_high", "fraction_low"):
             m[f"{prefix}_{k}"] = zero
-    if n_tokens > 1:  # std of the statistic clamped to its bounds (verl: keeps one outlier from dominating)
-        clamped = token_stat.clamp(min=lo if has_lower else 0.0, max=hi)
-        var = masked_mean(clamped.square(), valid) - masked_mean(clamped, valid).square()
-        m[f"{prefix}_std"] = var.clamp(min=0).sqrt()
-    else:
-        m[f"{prefix}_std"] = zero
+    # std of the clamped statistic over tokens (verl: one outlier cannot dominate it); 0 for fewer than 2 tokens
+    m[f"{prefix}_std"] = (clamped_sq_mean - clamped_mean.square()).clamp(min=0).sqrt() if n_tokens > 1 else zero
     if seqs.numel():
         m[f"{prefix}_seq_mean"] = seqs.mean()
         m[f"{prefix}_seq_std"] = seqs.std() if seqs.numel() > 1 else zero
