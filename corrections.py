@@ -170,7 +170,8 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
 
 def parse_is_threshold(threshold, field="rollout_is_threshold"):
     """An IS threshold is an upper bound C (float or "2.0"), or "lower_upper" (e.g. "0.5_5.0") for masked IS
-    (IcePop): weights outside [lower, upper] become 0 instead of being truncated. Returns (lower or None, upper)."""
+    (IcePop): weights outside [lower, upper] become 0 instead of being truncated. C = inf ("inf") is vanilla,
+    untruncated IS (verl accepts it; the TIS paper's ablation compares TIS with it). Returns (lower or None, upper)."""
     lower = None
     try:
         if isinstance(threshold, str) and "_" in threshold:
@@ -180,11 +181,17 @@ def parse_is_threshold(threshold, field="rollout_is_threshold"):
             upper = float(threshold)
     except (TypeError, ValueError):
         raise ValueError(f"{field} must be a positive number or 'lower_upper' (e.g. '0.5_5.0'), got {threshold!r}")
-    if upper <= 0 or (lower is not None and lower <= 0) or not math.isfinite(upper):
-        raise ValueError(f"{field} bounds must be positive and finite, got {threshold!r}")
+    if not upper > 0 or (lower is not None and not (0 < lower < math.inf)):  # also refuses NaN
+        raise ValueError(f"{field} bounds must be positive (a finite lower bound, an upper bound up to inf), "
+                         f"got {threshold!r}")
     if lower is not None and lower > upper:
         raise ValueError(f"{field}: lower bound {lower} is above the upper bound {upper}")
     return lower, upper
+
+
+def _log_bound(x):
+    """log of a bound; 0 (the lower bound 1/C of C = inf) gives -inf, as torch.log does in verl."""
+    return math.log(x) if x > 0 else -math.inf
 
 
 def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper):
@@ -196,8 +203,8 @@ def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper
     if level == "sequence":  # per-sequence log weights, so max/min are exact even beyond the safety clamp
         metrics["rollout_is_max"] = torch.exp(seq_log_ratio.max().clamp(max=SAFETY_BOUND))
         metrics["rollout_is_min"] = torch.exp(seq_log_ratio.min().clamp(max=SAFETY_BOUND))
-        metrics["rollout_is_ratio_fraction_high"] = (seq_log_ratio > math.log(upper)).float().mean()
-        metrics["rollout_is_ratio_fraction_low"] = (seq_log_ratio < math.log(lower)).float().mean()
+        metrics["rollout_is_ratio_fraction_high"] = (seq_log_ratio > _log_bound(upper)).float().mean()
+        metrics["rollout_is_ratio_fraction_low"] = (seq_log_ratio < _log_bound(lower)).float().mean()
     else:
         metrics["rollout_is_ratio_fraction_high"] = masked_mean((raw_weights > upper).float(), mask)
         metrics["rollout_is_ratio_fraction_low"] = masked_mean((raw_weights < lower).float(), mask)
@@ -337,7 +344,7 @@ def parse_rs_thresholds(options, threshold, field="rollout_rs_threshold"):
 
 def rejection_mask(log_ratio, mask, option, threshold):
     """Rejection sampling: a new mask that keeps a token only if every listed option accepts it. It only ever turns
-    1s into 0s. Options (verl math doc 3.3-3.5), with k1/k2/k3 from `token_divergences`:
+    1s into 0s. Options (verl math doc 3.3-3.5), with k1/k2/k3 from `token_divergences` (k1 = -log rho):
 
         token_k1      keep token t if   lower <= rho_t <= upper
         seq_sum_k1    keep sequence if  lower <= prod_t rho_t <= upper                  (seq-MIS)
@@ -348,11 +355,19 @@ def rejection_mask(log_ratio, mask, option, threshold):
         seq_max_k2/k3 keep sequence if  max_t k_t <= upper     (isolates single-token spikes)
 
     `threshold`: see parse_rs_thresholds ("0.5_2.0", 2.0, or "0.999_1.001,0.01" for two options).
-    Note on k1: the acceptance set follows the math document, C_lower <= rho <= C_upper. verl's code compares its
-    k1 statistic (-log rho) with [log lower, log upper], which accepts 1/rho in [lower, upper], i.e. rho in
-    [1/upper, 1/lower]. The two agree for symmetric bounds (lower = 1/upper, the default); for asymmetric bounds
-    such as "0.5_3.0" they reject different tokens. Our k1 metrics are statistics of log rho.
+    Note on k1: the acceptance set follows the math document, C_lower <= rho <= C_upper, i.e. the k1 statistic
+    -log rho must lie in [-log upper, -log lower]. verl's code compares -log rho with [log lower, log upper], which
+    accepts rho in [1/upper, 1/lower]. The two agree for symmetric bounds (lower = 1/upper, the default); for
+    asymmetric bounds such as "0.5_3.0" they reject different tokens.
     Legacy names "token", "sequence", "geometric" mean token_k1, seq_sum_k1, seq_mean_k1.
+
+    Metrics: verl 0.9.1's compute_rs_metrics set, names and values (for symmetric bounds), per option
+    `rollout_rs_<option>_`: mean (token-weighted, a sequence option's value counted once per token), max, min,
+    fraction_high, fraction_low (k1 only; else 0), std (of the statistic clamped to its bounds, token-weighted),
+    seq_mean, seq_std (unbiased), seq_max, seq_min, seq_max_deviation (max |value|), seq_fraction_high,
+    seq_fraction_low (k1 only), masked_fraction, seq_masked_fraction; plus rollout_rs_masked_fraction and
+    rollout_rs_seq_masked_fraction over all options. "high"/"low" refer to the statistic (for k1, -log rho: high
+    means rho below its lower bound). The seq_* values are per-sequence means of a token option's statistic.
 
     When to use: seq_mean_k1 (Geo-RS) or seq_mean_k3 for long sequences (length-invariant: no "length trap");
     seq_sum_k1 to drop whole sequences whose product ratio explodes (toxic tails); seq_max_k* against single
@@ -369,44 +384,84 @@ def rejection_mask(log_ratio, mask, option, threshold):
     for name in options:
         lower, upper = bounds[name]
         if name.endswith("k1"):
-            stat = log_ratio  # the k1 statistic is compared as log rho (see the note above)
+            stat = -log_ratio  # token_divergences' k1 = -log rho
         elif name.endswith("k2"):
             stat = 0.5 * log_ratio.square()  # token_divergences' k2, computed only when an option needs it
         else:
             stat = torch.expm1(log_ratio).sub_(log_ratio)  # k3
         if name.startswith("token"):
-            token_stat = stat
+            seq_values = masked_mean(stat, valid, dim=-1)  # (B,) only for the seq_* metrics
         elif name.startswith("seq_sum"):
-            token_stat = masked_sum(stat, valid, dim=-1).unsqueeze(-1).expand_as(stat)
+            seq_values = masked_sum(stat, valid, dim=-1)
         elif name.startswith("seq_mean"):
-            token_stat = masked_mean(stat, valid, dim=-1).unsqueeze(-1).expand_as(stat)
+            seq_values = masked_mean(stat, valid, dim=-1)
         else:  # seq_max
-            token_stat = stat.masked_fill(~valid, -math.inf).amax(-1, keepdim=True).expand_as(stat)
-        if name.endswith("k1"):
-            lo, hi = math.log(lower), math.log(upper)
+            seq_values = stat.masked_fill(~valid, -math.inf).amax(-1).masked_fill(~seq_valid, 0.0)
+        token_stat = stat if name.startswith("token") else seq_values.unsqueeze(-1).expand_as(stat)
+        if name.endswith("k1"):  # rho in [lower, upper]  <=>  k1 = -log rho in [-log upper, -log lower]
+            lo, hi = -_log_bound(upper), -_log_bound(lower)
             option_keep = (token_stat >= lo) & (token_stat <= hi)
         else:
-            lo, hi = None, upper
+            lo, hi = 0.0, upper  # k2, k3 >= 0: the lower bound only clamps the std below
             option_keep = token_stat <= hi
         rejected = valid & ~option_keep
         keep &= option_keep
-        p = f"rollout_rs_{name}"
-        if name.startswith("token"):
-            stat_valid = valid
-        else:  # one value per sequence: statistics over valid sequences
-            token_stat, stat_valid = token_stat[:, :1], seq_valid.unsqueeze(-1)
-        metrics[f"{p}_mean"] = masked_mean(token_stat, stat_valid)
-        has_any = stat_valid.any()
-        metrics[f"{p}_max"] = token_stat.masked_fill(~stat_valid, -math.inf).max() if has_any else zero
-        metrics[f"{p}_min"] = token_stat.masked_fill(~stat_valid, math.inf).min() if has_any else zero
-        metrics[f"{p}_fraction_high"] = masked_mean((token_stat > hi).float(), stat_valid)
-        metrics[f"{p}_fraction_low"] = masked_mean((token_stat < lo).float(), stat_valid) if lo is not None else zero
-        metrics[f"{p}_masked_fraction"] = masked_mean(rejected.float(), valid)
-        metrics[f"{p}_seq_masked_fraction"] = masked_mean(rejected.any(-1).float(), seq_valid)
+        metrics.update(_rs_option_metrics(f"rollout_rs_{name}", stat, seq_values, valid, seq_valid, lo, hi,
+                                          name.startswith("token"), name.endswith("k1")))
+        metrics[f"rollout_rs_{name}_masked_fraction"] = masked_mean(rejected.float(), valid)
+        metrics[f"rollout_rs_{name}_seq_masked_fraction"] = masked_mean(rejected.any(-1).float(), seq_valid)
     rejected = valid & ~keep
     metrics["rollout_rs_masked_fraction"] = masked_mean(rejected.float(), valid)
     metrics["rollout_rs_seq_masked_fraction"] = rejected.any(-1).float().mean()
     return (mask.bool() & keep).to(mask.dtype), metrics
+
+
+def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token_level, has_lower):
+    """verl 0.9.1's compute_rs_metrics for one option (see rejection_mask). stat (B, T): the per-token statistic of a
+    token option; seq_values (B,): one value per sequence (a sequence option tests every token with its sequence's
+    value, so its token-weighted statistics are count-weighted sums over sequences: no extra (B, T) tensor).
+    An all-padding batch gives zeros (verl raises)."""
+    zero = seq_values.new_zeros(())
+    seqs = seq_values[seq_valid]  # valid sequences only
+    counts = valid.sum(-1).to(seq_values.dtype)  # (B,) tokens per sequence
+    n_tokens = counts.sum()
+    floor = lo if has_lower else 0.0  # the std clamps the statistic to its bounds (k2/k3: to [0, upper])
+    if token_level:
+        clamped = stat.clamp(min=floor, max=hi)
+        token_mean, clamped_mean = masked_mean(stat, valid), masked_mean(clamped, valid)
+        clamped_sq_mean = masked_mean(clamped.square(), valid)
+    else:
+        clamped = seq_values.clamp(min=floor, max=hi)
+        token_mean, clamped_mean, clamped_sq_mean = (
+            (v * counts).sum() / n_tokens.clamp(min=1) for v in (seq_values, clamped, clamped.square()))
+    m = {f"{prefix}_mean": token_mean}
+    if not token_level and seqs.numel():  # a sequence option: extremes and fractions over sequences
+        m[f"{prefix}_max"], m[f"{prefix}_min"] = seqs.max(), seqs.min()
+        m[f"{prefix}_fraction_high"] = (seqs > hi).float().mean()
+        m[f"{prefix}_fraction_low"] = (seqs < lo).float().mean() if has_lower else zero
+    elif token_level and n_tokens:
+        m[f"{prefix}_max"] = stat.masked_fill(~valid, -math.inf).max()
+        m[f"{prefix}_min"] = stat.masked_fill(~valid, math.inf).min()
+        m[f"{prefix}_fraction_high"] = masked_mean((stat > hi).float(), valid)
+        m[f"{prefix}_fraction_low"] = masked_mean((stat < lo).float(), valid) if has_lower else zero
+    else:
+        for k in ("max", "min", "fraction_high", "fraction_low"):
+            m[f"{prefix}_{k}"] = zero
+    # std of the clamped statistic over tokens (verl: one outlier cannot dominate it); 0 for fewer than 2 tokens
+    m[f"{prefix}_std"] = (clamped_sq_mean - clamped_mean.square()).clamp(min=0).sqrt() if n_tokens > 1 else zero
+    if seqs.numel():
+        m[f"{prefix}_seq_mean"] = seqs.mean()
+        m[f"{prefix}_seq_std"] = seqs.std() if seqs.numel() > 1 else zero
+        m[f"{prefix}_seq_max"], m[f"{prefix}_seq_min"] = seqs.max(), seqs.min()
+        m[f"{prefix}_seq_max_deviation"] = seqs.abs().max()  # deviation from the ideal value 0
+        m[f"{prefix}_seq_fraction_high"] = (seqs > hi).float().mean()
+        if has_lower:  # verl adds this key for k1 options only
+            m[f"{prefix}_seq_fraction_low"] = (seqs < lo).float().mean()
+    else:
+        for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
+                  "seq_fraction_low"):
+            m[f"{prefix}_{k}"] = zero
+    return m
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -453,8 +508,13 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
         rollout_corr/chi2_seq       E_seq[(prod_t rho_t)^2] - 1
         training/rollout_probs_diff_max   max over valid tokens of |p_rollout - p_train| (= the max over responses
                                           of the per-response max of Yao et al. 2025)
-        training/rollout_probs_diff_mean  mean over valid tokens of |p_rollout - p_train|; also _std
-    Returns a dict of Python floats.
+        training/rollout_probs_diff_mean  mean over valid tokens of |p_rollout - p_train|; also _std (unbiased,
+                                          as torch.std in verl's utils/debug/metrics.py)
+        training/rollout_actor_probs_pearson_corr  Pearson correlation of p_train and p_rollout over valid tokens
+                                          (verl; arXiv:2506.13585); NaN when undefined (fewer than 2 tokens or a
+                                          constant), as torch.corrcoef gives in verl
+        training/rollout_probs_diff_valid 1 if the batch has a valid token, else 0 (verl)
+    Returns a dict of Python floats. An empty batch gives zeros where verl gives NaN.
     """
     valid = mask.bool()
     zero = torch.zeros((), dtype=train_logprobs.dtype, device=train_logprobs.device)
@@ -488,12 +548,23 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
         "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_log_ratio), seq_valid) - 1.0,
         "training/rollout_probs_diff_max": probs_diff.max(),
         "training/rollout_probs_diff_mean": masked_mean(probs_diff, valid),
-        "training/rollout_probs_diff_std": masked_var(probs_diff, valid, unbiased=False).sqrt(),
+        "training/rollout_probs_diff_std": masked_var(probs_diff, valid, unbiased=True).sqrt(),  # torch.std (verl)
+        "training/rollout_actor_probs_pearson_corr": _masked_pearson(train, rollout, valid),
+        "training/rollout_probs_diff_valid": seq_valid.any().float(),
     }
     out = {k: float(v) for k, v in metrics.items()}
     if not seq_valid.any():  # an empty batch: report zeros rather than +-inf
         out = {k: (0.0 if not math.isfinite(v) else v) for k, v in out.items()}
     return out
+
+
+def _masked_pearson(train_logprobs, rollout_logprobs, valid):
+    """Pearson correlation of the token probabilities exp(logprob) over the valid tokens (torch.corrcoef, as verl)."""
+    train_p = torch.exp(train_logprobs.clamp(max=0))[valid]
+    rollout_p = torch.exp(rollout_logprobs.clamp(max=0))[valid]
+    if train_p.numel() < 2:
+        return torch.tensor(math.nan)
+    return torch.corrcoef(torch.stack([train_p, rollout_p]))[0, 1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -617,7 +688,8 @@ def ppo_is_token_loss(logprobs, rollout_logprobs, advantages, clip=0.2):
 
 def tis_ppo_token_loss(logprobs, old_logprobs, rollout_logprobs, advantages, clip=0.2, cap=2.0):
     """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios are clipped
-    separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so PPO's trust region is intact."""
+    separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so PPO's trust region is intact.
+    cap=math.inf is vanilla IS in the PPO form, the paper's ablation (preset decoupled_token_vanilla_is)."""
     weight = torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
     return weight * naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip)
 
@@ -680,8 +752,8 @@ class RolloutCorrection:
     def from_name(cls, name):
         """A preset by name, e.g. RolloutCorrection.from_name("decoupled_seq_is_rs")."""
         name = PRESET_ALIASES.get(name, name)
-        if name not in PRESETS:
-            raise ValueError(f"unknown correction preset {name!r}; allowed: {', '.join(PRESETS + tuple(PRESET_ALIASES))}")
+        if name not in PRESETS + OLD_PRESETS + EXTRA_PRESETS:
+            raise ValueError(f"unknown correction preset {name!r}; allowed: {', '.join(ALL_PRESET_NAMES)}")
         return getattr(cls, name)()
 
     # Decoupled PPO (three policies)
@@ -775,31 +847,55 @@ class RolloutCorrection:
         """No correction: metrics only (plain decoupled PPO against the trainer's pi_old)."""
         return cls()
 
-    # Older verl names (000_942613bf4f9033c0.txt), kept as aliases
+    # The older document's presets (000_942613bf4f9033c0.txt, section 3.7), each with that document's definition
     @classmethod
-    def ppo_is_bypass(cls):
-        """Old name of bypass_ppo_clip."""
-        return cls.bypass_ppo_clip()
+    def ppo_is_bypass(cls, threshold=2.0):
+        """Older name: bypass PPO-clip with token IS configured. The loss is bypass_ppo_clip's: the ratio against
+        pi_rollout already is the IS ratio, and the older verl computed the weights from pi_old = pi_rollout, so they
+        were exactly 1. Here only the rollout_is_* metrics (of pi_theta / pi_rollout) differ from bypass_ppo_clip."""
+        return cls(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True, loss_type="ppo_clip")
 
     @classmethod
     def pg_is(cls, threshold=2.0):
-        """Old name of bypass_pg_is."""
+        """Older name of bypass_pg_is (sequence IS, REINFORCE); the same definition in both documents."""
         return cls.bypass_pg_is(threshold)
 
     @classmethod
-    def pg_rs(cls, rs_threshold="0.999_1.001"):
-        """Old name of bypass_pg_geo_rs (pure geometric rejection with REINFORCE)."""
-        return cls.bypass_pg_geo_rs(rs_threshold)
+    def pg_rs(cls, rs_threshold=1.001, veto_threshold=1e-4):
+        """Older "geometric RS + veto" with REINFORCE: keep a sequence if 1/1.001 <= geometric-mean rho <= 1.001 and
+        no token has rho < 1e-4. (The newer bypass_pg_geo_rs has bounds 0.999_1.001 and no veto.)"""
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+                   rollout_token_veto_threshold=veto_threshold, bypass_mode=True, loss_type="reinforce")
+
+    # Ours, not verl presets: named so that a run can select them with --correction
+    @classmethod
+    def decoupled_geo_rs_veto(cls, rs_threshold=1.001, veto_threshold=1e-4):
+        """The older document's decoupled_geo_rs ("geometric RS + veto", bounds 1/1.001..1.001); the name
+        decoupled_geo_rs itself keeps verl 0.9.1's definition (0.999_1.001, no veto)."""
+        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
+                   rollout_token_veto_threshold=veto_threshold)
+
+    @classmethod
+    def decoupled_token_vanilla_is(cls):
+        """Vanilla (untruncated) token IS in the PPO form: decoupled_token_is with C = inf, i.e. w = pi_old/pi_rollout
+        times the PPO-clip term: the TIS paper's ablation baseline (002_4521bf471bfe2dbe.txt)."""
+        return cls.decoupled_token_is(threshold=math.inf)
 
 
-PRESETS = (
+PRESETS = (  # verl 0.9.1's RolloutCorrectionConfig presets
     "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "decoupled_geo_rs_seq_tis",
     "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis",
     "decoupled_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs", "bypass_pg_is",
     "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "bypass_pg_token_icepop",
     "disabled",
 )
-PRESET_ALIASES = {"ppo_is_bypass": "bypass_ppo_clip", "pg_is": "bypass_pg_is", "pg_rs": "bypass_pg_geo_rs"}
+OLD_PRESETS = ("ppo_is_bypass", "pg_is", "pg_rs")  # the older document's names, with its definitions
+EXTRA_PRESETS = ("decoupled_geo_rs_veto", "decoupled_token_vanilla_is")  # ours (see their docstrings)
+PRESET_ALIASES = {  # names the documents use for an existing preset
+    "bypass_pg_rs": "bypass_pg_geo_rs",  # 004_5b20d9ca5cbecdea.txt 3.6: "Pure RS (bypass_pg_rs)"
+    "geo_rs_seq_tis": "decoupled_geo_rs_seq_tis",
+}
+ALL_PRESET_NAMES = PRESETS + OLD_PRESETS + EXTRA_PRESETS + tuple(PRESET_ALIASES)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -46,6 +47,7 @@ import corrections
 TASKS = ("copy", "gsm8k", "countdown")
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8")
+LR_SCHEDULERS = ("constant", "cosine")
 TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
 TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
 
@@ -124,9 +126,17 @@ class Args:
     total_steps: int = 150
     """Training steps (one step = one rollout batch and the updates on it)."""
     lr: float = 1e-3
-    """AdamW learning rate (constant after warmup, verl's default schedule)."""
-    lr_warmup_steps: int = 0
-    """Linear warmup steps (verl lr_warmup_steps_ratio=0 by default)."""
+    """AdamW peak learning rate (see lr_scheduler_type; verl actor.optim.lr)."""
+    lr_warmup_steps: int = -1
+    """Linear warmup from lr 0 over this many steps; <= 0 defers to lr_warmup_steps_ratio (verl actor.optim)."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup steps = int(ratio * total_steps) when lr_warmup_steps <= 0 (verl's default 0: no warmup)."""
+    lr_scheduler_type: str = "constant"
+    """After warmup: constant (verl's default) or cosine (decays towards lr * min_lr_ratio at total_steps)."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr (verl actor.optim.min_lr_ratio; None there means 0)."""
+    num_cycles: float = 0.5
+    """Cosine waves over the decay (verl's default 0.5: one half-cosine from lr down to the floor)."""
     weight_decay: float = 0.0
     """AdamW weight decay (verl's actor default is 0.01)."""
     max_grad_norm: float = 1.0
@@ -177,6 +187,14 @@ class Args:
     # --- validation, checkpoints, logging
     val_every: int = 10
     """Validate every N steps (and at the end); 0 = never."""
+    val_before_train: bool = True
+    """Validate once before the first step, logged as step 0 (verl trainer.val_before_train), so every curve starts
+    at the initial policy. Only for a fresh run, not on resume."""
+    log_samples_every: int = 10
+    """Every N steps (and at step 1) write a few prompts, responses, scores and advantages to samples.jsonl (and a
+    wandb Table with --track); 0 = never."""
+    num_log_samples: int = 4
+    """Rows per sample table (rank 0's first sequences: with rollout_n >= 4, one prompt's group side by side)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     resume_from: str = ""
@@ -292,6 +310,14 @@ def check_args(args, world_size=1):
         raise ValueError(f"temperature must be > 0 for training rollouts, got {args.temperature}")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip) must be > 1 or None, got {args.clip_ratio_c}")
+    if args.lr_scheduler_type not in LR_SCHEDULERS:
+        raise ValueError(f"unknown lr_scheduler_type {args.lr_scheduler_type!r}; allowed: {', '.join(LR_SCHEDULERS)}")
+    if not 0.0 <= args.min_lr_ratio <= 1.0 or not 0.0 <= args.lr_warmup_steps_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio and lr_warmup_steps_ratio must be in [0, 1], got {args.min_lr_ratio} and "
+                         f"{args.lr_warmup_steps_ratio}")
+    for name in ("val_every", "save_every", "log_samples_every", "num_log_samples"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
         if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -1019,6 +1045,28 @@ def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
     return advantages
 
 
+def lr_factor(step, args):
+    """The learning-rate multiplier for the update of 0-based `step`, as verl's LambdaLR schedules
+    (utils/torch_functional.py get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup, zero-indexed
+    steps, stepped once per training step). With W warmup steps (lr_warmup_steps, or int(ratio * total_steps)):
+
+        step < W    step / W                   (the first update runs at lr 0)
+        constant    1
+        cosine      max(min_lr_ratio, c + (1 - c) * 0.5 * (1 + cos(2 pi num_cycles p))),  c = min_lr_ratio,
+                    p = (step - W) / max(1, total_steps - W)
+    """
+    warmup = args.lr_warmup_steps
+    if warmup <= 0:
+        warmup = int(args.lr_warmup_steps_ratio * args.total_steps)
+    if step < warmup:
+        return step / max(1, warmup)
+    if args.lr_scheduler_type == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, args.total_steps - warmup)
+    cosine = math.cos(math.pi * args.num_cycles * 2.0 * progress)
+    return max(args.min_lr_ratio, cosine * (1 - args.min_lr_ratio) * 0.5 + (1 + args.min_lr_ratio) * 0.5)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The policy update (step 6)
 # ---------------------------------------------------------------------------------------------------------------
@@ -1065,12 +1113,16 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
                     clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode)
                 loss = pg_loss
-                entropy_loss = corrections.agg_loss(entropy, mask, args.loss_agg_mode)
+                # Entropy and KL terms use the same mask as the PG term: in decoupled mode the RS/veto-corrected one
+                # (verl replaces response_mask with it for every loss term: rollout_corr_helper
+                # compute_rollout_correction_and_add_to_batch, then workers/utils/losses.py ppo_loss); bypass: the
+                # plain mask.
+                entropy_loss = corrections.agg_loss(entropy, loss_mask, args.loss_agg_mode)
                 if args.entropy_coeff != 0:
                     loss = loss - args.entropy_coeff * entropy_loss
                 if args.kl_loss_coef > 0:  # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss term, not a reward
                     kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"][rows], args.kl_loss_type)
-                    kl_loss = corrections.agg_loss(kld, mask, args.loss_agg_mode)
+                    kl_loss = corrections.agg_loss(kld, loss_mask, args.loss_agg_mode)
                     loss = loss + args.kl_loss_coef * kl_loss
                     log("actor/kl_loss", kl_loss.item())
                 (loss * (rows.stop - rows.start) / mini).backward()
@@ -1135,7 +1187,7 @@ def find_checkpoint(args):
 
 def restart_metrics_file(path, step):
     """On resume: keep the rows of steps <= the checkpoint's step; rows the crashed run wrote after it are moved to
-    metrics.jsonl.discarded (never deleted), since the resumed run writes those steps again."""
+    <path>.discarded (never deleted), since the resumed run writes those steps again (metrics.jsonl, samples.jsonl)."""
     if not os.path.isfile(path):
         return
     with open(path) as f:
@@ -1258,7 +1310,7 @@ def dry_run(args):
         config = load_model_config(args.model_name_or_path)
         check_context_length(args, args.model_name_or_path)
     except ValueError as e:
-        print(f"grpo.py: error: {e}")
+        print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
         return 2
     gpu_bytes = corrections.gpu_memory_bytes(args.gpu_memory_gib)
     plan = plan_memory(args, config, world_size, gpu_bytes)
@@ -1270,7 +1322,7 @@ def dry_run(args):
     if plan["fits"] is False:
         print(f"grpo.py: error: the plan needs {plan['peak'] / corrections.GIB:.2f} GiB per GPU, more than "
               f"{plan['gpu_bytes'] / corrections.GIB:.2f} GiB: lower --ppo-micro-batch-size-per-gpu or "
-              "--generation-batch-size, use --vllm-sleep-mode, or use more/larger GPUs")
+              "--generation-batch-size, use --vllm-sleep-mode, or use more/larger GPUs", file=sys.stderr)
         return 2
     return 0
 
@@ -1332,40 +1384,64 @@ def train(args, backend=None):
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
 
-    train_prompt_ids = tokenize_prompts(tokenizer, train_examples, args)
-    keep = [i for i, p in enumerate(train_prompt_ids) if len(p) <= args.max_prompt_length]  # verl filter_overlong
-    train_examples, train_prompt_ids = [train_examples[i] for i in keep], [train_prompt_ids[i] for i in keep]
-    val_prompt_ids = tokenize_prompts(tokenizer, val_examples, args)
+    def drop_overlong(examples):  # verl data.filter_overlong_prompts, applied to the train and the val dataset
+        prompt_ids = tokenize_prompts(tokenizer, examples, args)
+        keep = [i for i, p in enumerate(prompt_ids) if len(p) <= args.max_prompt_length]
+        return [examples[i] for i in keep], [prompt_ids[i] for i in keep]
+
+    train_examples, train_prompt_ids = drop_overlong(train_examples)
+    val_examples, val_prompt_ids = drop_overlong(val_examples)
 
     # The rollout engine. vLLM: one engine per rank, created by all ranks together after init_process_group
     # (setup_distributed above); it loads model_path, and the first sync_weights below gives it the trainer's
-    # (possibly resumed, possibly --mismatch-rounded) weights. Its context covers the longest val prompt too.
+    # (possibly resumed, possibly --mismatch-rounded) weights.
     own_backend = backend is None
     if own_backend:
-        max_model_len = max([args.max_prompt_length] + [len(p) for p in val_prompt_ids]) + args.max_response_length
+        max_model_len = args.max_prompt_length + args.max_response_length
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         max_model_len = min(max_model_len, context) if context else max_model_len  # vLLM refuses more than that
         backend = make_backend(args.backend, model_path, model, args, tokenizer, max_model_len, world_size)
     backend.sync_weights(model)
 
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    samples_path = os.path.join(args.output_dir, "samples.jsonl")
     metrics_file, wandb_run = None, None
     if rank == 0:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
         if checkpoint:
             restart_metrics_file(metrics_path, start_step)
+            restart_metrics_file(samples_path, start_step)  # the same for the sample rows
+        elif os.path.exists(samples_path):
+            os.remove(samples_path)  # a fresh run: samples.jsonl is appended to below
         metrics_file = open(metrics_path, "a" if checkpoint else "w")
         if args.track:
             import wandb
 
             wandb_run = wandb.init(project=args.wandb_project, name=args.exp_name, config=dataclasses.asdict(args))
 
+    def run_validation(step):
+        """val/accuracy, val/score_mean on the held-out split, averaged over ranks."""
+        t0 = time.time()
+        val = reduce_metrics(validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank,
+                                      world_size, step), world_size, device)
+        return {"val/accuracy": val["val/correct"] / max(val["val/total"], 1),
+                "val/score_mean": val["val/score_sum"] / max(val["val/total"], 1), "timing/validate": time.time() - t0}
+
+    # Validation before training (verl trainer.val_before_train=True): the initial policy, logged as step 0.
+    if args.val_every and args.val_before_train and start_step == 0:
+        metrics = {"step": 0, **run_validation(-1)}
+        if rank == 0:
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=0)
+            print(f"step 0/{args.total_steps} | val_acc {metrics['val/accuracy']:.3f}", flush=True)
+
     for step in range(start_step, args.total_steps):
         t_step = time.time()
-        lr = args.lr * min(1.0, (step + 1) / args.lr_warmup_steps) if args.lr_warmup_steps else args.lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for group in optimizer.param_groups:  # verl's warmup/cosine schedule (lr_factor), a pure function of step
+            group["lr"] = args.lr * lr_factor(step, args)
 
         # 1. Rollout: this rank's prompts, n samples each, with the sampler's logprobs (pi_rollout).
         t0 = time.time()
@@ -1418,17 +1494,14 @@ def train(args, backend=None):
             "response_length/clip_ratio": sum(f == "length" for f in finish) / len(finish),
             "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
             "timing/generate": t_generate, "timing/logprobs": t_logprobs, "timing/update": t_update,
-            "timing/sync_weights": t_sync, "actor/lr": lr, **corr_metrics, **actor_metrics,
+            "timing/sync_weights": t_sync, **corr_metrics, **actor_metrics,
+            # verl logs the lr its scheduler returns after stepping (engine_workers.train_batch): the next step's lr
+            "actor/lr": args.lr * lr_factor(step + 1, args),
         }
         metrics = reduce_metrics(metrics, world_size, device)
         last = step + 1 == args.total_steps
         if args.val_every and ((step + 1) % args.val_every == 0 or last):
-            t0 = time.time()
-            val = reduce_metrics(validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank,
-                                          world_size, step), world_size, device)
-            metrics["val/accuracy"] = val["val/correct"] / max(val["val/total"], 1)
-            metrics["val/score_mean"] = val["val/score_sum"] / max(val["val/total"], 1)
-            metrics["timing/validate"] = time.time() - t0
+            metrics.update(run_validation(step))
         metrics["timing/step"] = time.time() - t_step
         metrics = {"step": step + 1, **metrics}
         if rank == 0:
@@ -1436,6 +1509,20 @@ def train(args, backend=None):
             metrics_file.flush()  # nothing is lost on a crash
             if wandb_run is not None:
                 wandb_run.log(metrics, step=step + 1)
+            if args.log_samples_every and args.num_log_samples and (
+                    (step + 1) % args.log_samples_every == 0 or step == start_step):
+                # A few of rank 0's samples, as ppo_rlhf.py does: learners read what the policy writes.
+                rows = [{"step": step + 1, "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
+                         "response": response_text(tokenizer, response_ids[i]), "score": seq_scores[i].item(),
+                         "advantage": batch["advantages"][i].item()}
+                        for i in range(min(args.num_log_samples, len(response_ids)))]
+                with open(samples_path, "a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in rows)
+                if wandb_run is not None:
+                    import wandb
+
+                    table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+                    wandb_run.log({"samples": table}, step=step + 1)
             val_text = f" | val_acc {metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else ""
             print(f"step {step + 1}/{args.total_steps} | reward {metrics['reward/mean']:.3f}{val_text} | "
                   f"len {metrics['response_length/mean']:.2f} | pg_loss {metrics['actor/pg_loss']:+.4f} | "
@@ -1477,4 +1564,10 @@ if __name__ == "__main__":
     cli_args = parse_args()
     if cli_args.dry_run:  # the plan only: no model, no data, no process group
         sys.exit(dry_run(cli_args))
+    try:  # bad input: one line on stderr and exit code 2 (argparse's convention), before any model loads
+        check_args(cli_args, int(os.environ.get("WORLD_SIZE", "1")))
+        check_context_length(cli_args, cli_args.model_name_or_path)  # reads the model's config only
+    except ValueError as e:
+        print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
     train(cli_args)

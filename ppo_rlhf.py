@@ -27,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -754,7 +755,7 @@ def dry_run(args):
         validate_args(args, world_size)
         config = load_model_config(args)
     except ValueError as e:
-        print(f"ppo_rlhf.py: error: {e}")
+        print(f"ppo_rlhf.py: error: {e}".replace("\n", " "), file=sys.stderr)
         return 2
     plan = plan_memory(args, config, world_size, corrections.gpu_memory_bytes(args.gpu_memory_gib))
     title = (f"ppo_rlhf.py {args.exp_name}: {args.base_model or 'tiny gpt2'} ({plan['n_params'] / 1e6:.1f}M "
@@ -762,7 +763,8 @@ def dry_run(args):
     print(corrections.format_memory_plan(plan, title))
     if plan["fits"] is False:
         print(f"ppo_rlhf.py: error: the plan needs {plan['peak'] / corrections.GIB:.2f} GiB per GPU, more than "
-              f"{plan['gpu_bytes'] / corrections.GIB:.2f} GiB: lower --local-micro-batch-size or use more/larger GPUs")
+              f"{plan['gpu_bytes'] / corrections.GIB:.2f} GiB: lower --local-micro-batch-size or use more/larger GPUs",
+              file=sys.stderr)
         return 2
     return 0
 
@@ -1095,9 +1097,10 @@ def train(args: Args):
 if __name__ == "__main__":
     cli_args = tyro.extras.overridable_config_cli(PRESETS)
     if cli_args.dry_run:  # the plan only: no model, no data, no process group
-        raise SystemExit(dry_run(cli_args))
-    try:  # bad input fails here, with a one-line message, before any model is loaded
+        sys.exit(dry_run(cli_args))
+    try:  # bad input: one line on stderr and exit code 2 (argparse's convention), before any model loads
         validate_args(cli_args, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
-        raise SystemExit(f"ppo_rlhf.py: error: {e}")
+        print(f"ppo_rlhf.py: error: {e}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
     train(cli_args)

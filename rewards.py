@@ -20,6 +20,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -1131,6 +1132,11 @@ if __name__ == "__main__":
     }
     args = tyro.extras.overridable_config_cli({name: (descriptions.get(name, name), preset)
                                                for name, preset in PRESETS.items()})
+    try:  # bad input: one line on stderr and exit code 2 (argparse's convention), before any model loads
+        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        print(f"rewards.py: error: {str(e).removeprefix('rewards.py: ')}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
     train(args)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -40,8 +40,8 @@ def naive_loop(train, rollout, mask):
     B, T = train.shape
     weights, new_mask = torch.zeros(B, T), torch.zeros(B, T, dtype=torch.bool)
     acc = dict(n=0, w_sum=0.0, w_sq=0.0, w_max=-math.inf, w_min=math.inf, high=0, low=0, kl=0.0, k3=0.0, chi2=0.0,
-               diff_sum=0.0, diff_max=0.0, rejected=0)
-    seq = dict(w_mean=[], train_ppl=[], rollout_ppl=[], log_ppl_diff=[], chi2=[], geo=[], k3max=[], veto=[])
+               diff_sum=0.0, diff_max=0.0, rejected=0, k1=0.0)
+    seq = dict(w_mean=[], train_ppl=[], rollout_ppl=[], log_ppl_diff=[], chi2=[], k3max=[], veto=[])
     for i in range(B):
         n = int(mask[i].sum())
         tr, ro = train[i, :n], rollout[i, :n]
@@ -62,7 +62,7 @@ def naive_loop(train, rollout, mask):
         keep = (0.9995 <= geo <= 1.0005) and float(k3.max()) <= 0.005 and not vetoed
         new_mask[i, :n] = keep
         acc["rejected"] += 0 if keep else n
-        seq["geo"].append(float(lr.mean()))
+        acc["k1"] += -float(lr.sum())  # k1 = -log rho; seq_mean_k1's metric mean is token-weighted (verl)
         seq["k3max"].append(float(k3.max()))
         seq["veto"].append(vetoed)
         acc["kl"] += float((ro - tr).sum())
@@ -96,7 +96,7 @@ def naive_loop(train, rollout, mask):
         "rollout_corr/log_ppl_abs_diff": sum(abs(v) for v in seq["log_ppl_diff"]) / B,
         "rollout_corr/ppl_ratio": sum(math.exp(v) for v in seq["log_ppl_diff"]) / B,
         "training/rollout_probs_diff_mean": acc["diff_sum"] / n, "training/rollout_probs_diff_max": acc["diff_max"],
-        "rollout_corr/rollout_rs_seq_mean_k1_mean": sum(seq["geo"]) / B,
+        "rollout_corr/rollout_rs_seq_mean_k1_mean": acc["k1"] / n,
         "rollout_corr/rollout_rs_seq_max_k3_max": max(seq["k3max"]),
     }
     return weights, new_mask, metrics

@@ -60,6 +60,7 @@ def _load_verl():
         "compute_rs_metrics", "compute_rollout_correction_weights", "compute_is_metrics", "compute_offpolicy_metrics",
     }, ns)
     extract("trainer/ppo/core_algos.py", {"agg_loss", "compute_policy_loss_vanilla", "kl_penalty_forward"}, ns)
+    extract("utils/debug/metrics.py", {"pearson_correlation_coefficient", "calculate_log_prob_diff"}, ns)
     ns["AlgoConfig"] = type("AlgoConfig", (), {})
     return ns
 
@@ -188,6 +189,28 @@ def test_is_weights_match_verl(level, threshold, normalize):
     assert_metrics_match(ours_m, theirs_m)
 
 
+@needs_verl
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [math.inf, "inf"])
+def test_infinite_is_threshold_is_vanilla_is_and_matches_verl(level, threshold):
+    train, rollout, mask = random_batch(scale=1.0, seed=3)  # large ratios: any truncation would show
+    ours, ours_m = C.compute_is_weights(train - rollout, mask, level, threshold)
+    raw = torch.exp(train - rollout) if level == "token" else torch.exp(
+        C.masked_sum(train - rollout, mask, dim=-1))[:, None].expand_as(mask)
+    assert raw[mask.bool()].max() > 5  # far above a usual C = 2
+    assert torch.allclose(ours, torch.where(mask.bool(), raw, torch.zeros(())), rtol=1e-12)
+    theirs, theirs_m = VERL["compute_rollout_correction_weights"](train - rollout, mask, level, threshold)
+    assert torch.allclose(ours, theirs, rtol=1e-6)
+    assert_metrics_match(ours_m, theirs_m)
+    assert C.RolloutCorrection.decoupled_token_vanilla_is().rollout_is_threshold == math.inf
+
+
+@pytest.mark.parametrize("threshold", ["nan", "-inf", "inf_inf", 0.0])
+def test_is_threshold_still_refuses_nonsense(threshold):
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        C.parse_is_threshold(threshold)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. rejection masks
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,14 +262,28 @@ def test_rejection_bad_settings_raise(option, threshold, match):
     ("token_k2", 0.02), ("token_k3", 0.02), ("seq_sum_k2", 0.1), ("seq_sum_k3", 0.1), ("seq_mean_k2", 0.02),
     ("seq_mean_k3", 0.02), ("seq_max_k2", 0.05), ("seq_max_k3", 0.05), ("token_k1,seq_mean_k3", "0.7_1.4285714286,0.03"),
 ])
-def test_rejection_masks_match_verl_for_symmetric_bounds(option, threshold):
+def test_rejection_masks_and_metrics_match_verl_for_symmetric_bounds(option, threshold):
+    """The mask and verl's whole metric set: the same keys, names, signs (k1 = -log rho) and values."""
     train, rollout, mask = random_batch(B=16, T=12, scale=0.25, seed=5)
     ours, ours_m = C.rejection_mask(train - rollout, mask, option, threshold)
     theirs, theirs_m = VERL["compute_rollout_rejection_mask"](train - rollout, mask, option, threshold)
     assert torch.equal(ours.bool(), theirs.bool())
     assert 0 < ours.sum() < mask.sum()  # the case is not trivial
-    for key in ("rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"):
-        assert ours_m[key].item() == pytest.approx(theirs_m[key], abs=1e-6)
+    assert set(ours_m) == set(theirs_m)
+    assert_metrics_match(ours_m, theirs_m)
+    for name in C.parse_rs_options(option):  # not trivially zero: some values are above, some below the bounds
+        assert theirs_m[f"rollout_rs_{name}_std"] > 0 and theirs_m[f"rollout_rs_{name}_seq_std"] > 0
+
+
+def test_rejection_k1_metrics_use_the_k1_sign_and_name_high_for_small_rho():
+    """k1 = -log rho: a token with rho = 1/3 has k1 = log 3 > log 2, above its upper bound ("fraction_high")."""
+    log_ratio, mask = torch.log(torch.tensor([[1.0 / 3.0, 1.0, 1.0, 1.0]])), torch.ones(1, 4)
+    _, m = C.rejection_mask(log_ratio, mask, "token_k1", 2.0)
+    assert m["rollout_rs_token_k1_max"].item() == pytest.approx(math.log(3))
+    assert m["rollout_rs_token_k1_mean"].item() == pytest.approx(math.log(3) / 4)
+    assert m["rollout_rs_token_k1_fraction_high"].item() == pytest.approx(0.25)
+    assert m["rollout_rs_token_k1_fraction_low"].item() == 0.0
+    assert m["rollout_rs_token_k1_std"].item() == pytest.approx(math.sqrt(3) / 4 * math.log(2))  # clamped to log 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,8 +322,20 @@ def test_offpolicy_metrics_hand_values():
 @needs_verl
 def test_offpolicy_metrics_match_verl():
     train, rollout, mask = random_batch(B=8, T=10, scale=0.3, seed=11)
+    train = train.clamp(max=0)  # real log-probabilities (random_batch's noise can push one above 0)
     ours = C.offpolicy_metrics(train, rollout, mask)
     assert_metrics_match(ours, VERL["compute_offpolicy_metrics"](train, rollout, mask), prefix="rollout_corr/")
+    # verl utils/debug/metrics.py calculate_debug_metrics, step by step on the same tensors
+    valid = mask.bool()
+    train_p, rollout_p = torch.exp(train), torch.exp(rollout)
+    diff = VERL["calculate_log_prob_diff"](train_p, rollout_p, valid)
+    assert ours["training/rollout_probs_diff_max"] == pytest.approx(torch.max(diff).item())
+    assert ours["training/rollout_probs_diff_mean"] == pytest.approx(torch.mean(diff).item())
+    assert ours["training/rollout_probs_diff_std"] == pytest.approx(torch.std(diff).item())  # unbiased
+    assert ours["training/rollout_actor_probs_pearson_corr"] == pytest.approx(
+        VERL["pearson_correlation_coefficient"](train_p, rollout_p, valid))
+    assert 0.5 < ours["training/rollout_actor_probs_pearson_corr"] < 1.0
+    assert ours["training/rollout_probs_diff_valid"] == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,6 +412,11 @@ def test_tis_paper_estimators_at_equal_policies():
     lp.grad = None
     C.tis_ppo_token_loss(lp, lp.detach(), rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
     assert torch.all(lp.grad != 0)
+    # cap = inf is vanilla IS in the PPO form: the weight e^0.5 = 1.65 survives; the default C = 2 caps a larger one
+    far = lp.detach() - torch.tensor([[0.5, 1.5]])  # weights e^0.5, e^1.5 = 4.48
+    vanilla = C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2), cap=math.inf)
+    assert torch.allclose(vanilla, -torch.exp(torch.tensor([[0.5, 1.5]])))
+    assert C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2))[0, 1].item() == pytest.approx(-2.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,7 +424,7 @@ def test_tis_paper_estimators_at_equal_policies():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", C.PRESETS + tuple(C.PRESET_ALIASES))
+@pytest.mark.parametrize("name", C.ALL_PRESET_NAMES)
 def test_every_preset_runs_and_gives_finite_gradients(name):
     config = C.RolloutCorrection.from_name(name)
     train, rollout, mask = random_batch(B=5, T=7, scale=0.2, seed=4)
@@ -393,8 +447,32 @@ def test_presets_match_verl_definitions():
     assert p.bypass_pg_geo_rs_token_tis() == p(rollout_is="token", rollout_rs="seq_mean_k1",
                                                rollout_rs_threshold="0.999_1.001", bypass_mode=True,
                                                loss_type="reinforce")
-    assert p.from_name("pg_is") == p.bypass_pg_is() and p.from_name("ppo_is_bypass") == p.bypass_ppo_clip()
     assert p.decoupled_token_icepop().rollout_is_threshold == "0.5_5.0"
+
+
+def test_older_document_presets_keep_their_definitions():
+    """000_942613bf4f9033c0.txt section 3.7 (older verl): pg_rs and decoupled_geo_rs are "geometric RS + veto" with
+    bounds 1/1.001..1.001 and veto 1e-4; ppo_is_bypass is bypass PPO with token IS; pg_is is bypass_pg_is. The newer
+    document's bypass_pg_rs is bypass_pg_geo_rs; every name either document uses is accepted."""
+    p = C.RolloutCorrection
+    assert p.from_name("pg_rs") == p(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
+                                     rollout_token_veto_threshold=1e-4, bypass_mode=True, loss_type="reinforce")
+    assert p.from_name("decoupled_geo_rs_veto") == p(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
+                                                     rollout_token_veto_threshold=1e-4)
+    assert p.from_name("ppo_is_bypass") == p(rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True)
+    assert p.from_name("pg_is") == p.bypass_pg_is()
+    assert p.from_name("bypass_pg_rs") == p.bypass_pg_geo_rs()
+    assert p.from_name("geo_rs_seq_tis") == p.decoupled_geo_rs_seq_tis()
+    for name in ("decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
+                 "pg_rs", "pg_is", "disabled", "bypass_pg_rs", "geo_rs_seq_tis"):  # every name in the two documents
+        p.from_name(name)
+    # pg_rs's bounds really are 1/1.001 .. 1.001 (geometric mean) and its veto drops a sequence with rho_t < 1e-4
+    log_ratio = torch.log(torch.tensor([[1.0009, 1.0009], [0.9990005, 0.9990005], [1e-5, 1e5]]))
+    _, mask, metrics = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.pg_rs())
+    assert mask.tolist() == [[1, 1], [0, 0], [0, 0]]  # 0.9990005 < 1/1.001 = 0.999000999; row 3: vetoed
+    _, mask, _ = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.bypass_pg_geo_rs())
+    assert mask.tolist() == [[1, 1], [1, 1], [1, 1]]  # the newer preset: 0.999 <= rho_geo, no veto (row 3: 1)
+    assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -465,7 +543,8 @@ def test_property_masks_never_gain_ones_and_outputs_stay_finite(batch, preset, m
     rollout = torch.zeros_like(log_ratio)
     weights, new_mask, metrics = C.apply_rollout_correction(log_ratio, rollout, mask, config)
     assert (new_mask <= mask).all()
-    bad = [k for k, v in metrics.items() if not math.isfinite(v) and "ppl" not in k and "chi2" not in k]
+    bad = [k for k, v in metrics.items() if not math.isfinite(v) and "ppl" not in k and "chi2" not in k
+           and "pearson" not in k]  # NaN when undefined (one token or a constant), as torch.corrcoef in verl
     assert not bad, (bad, metrics)
     if weights is not None:
         assert torch.isfinite(weights).all() and (weights[mask == 0] == 0).all()

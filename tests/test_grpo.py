@@ -300,6 +300,124 @@ def test_loss_aggregation_modes_and_kl_loss(tiny, rollout_batch):
     assert len({round(v, 8) for v in losses.values()}) == len(losses), losses  # the modes aggregate differently
 
 
+def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rollout_batch):
+    """verl replaces response_mask with the RS/veto-corrected mask before the update, and its ppo_loss
+    (workers/utils/losses.py) aggregates the entropy and the KL terms over that same mask. lr = 0 keeps the model
+    fixed, so the logged terms can be recomputed here with the corrected mask, and differ from the plain one."""
+    model, _ = tiny
+    args, batch = rollout_batch
+    args = dataclasses.replace(args, lr=0.0, entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3")
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    batch = dict(batch)
+    grpo.compute_pi_old_and_ref(model, ref, batch, args, corrections.RolloutCorrection.disabled())
+    corrected = batch["response_mask"].clone()
+    corrected[::2] = 0  # as if RS had rejected every other sequence
+    corrected[1::4, 0] = 0  # and some single tokens
+    batch["corrected_mask"] = corrected
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, corrections.RolloutCorrection.disabled())
+    logprobs, entropy = grpo.compute_logprobs(model.eval(), batch, args.temperature, args.logprob_chunk_size)
+    kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
+    micro = args.ppo_micro_batch_size_per_gpu
+    expected = {"actor/entropy": [], "actor/kl_loss": [], "plain_entropy": []}
+    for start in range(0, logprobs.shape[0], micro):
+        rows = slice(start, start + micro)
+        expected["actor/entropy"].append(corrections.agg_loss(entropy[rows], corrected[rows]).item())
+        expected["actor/kl_loss"].append(corrections.agg_loss(kld[rows], corrected[rows]).item())
+        expected["plain_entropy"].append(corrections.agg_loss(entropy[rows], batch["response_mask"][rows]).item())
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert metrics["actor/entropy"] == pytest.approx(mean(expected["actor/entropy"]), rel=1e-5)
+    assert metrics["actor/kl_loss"] == pytest.approx(mean(expected["actor/kl_loss"]), rel=1e-5)
+    assert abs(metrics["actor/entropy"] - mean(expected["plain_entropy"])) > 1e-4  # the mask made a difference
+
+
+def test_verl_source_uses_one_corrected_mask_for_every_loss_term():
+    """What the test above reproduces, read from verl 0.9.1's source: compute_rollout_correction_and_add_to_batch
+    overwrites batch["response_mask"] with the RS mask, and ppo_loss passes that one response_mask to the policy
+    loss, the entropy agg_loss and the KL agg_loss."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        pytest.skip("verl not installed (scripts/setup_cpu.sh installs it)")
+    root = Path(spec.origin).parent
+
+    def function(relpath, name):
+        tree = ast.parse((root / relpath).read_text())
+        return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+    add = function("trainer/ppo/rollout_corr_helper.py", "compute_rollout_correction_and_add_to_batch")
+    targets = [ast.unparse(t) for n in ast.walk(add) if isinstance(n, ast.Assign) for t in n.targets]
+    assert "batch.batch['response_mask']" in targets
+    loss = function("workers/utils/losses.py", "ppo_loss")
+    masks = [(ast.unparse(call.func), ast.unparse(kw.value)) for call in ast.walk(loss) if isinstance(call, ast.Call)
+             for kw in call.keywords if kw.arg in ("loss_mask", "response_mask")]
+    assert [f for f, _ in masks] == ["policy_loss_fn", "agg_loss", "agg_loss"]  # pg, entropy, kl
+    assert {m for _, m in masks} == {"response_mask"}
+
+
+def _verl_lr_schedules():
+    """verl 0.9.1's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup, parsed from its source
+    (importing verl would pull ray), or None if verl is not installed."""
+    import ast
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "utils" / "torch_functional.py"
+    names = {"get_constant_schedule_with_warmup", "get_cosine_schedule_with_warmup"}
+    body = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name in names]
+    ns = {"math": math, "LambdaLR": torch.optim.lr_scheduler.LambdaLR, "Optimizer": torch.optim.Optimizer}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr_warmup_steps=3), dict(lr_warmup_steps_ratio=0.25),
+    dict(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1),
+    dict(lr_scheduler_type="cosine"), dict(lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", num_cycles=1.0),
+])
+def test_lr_schedule_matches_verl(kw):
+    verl = _verl_lr_schedules()
+    if verl is None:
+        pytest.skip("verl not installed (scripts/setup_cpu.sh installs it)")
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), total_steps=12, lr=0.5, **kw)
+    warmup = args.lr_warmup_steps if args.lr_warmup_steps > 0 else int(args.lr_warmup_steps_ratio * args.total_steps)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
+    if args.lr_scheduler_type == "constant":
+        scheduler = verl["get_constant_schedule_with_warmup"](optimizer, warmup)
+    else:
+        scheduler = verl["get_cosine_schedule_with_warmup"](optimizer, warmup, args.total_steps, args.min_lr_ratio,
+                                                            args.num_cycles)
+    theirs = []
+    for _ in range(args.total_steps):  # verl: one scheduler.step() after each training step's updates
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step(), scheduler.step()
+    ours = [args.lr * grpo.lr_factor(step, args) for step in range(args.total_steps)]
+    assert ours == pytest.approx(theirs, abs=1e-12)
+    if warmup:
+        assert ours[0] == 0.0 and ours[warmup] == args.lr  # the first update runs at lr 0
+
+
+def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
+    out = tmp_path / "bad"
+    proc = subprocess.run([sys.executable, "grpo.py", "tiny", "--output-dir", str(out), "--loss-agg-mode", "mean"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "grpo.py: error: unknown loss_agg_mode 'mean'; allowed: " + ", ".join(corrections.AGG_MODES)]
+    assert not out.exists()  # nothing was built or loaded
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 
@@ -311,7 +429,8 @@ def _read_metrics(path):
 def test_tiny_run_learns(tmp_path):
     args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path), total_steps=24, val_every=12,
                                save_every=0)
-    rows = _read_metrics(grpo.train(args))
+    val0, *rows = _read_metrics(grpo.train(args))
+    assert val0["step"] == 0 and set(val0) == {"step", "val/accuracy", "val/score_mean", "timing/validate"}
     rewards_ = [r["reward/mean"] for r in rows]
     first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
     print(f"tiny: first-4 reward {first:.3f}, last-4 {last:.3f}")
@@ -324,6 +443,10 @@ def test_tiny_run_learns(tmp_path):
         assert key in rows[0], key
     assert "val/accuracy" in rows[11] and "val/accuracy" in rows[-1] and "val/accuracy" not in rows[0]
     assert os.path.isfile(tmp_path / "args.json") and os.path.isfile(tmp_path / "checkpoint" / "trainer_state.pt")
+    samples = _read_metrics(tmp_path / "samples.jsonl")  # steps 1, 10, 20: num_log_samples rows each
+    assert [r["step"] for r in samples] == [s for s in (1, 10, 20) for _ in range(args.num_log_samples)]
+    assert set(samples[0]) == {"step", "prompt", "response", "score", "advantage"}
+    assert samples[0]["prompt"].endswith("=") and 0.0 <= samples[0]["score"] <= 1.0
 
 
 def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
@@ -350,6 +473,8 @@ def test_resume_continues_the_same_run(tmp_path):
     grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))  # "crash" after step 2
     resumed = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4)))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    samples = _read_metrics(tmp_path / "b" / "samples.jsonl")  # step 1, then the first step after the resume
+    assert [r["step"] for r in samples] == [1] * base.num_log_samples + [3] * base.num_log_samples
     for a, b in zip(full, resumed):
         for key in a:
             if not key.startswith("timing"):
@@ -411,7 +536,7 @@ def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
     sums = [(out / f"param_checksum_rank{r}.txt").read_text() for r in (0, 1)]
     assert sums[0] == sums[1]
     rows = _read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and "val/accuracy" in rows[-1]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
 
 
 def test_gsm8k_and_countdown_tasks_offline(monkeypatch):

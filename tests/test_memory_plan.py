@@ -106,10 +106,12 @@ def test_grpo_dry_run_prints_the_plan_and_refuses_in_one_line(capsys):
     out = capsys.readouterr().out
     assert "reference model (bf16 linears)" in out and "fits" in out
     assert grpo.dry_run(dataclasses.replace(args, gpu_memory_gib=40)) == 2
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("grpo.py: error: the plan needs 64.06 GiB per GPU, more than 40.00 GiB")
+    errors = capsys.readouterr().err.strip().splitlines()  # the plan on stdout, the one error line on stderr
+    assert len(errors) == 1
+    assert errors[0].startswith("grpo.py: error: the plan needs 64.06 GiB per GPU, more than 40.00 GiB")
     assert grpo.dry_run(dataclasses.replace(args, ppo_micro_batch_size_per_gpu=7)) == 2  # a bad argument: one line
-    assert capsys.readouterr().out.count("\n") == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
 
 
 def test_ppo_dry_run_prints_the_plan(capsys):
@@ -118,7 +120,8 @@ def test_ppo_dry_run_prints_the_plan(capsys):
     assert ppo_rlhf.dry_run(args) == 0
     assert "peak 6.84 GiB of 80.00 GiB: fits" in capsys.readouterr().out
     assert ppo_rlhf.dry_run(dataclasses.replace(args, gpu_memory_gib=5)) == 2
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("ppo_rlhf.py: error: the plan needs 6.84 GiB")
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("ppo_rlhf.py: error: the plan needs 6.84 GiB")
 
 
 def test_dry_run_command_line_exit_status():
@@ -131,7 +134,7 @@ def test_dry_run_command_line_exit_status():
                              timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "vLLM share, awake" in refused.stdout
-    assert refused.stdout.strip().splitlines()[-1].startswith("grpo.py: error: the plan needs 88.06 GiB")
+    assert refused.stderr.strip().splitlines()[-1].startswith("grpo.py: error: the plan needs 88.06 GiB")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])

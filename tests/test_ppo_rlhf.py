@@ -357,8 +357,10 @@ def test_resume_after_crash_is_exact(tiny_assets, tmp_path):
 def test_cli_rejects_bad_input_before_loading_models(tmp_path):
     proc = subprocess.run([sys.executable, "ppo_rlhf.py", "tiny", "--output-dir", str(tmp_path / "bad"),
                            "--truncate-after", "16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "truncate_after (16) must be < response_length (16)" in proc.stderr
+    assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and rewards.py
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ppo_rlhf.py: error: ")
+    assert "truncate_after (16) must be < response_length (16)" in lines[0]
     assert not (tmp_path / "bad" / "reward_model_run").exists()  # nothing was trained or loaded
 
 

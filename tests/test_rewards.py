@@ -553,3 +553,14 @@ def test_backbone_kl_is_zero_for_the_pretrained_weights_and_grows_with_drift(tin
         for p in reward_model.backbone.parameters():
             p.add_(0.05 * torch.randn_like(p))
     assert rewards.backbone_kl(reward_model, policy, tokenizer, args, 64, texts) > 0.5
+
+
+def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
+    out = tmp_path / "bad"
+    proc = subprocess.run([sys.executable, "rewards.py", "tiny", "--output-dir", str(out), "--num-train", "7"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and ppo_rlhf.py
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rewards.py: error: num_train (7) must be a positive multiple")
+    assert not out.exists()  # nothing was built or loaded

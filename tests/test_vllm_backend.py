@@ -203,7 +203,8 @@ def test_train_fp32_rollouts_equal_trainer_at_every_step_and_learn(setup, tmp_pa
     """The tiny preset (lr 1e-3, 32 prompts x 8) with vLLM rollouts: training/rollout_probs_diff_max <= 1e-3 at every
     step (the engine tracks the trainer exactly through 48 optimizer steps), and the reward goes up."""
     backend, _, _ = setup
-    rows = _train(backend, tmp_path, total_steps=24, val_every=12)
+    val0, *rows = _train(backend, tmp_path, total_steps=24, val_every=12)
+    assert val0["step"] == 0 and "val/accuracy" in val0  # validation before training (verl val_before_train)
     diffs = [r["training/rollout_probs_diff_max"] for r in rows]
     rewards_ = [r["reward/mean"] for r in rows]
     first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
