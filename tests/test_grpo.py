@@ -136,6 +136,42 @@ def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
             assert torch.allclose(p.grad, r, atol=1e-5, rtol=1e-4)
 
 
+def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
+    """Under bf16 autocast the LM head, log-softmax and entropy run in float32 (corrections.fp32_project).
+
+    The tiny model's LM head (tied to the embedding) is scaled by 40 so its logits reach 117 in magnitude, like
+    gpt2/Qwen logits. Measured on this batch (torch 2.13 CPU, bf16 autocast, reference = a float64 head on the same
+    hidden states): a bf16 LM head (before this change) was off by 0.20 max / 0.11 mean nats per token; the float32
+    head is off by 4e-5. Against a whole float32 forward the difference is 4e-3, the backbone's own bf16 rounding
+    (which the bf16 rollout engine shares)."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.mul_(40.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = _prompts(tokenizer)
+    responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (8, 5, 3, 8)]
+    batch = grpo.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 8, CPU)
+    mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
+    with torch.no_grad():
+        full_fp32, _ = grpo.compute_logprobs(model, batch, 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours, entropy = grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
+            hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                         position_ids=batch["position_ids"]).last_hidden_state[:, -9:-1]
+            bf16_logits = head(hidden)  # what compute_logprobs computed before: the head under autocast
+        assert bf16_logits.dtype == torch.bfloat16 and bf16_logits.abs().max() > 100
+        exact = torch.log_softmax(hidden.double() @ head.weight.double().T, -1)
+        before = torch.log_softmax(bf16_logits.double(), -1).gather(-1, tokens)[..., 0]
+    assert ours.dtype == torch.float32 and entropy.dtype == torch.float32
+    assert (before - exact.gather(-1, tokens)[..., 0])[mask].abs().max() > 0.1  # the effect is real
+    assert (ours.double() - exact.gather(-1, tokens)[..., 0])[mask].abs().max() < 1e-3
+    exact_entropy = -(exact.exp() * exact).sum(-1)
+    assert (entropy.double() - exact_entropy)[mask].abs().max() < 1e-3
+    assert (ours - full_fp32)[mask].abs().max() < 2e-2  # the rest: the bf16 backbone (measured 4e-3)
+
+
 def test_apply_mismatch():
     g = torch.Generator().manual_seed(0)
     named = [("model.embed_tokens.weight", torch.randn(10, 8, generator=g)),
