@@ -320,18 +320,39 @@ def setup_distributed():
     return rank, world_size, device
 
 
-def all_reduce_gradients(params, world_size):
-    """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch."""
+def all_reduce_gradients(params, world_size, bucket_bytes=25 * 2**20):
+    """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch, in buckets
+    of about bucket_bytes (DDP's default bucket_cap_mb=25): one collective per bucket, and the extra memory is one
+    bucket, not a flat copy of every gradient (4 bytes per parameter: 12 GB for a 3B model)."""
     if world_size == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of one per tensor
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+    grads = [p.grad for p in params if p.grad is not None]  # same order on every rank
+    bucket, size = [], 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1:
+            if len(bucket) == 1:
+                dist.all_reduce(bucket[0])  # a large tensor: reduced in place, no copy
+                bucket[0].div_(world_size)
+            else:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat)
+                flat.div_(world_size)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset: offset + b.numel()].view_as(b))
+                    offset += b.numel()
+            bucket, size = [], 0
+
+
+def global_token_counts(masks, world_size, device):
+    """The denominators of one minibatch's loss (verl's global_batch_info): the valid tokens of each (B, T) mask in
+    `masks`, summed over all micro-batches and all ranks, in ONE all-reduce (verl forward_backward_batch)."""
+    counts = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    return counts.tolist()
 
 
 def reduce_metrics(metrics, world_size, device):
@@ -969,9 +990,13 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
     batch holds (B, R) tensors: responses/mask/rollout_logprobs, advantages (B,), old_logprobs (decoupled mode;
     ignored in bypass mode, where pi_old = pi_rollout), ref_logprobs (if kl_loss_coef > 0), and for decoupled mode
     is_weights (or absent) and corrected_mask from apply_rollout_correction.
-    Each microbatch's loss is scaled by its share of the minibatch (verl's loss / gradient_accumulation), and the
-    gradients are averaged over ranks before clipping, so the update does not depend on the micro batch size or the
-    number of ranks (for token-mean up to the per-microbatch token counts, as in verl).
+    One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss with
+    global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each microbatch's loss is
+    divided by the minibatch's GLOBAL count (valid tokens over all microbatches and ranks for token-mean, one
+    all-reduce per minibatch; ppo_mini_batch_size * n sequences for the seq-mean modes) and multiplied by the world
+    size, the microbatch losses are summed by backward (no 1 / gradient-accumulation factor), and the gradients are
+    averaged over ranks. The result is the gradient of the minibatch's loss, exactly; tests/test_grpo.py checks it
+    for micro-batch 8 vs 64 and 2 ranks vs 1.
     """
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
@@ -988,6 +1013,16 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
     for _ in range(args.ppo_epochs):
         for mb_start in range(0, B, mini):
             optimizer.zero_grad(set_to_none=True)
+            # verl's global_batch_info: the loss mask's tokens (pg loss) and the response mask's tokens (entropy and
+            # KL terms, which use the plain response mask), over the whole minibatch on all ranks.
+            mini_rows = slice(mb_start, min(mb_start + mini, B))
+            loss_mask_all = batch["response_mask"] if correction.bypass_mode else batch["corrected_mask"]
+            pg_tokens, response_tokens = global_token_counts(
+                [loss_mask_all[mini_rows], batch["response_mask"][mini_rows]], world_size, batch["responses"].device)
+            sequences = args.ppo_mini_batch_size * args.rollout_n  # global sequences per minibatch (verl)
+            pg_info = dict(dp_size=world_size, batch_num_tokens=pg_tokens, global_batch_size=sequences)
+            response_info = dict(dp_size=world_size, batch_num_tokens=response_tokens, global_batch_size=sequences)
+            mini_losses = {}
             for start in range(mb_start, min(mb_start + mini, B), micro):
                 rows = slice(start, min(start + micro, B))
                 logprobs, entropy = compute_logprobs(model, batch, args.temperature, args.logprob_chunk_size,
@@ -1002,23 +1037,27 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                 pg_loss, pg_metrics = corrections.policy_loss(
                     correction, logprobs, old, batch["rollout_logprobs"][rows], advantages, loss_mask,
                     is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
-                    clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode)
+                    clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode, global_batch_info=pg_info)
                 loss = pg_loss
-                entropy_loss = corrections.agg_loss(entropy, mask, args.loss_agg_mode)
+                entropy_loss = corrections.agg_loss(entropy, mask, args.loss_agg_mode, **response_info)
                 if args.entropy_coeff != 0:
                     loss = loss - args.entropy_coeff * entropy_loss
+                terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
                 if args.kl_loss_coef > 0:  # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss term, not a reward
                     kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"][rows], args.kl_loss_type)
-                    kl_loss = corrections.agg_loss(kld, mask, args.loss_agg_mode)
+                    kl_loss = corrections.agg_loss(kld, mask, args.loss_agg_mode, **response_info)
                     loss = loss + args.kl_loss_coef * kl_loss
-                    log("actor/kl_loss", kl_loss.item())
-                (loss * (rows.stop - rows.start) / mini).backward()
-                log("actor/pg_loss", pg_loss.item()), log("actor/entropy", entropy_loss.item())
+                    terms["actor/kl_loss"] = kl_loss
+                loss.backward()  # each term already carries the global 1 / count and x world_size: a plain sum
+                for k, v in terms.items():  # summed over microbatches; reduce_metrics' mean over ranks then gives
+                    mini_losses[k] = mini_losses.get(k, 0.0) + v.item()  # the minibatch's global loss
                 if first_microbatch_metrics is None:  # bypass mode: rollout_corr/* and training/* come from here
                     first_microbatch_metrics = {k: v for k, v in pg_metrics.items() if "/" in k}
                 for k, v in pg_metrics.items():
                     if "/" not in k:
                         log(f"actor/{k}", v)
+            for k, v in mini_losses.items():
+                log(k, v)
             all_reduce_gradients(params, world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):
