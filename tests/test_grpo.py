@@ -482,6 +482,26 @@ def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and "val/accuracy" in rows[-1]
 
 
+def test_torchrun_a_failing_rank_ends_both_ranks_within_seconds(tmp_path):
+    """Rank 1 raises at its first update while rank 0 waits in the update's all-reduce: both processes end, the
+    run exits non-zero, well before any collective timeout (grpo.main -> fail_fast). Measured 30 s in all, most of
+    it start-up. On gloo rank 0's all-reduce also fails by itself once rank 1's socket closes (checked: the plain
+    train() call ends as fast here); fail_fast is for NCCL, where a dead peer is noticed only by the watchdog and
+    an exiting rank can block in the process group's destructor; this test pins the behaviour on CPU."""
+    import time
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "tests", "crash_rank1.py"), "tiny", "--backend", "hf", "--total-steps", "2",
+           "--output-dir", str(tmp_path / "crash"), "--train-batch-size", "8", "--ppo-mini-batch-size", "4",
+           "--rollout-n", "4", "--ppo-micro-batch-size-per-gpu", "4", "--val-every", "0"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr + proc.stdout
+    assert time.time() - t0 < 120  # startup (imports, model build) included; the failure itself ends it in seconds
+
+
 def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
     """The real dataset code paths, with datasets.load_dataset replaced by a few local rows (no download)."""
     import datasets
