@@ -65,6 +65,8 @@ class Args:
     """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's RNG."""
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, args.json, checkpoint/ (and the tiny model) go."""
+    cuda: bool = True
+    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo), as ppo_rlhf.py's flag."""
     torch_threads: int = 0
     """torch.set_num_threads on CPU (0 = torch's default). The tiny preset uses 1: its matmuls are too small to gain
     from threads, and on a shared 2-core machine 2 OpenMP threads ran a forward/backward 15x slower than 1."""
@@ -324,10 +326,15 @@ def check_context_length(args, model_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def setup_distributed():
-    """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process."""
+def setup_distributed(use_cuda=True):
+    """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process.
+    use_cuda=False (--no-cuda) keeps every rank on the CPU even where a GPU exists (the exact fp32 tests)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if use_cuda and torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s): start at "
+                             f"most that many processes per node, or pass --no-cuda")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
@@ -1209,7 +1216,7 @@ def train(args, backend=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
-    rank, world_size, device = setup_distributed()
+    rank, world_size, device = setup_distributed(args.cuda)
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)

@@ -40,11 +40,16 @@ def _prompts(tokenizer):
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
+def _tiny_cpu():
+    """The tiny preset pinned to the CPU (--no-cuda): these tests need exact fp32 CPU numerics even on a GPU machine."""
+    return dataclasses.replace(grpo.PRESETS["tiny"][1](), cuda=False)
+
+
 def _small_args(**kw):
     base = dict(train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, rollout_n=4,
                 max_response_length=8, lr=1e-3, val_every=0, save_every=0)
     base.update(kw)
-    return dataclasses.replace(grpo.PRESETS["tiny"][1](), **base)
+    return dataclasses.replace(_tiny_cpu(), **base)
 
 
 def unpadded_logprobs(model, prompt, response, temperature):
@@ -171,6 +176,39 @@ def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
     exact_entropy = -(exact.exp() * exact).sum(-1)
     assert (entropy.double() - exact_entropy)[mask].abs().max() < 1e-3
     assert (ours - full_fp32)[mask].abs().max() < 2e-2  # the rest: the bf16 backbone (measured 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [True, False])
+def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
+    """On CUDA: bf16 autocast (--bf16) keeps the LM head and log-softmax in fp32 (< 1e-3 from a float64 head on the
+    same hidden states, logits ~100); --no-bf16 matches the CPU fp32 forward to ~1e-5. Not run here (no GPU)."""
+    model, tokenizer = tiny
+    cpu_model = copy.deepcopy(model)
+    with torch.no_grad():
+        cpu_model.get_output_embeddings().weight.mul_(40.0)
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (8, 5, 3, 8)]
+    batch = grpo.make_batch(_prompts(tokenizer), responses, [[0.0] * len(r) for r in responses],
+                            tokenizer.pad_token_id, 8, CPU)
+    mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
+    with torch.no_grad():
+        cuda_batch = {k: v.cuda() for k, v in batch.items()}
+        ours, _ = grpo.compute_logprobs(cuda_model, cuda_batch, 1.0, bf16=bf16)
+        if bf16:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                hidden = cuda_model.get_decoder()(input_ids=cuda_batch["input_ids"],
+                                                  attention_mask=cuda_batch["attention_mask"],
+                                                  position_ids=cuda_batch["position_ids"]).last_hidden_state[:, -9:-1]
+            head = cuda_model.get_output_embeddings().weight
+            reference = torch.log_softmax(hidden.double() @ head.double().T, -1).gather(-1, tokens.cuda())[..., 0]
+            tol = 1e-3
+        else:
+            reference, _ = grpo.compute_logprobs(cpu_model, batch, 1.0)
+            tol = 1e-4
+    assert ours.dtype == torch.float32
+    assert (ours.cpu().double() - reference.cpu().double())[mask].abs().max() < tol
 
 
 def test_apply_mismatch():
@@ -377,7 +415,7 @@ def _read_metrics(path):
 
 
 def test_tiny_run_learns(tmp_path):
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path), total_steps=24, val_every=12,
+    args = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path), total_steps=24, val_every=12,
                                save_every=0)
     rows = _read_metrics(grpo.train(args))
     rewards_ = [r["reward/mean"] for r in rows]
@@ -399,7 +437,7 @@ def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
     (training/rollout_probs_diff_max <= 1e-3 at every step, measured ~1e-7); --mismatch int8 samples from a fake-
     quantised copy, and the difference is clearly non-zero at every step."""
     small = dict(train_batch_size=16, ppo_mini_batch_size=8, total_steps=3, lr=1e-3, val_every=0, save_every=0)
-    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), **small)
+    base = dataclasses.replace(_tiny_cpu(), **small)
     fp32 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "fp32"))))
     int8 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "int8"), mismatch="int8")))
     fp32_diffs = [r["training/rollout_probs_diff_max"] for r in fp32]
@@ -413,7 +451,7 @@ def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
 def test_resume_continues_the_same_run(tmp_path):
     small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_micro_batch_size_per_gpu=8, val_every=0,
                  save_every=2, copy_train_size=64)
-    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), **small)
+    base = dataclasses.replace(_tiny_cpu(), **small)
     full = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "a"), total_steps=4)))
     grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))  # "crash" after step 2
     resumed = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4)))
@@ -437,7 +475,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
     monkeypatch.setattr(rewards, "build_tiny_model", boom)
-    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path))
+    base = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path))
     bad = [
         (dict(correction="nope"), ValueError, "unknown correction"),
         (dict(mismatch="int4"), ValueError, "mismatch"),
@@ -473,7 +511,7 @@ def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
            "--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4",
            "--ppo-micro-batch-size-per-gpu", "4",
            "--val-every", "2", "--debug-checksum"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sums = [(out / f"param_checksum_rank{r}.txt").read_text() for r in (0, 1)]

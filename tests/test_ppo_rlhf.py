@@ -314,7 +314,7 @@ def tiny_assets(tmp_path_factory):
 def tiny_args(assets, output_dir, **overrides):
     base = PRESETS["tiny"][1]
     return dataclasses.replace(base, reward_model_path=str(assets / "reward_model"), output_dir=str(output_dir),
-                               sample_freq=0, **overrides)
+                               sample_freq=0, **{"cuda": False, **overrides})  # exact fp32 CPU, even on a GPU box
 
 
 def read_metrics(output_dir):
@@ -370,7 +370,7 @@ def test_cli_rejects_bad_input_before_loading_models(tmp_path):
 
 def test_torchrun_two_cpu_processes_end_identical(tiny_assets, tmp_path):
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "ppo_rlhf.py",
            "tiny", "--output-dir", str(out), "--reward-model-path", str(tiny_assets / "reward_model"),
            "--total-episodes", str(64 * 3), "--save-freq", "0", "--sample-freq", "0", "--kl-horizon", "100"]

