@@ -9,6 +9,7 @@ step(). Rank 0 saves {mode: flat gradient}. Not a test file itself (no test_ pre
 """
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -76,6 +77,9 @@ if __name__ == "__main__":
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         dist.init_process_group("gloo")
+        # 16 KiB buckets: the tiny model's gradients then take both paths of all_reduce_gradients (several small
+        # tensors flattened into one bucket; a tensor of >= 16 KiB reduced in place on its own)
+        grpo.all_reduce_gradients = functools.partial(grpo.all_reduce_gradients, bucket_bytes=16 * 1024)
     grads = {mode: minibatch_gradient(micro, mode, rank, world_size) for mode in modes}
     if rank == 0:
         torch.save(grads, out)
