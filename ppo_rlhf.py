@@ -449,9 +449,10 @@ class PolicyAndValue(nn.Module):
     """The policy LM and a scalar value head on the SAME backbone, as OAI's policy.py and [repro]'s
     AutoModelForCausalLMWithScalarHead (one transformer, two heads; OAI did not use a separate value network).
 
-    forward returns the response-position logits (B, R, V) and values (B, R): position t predicts response token t
-    from everything before it, so we slice [context_length - 1, -1) of the query_response ([general 1]: the value
-    head sees query + response). Only the response positions go through the LM head: no (B, L, V) logits.
+    forward returns the response-position hidden states (B, R, H) and values (B, R): position t predicts response
+    token t from everything before it, so we slice [context_length - 1, -1) of the query_response ([general 1]: the
+    value head sees query + response). The LM head is applied later, chunk by chunk and in float32
+    (logprobs_from_hidden): no (B, L, V) logits, and none in bf16.
     """
 
     def __init__(self, lm):
@@ -464,15 +465,26 @@ class PolicyAndValue(nn.Module):
 
     def forward(self, query_responses, context_length, pad_token_id):
         hidden = backbone_hidden(self.lm.base_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
-        logits = self.lm.get_output_embeddings()(hidden)
-        values = self.value_head(hidden).squeeze(-1).float()
-        return logits, values
+        values = corrections.fp32_project(self.value_head, hidden).squeeze(-1)  # value head in fp32, autocast off
+        return hidden, values
 
 
-def response_logits(lm, query_responses, context_length, pad_token_id):
-    """Logits (B, R, V) at the response positions for a plain LM (the reference policy)."""
-    hidden = backbone_hidden(lm.base_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
-    return lm.get_output_embeddings()(hidden)
+def response_hidden(lm, query_responses, context_length, pad_token_id):
+    """Hidden states (B, R, H) at the response positions for a plain LM (the reference policy)."""
+    return backbone_hidden(lm.base_model, query_responses, pad_token_id)[:, context_length - 1 : -1]
+
+
+def logprobs_from_hidden(lm, hidden, tokens, temperature, banned=None, chunk_rows=1024):
+    """(logprobs, entropy), each (B, R), of `tokens` from response hidden states: the LM head, log-softmax and
+    entropy in float32 with autocast off (corrections.token_logprobs_and_entropy with the LM head as `project`, as
+    grpo.compute_logprobs), logits / T ([policy 1]). Under bf16 autocast a bf16 LM head rounds gpt2's logits (30-130
+    in magnitude) by up to 0.25, ~0.1 nats of logprob error, which would inflate approxkl, clipfrac and the
+    per-token KL reward (tests/test_grpo.py measures it). The entropy carries no gradient (a metric here)."""
+    B, R, H = hidden.shape
+    logprobs, entropy = corrections.token_logprobs_and_entropy(
+        hidden.reshape(B * R, H), tokens.reshape(B * R), temperature, project=lm.get_output_embeddings(),
+        chunk_size=chunk_rows, banned=banned)
+    return logprobs.reshape(B, R), entropy.reshape(B, R)
 
 
 def generation_config(args, pad_token_id, banned, output_scores):
@@ -571,6 +583,14 @@ def all_gather_cat(tensor):
         gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, tensor.contiguous())
         return torch.cat(gathered)
+    return tensor
+
+
+def all_sum(tensor):
+    """Sum of a tensor over ranks (identity on one process)."""
+    if dist.is_available() and dist.is_initialized():
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
     return tensor
 
 
@@ -875,14 +895,15 @@ def train(args: Args):
                 if gen_scores is not None:
                     rollout_logprobs.append(logprobs_from_logits(gen_scores, r, 1.0, banned, args.logprob_chunk_rows))
                 qr = torch.cat([q, r], dim=1)  # [general 1]: query + response is the input of every forward
-                # 3b. policy logprobs and values, reference logprobs (logits / T: [policy 1])
-                logits, v = model(qr, context_length, pad_id)
-                logprobs.append(logprobs_from_logits(logits, r, args.temperature, banned, args.logprob_chunk_rows))
+                # 3b. policy logprobs and values, reference logprobs (logits / T: [policy 1]; heads in fp32)
+                hidden, v = model(qr, context_length, pad_id)
+                logprobs.append(logprobs_from_hidden(model.lm, hidden, r, args.temperature, banned,
+                                                     args.logprob_chunk_rows)[0])
                 values.append(v)
-                ref_logits = response_logits(ref_policy, qr, context_length, pad_id)
-                ref_logprobs.append(
-                    logprobs_from_logits(ref_logits, r, args.temperature, banned, args.logprob_chunk_rows))
-                del logits, ref_logits
+                ref_hidden = response_hidden(ref_policy, qr, context_length, pad_id)
+                ref_logprobs.append(logprobs_from_hidden(ref_policy, ref_hidden, r, args.temperature, banned,
+                                                         args.logprob_chunk_rows)[0])
+                del hidden, ref_hidden
                 # 3c. truncate at the first "." at or after position truncate_after, pad the tail ([policy 5])
                 pr = truncate_responses(r, truncate_token_id, args.truncate_after, pad_id)
                 # 3d. the reward model scores query + TRUNCATED response; it reads the last position ([reward 1]),
@@ -934,14 +955,21 @@ def train(args: Args):
         for epoch in range(args.noptepochs):
             perm = torch.from_numpy(np.random.permutation(local_batch)).to(device)
             for micro_batches in minibatch_schedule(perm, local_mini, micro):
+                # One loss normalisation for any micro-batch size or rank count (verl's global_batch_info, as
+                # grpo.update_policy): the policy loss is divided by the minibatch's valid tokens over all ranks
+                # (one all-reduce; it differs from local_mini * R only when a rejection mask drops tokens) and
+                # multiplied by the world size, since DDP averages the gradients.
+                pg_tokens = all_sum(torch.stack([pg_mask[mb].sum() for mb in micro_batches]).sum().double())
+                pg_info = dict(dp_size=world_size, batch_num_tokens=float(pg_tokens))
                 for i, mb in enumerate(micro_batches):
                     # DDP: all-reduce the gradients only on the last micro-batch of the minibatch
                     sync = ddp_model.no_sync() if (world_size > 1 and i < len(micro_batches) - 1) \
                         else contextlib.nullcontext()
                     with sync, autocast:
-                        logits, vpred = ddp_model(query_responses[mb], context_length, pad_id)
-                        new_logprobs = logprobs_from_logits(logits, responses[mb], args.temperature, banned,
-                                                            args.logprob_chunk_rows)  # [policy 1]
+                        hidden, vpred = ddp_model(query_responses[mb], context_length, pad_id)
+                        new_logprobs, new_entropy = logprobs_from_hidden(
+                            model.lm, hidden, responses[mb], args.temperature, banned,
+                            args.logprob_chunk_rows)  # [policy 1]; LM head in fp32
                         # [policy 10]: value loss with the value clipped around the rollout value
                         vf_loss, vf_clipfrac, vf_losses1 = clipped_value_loss(
                             vpred, values[mb], returns[mb], args.cliprange_value)
@@ -949,28 +977,32 @@ def train(args: Args):
                         if correction is None:
                             pg_loss, pg_metrics = corrections.ppo_clip_loss(
                                 new_logprobs, logprobs[mb], advantages[mb], mask[mb],
-                                clip_low=args.cliprange, clip_high=args.cliprange, agg_mode="token-mean")
+                                clip_low=args.cliprange, clip_high=args.cliprange, agg_mode="token-mean",
+                                global_batch_info=pg_info)
                         else:  # optional: correct for the generate()-vs-forward mismatch (not in the original)
                             pg_loss, pg_metrics = corrections.policy_loss(
                                 correction, new_logprobs, logprobs[mb], rollout_logprobs[mb], advantages[mb],
                                 pg_mask[mb], is_weights=None if is_weights is None else is_weights[mb],
                                 clip_low=args.cliprange, clip_high=args.cliprange, clip_c=None,
-                                agg_mode="token-mean")
-                        loss = pg_loss + args.vf_coef * vf_loss
-                        (loss / len(micro_batches)).backward()  # gradient accumulation: mean over the minibatch
+                                agg_mode="token-mean", global_batch_info=pg_info)
+                        # pg_loss is already this micro-batch's share of the minibatch's loss; the value loss (every
+                        # token valid, equal micro-batches) is a micro-batch mean: / number of micro-batches
+                        loss = pg_loss + args.vf_coef * vf_loss / len(micro_batches)
+                        loss.backward()
                     with torch.no_grad():
                         logprobs_diff = new_logprobs.detach() - logprobs[mb]
                         stats["approxkl"].append(0.5 * (logprobs_diff**2).mean())
                         stats["clipfrac"].append(torch.as_tensor(float(pg_metrics.get("pg_clipfrac", 0.0))))
-                        stats["pg_loss"].append(pg_loss.detach())
+                        # per micro-batch values, as before: pg_loss scaled back to this micro-batch's own token
+                        # mean (exact when every token is valid: global tokens = world x micro-batches x own tokens)
+                        pg_loss_micro = pg_loss.detach() * len(micro_batches)
+                        stats["pg_loss"].append(pg_loss_micro)
                         stats["vf_loss"].append(vf_loss.detach())
                         stats["vf_clipfrac"].append(vf_clipfrac)
-                        stats["loss"].append(loss.detach())
+                        stats["loss"].append(pg_loss_micro + args.vf_coef * vf_loss.detach())
                         stats["ratio"].append(torch.exp(logprobs_diff).mean())  # [repro] ratio_stats
                         stats["vf_error"].append(vf_losses1.detach().mean())  # OAI's ppo/val/error, every step
-                        stats["entropy"].append(
-                            entropy_from_logits(logits.detach(), args.temperature, banned,
-                                                args.logprob_chunk_rows).mean())
+                        stats["entropy"].append(new_entropy.mean())
                         for k, v in pg_metrics.items():
                             if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1):
                                 extra_stats.setdefault(k, []).append(float(v))

@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import corrections
+
 # ---------------------------------------------------------------------------------------------------------------
 # Offline tiny assets: a character-level tokenizer and a small random-init causal LM, saved to a directory so that
 # every `tiny` preset (and a vLLM engine, which loads models from disk) can run with no download.
@@ -555,7 +557,9 @@ class RewardModel(nn.Module):
         hidden = self.backbone.base_model(
             input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids
         ).last_hidden_state  # (B, T, d_model)
-        return self.scalar_head(hidden[:, -1]).squeeze(-1)  # (B,) at the last position ([reward 1])
+        # (B,) at the last position ([reward 1]); the head in float32 with autocast off (a bf16 head would round
+        # the reward; corrections.fp32_project)
+        return corrections.fp32_project(self.scalar_head, hidden[:, -1]).squeeze(-1)
 
     def forward(self, input_ids, attention_mask):
         """(B,) normalised reward reward_gain * raw + reward_bias of LEFT-padded (B, T) query+response ids."""

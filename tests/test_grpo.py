@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/minibatch_gradient.py
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
@@ -39,11 +40,16 @@ def _prompts(tokenizer):
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
+def _tiny_cpu():
+    """The tiny preset pinned to the CPU (--no-cuda): these tests need exact fp32 CPU numerics even on a GPU machine."""
+    return dataclasses.replace(grpo.PRESETS["tiny"][1](), cuda=False)
+
+
 def _small_args(**kw):
     base = dict(train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, rollout_n=4,
                 max_response_length=8, lr=1e-3, val_every=0, save_every=0)
     base.update(kw)
-    return dataclasses.replace(grpo.PRESETS["tiny"][1](), **base)
+    return dataclasses.replace(_tiny_cpu(), **base)
 
 
 def unpadded_logprobs(model, prompt, response, temperature):
@@ -134,6 +140,75 @@ def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
         (lp * weights + ent).sum().backward()
         for p, r in zip(model.parameters(), ref_grads):
             assert torch.allclose(p.grad, r, atol=1e-5, rtol=1e-4)
+
+
+def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
+    """Under bf16 autocast the LM head, log-softmax and entropy run in float32 (corrections.fp32_project).
+
+    The tiny model's LM head (tied to the embedding) is scaled by 40 so its logits reach 117 in magnitude, like
+    gpt2/Qwen logits. Measured on this batch (torch 2.13 CPU, bf16 autocast, reference = a float64 head on the same
+    hidden states): a bf16 LM head (before this change) was off by 0.20 max / 0.11 mean nats per token; the float32
+    head is off by 4e-5. Against a whole float32 forward the difference is 4e-3, the backbone's own bf16 rounding
+    (which the bf16 rollout engine shares)."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.mul_(40.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = _prompts(tokenizer)
+    responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (8, 5, 3, 8)]
+    batch = grpo.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 8, CPU)
+    mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
+    with torch.no_grad():
+        full_fp32, _ = grpo.compute_logprobs(model, batch, 1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours, entropy = grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
+            hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                         position_ids=batch["position_ids"]).last_hidden_state[:, -9:-1]
+            bf16_logits = head(hidden)  # what compute_logprobs computed before: the head under autocast
+        assert bf16_logits.dtype == torch.bfloat16 and bf16_logits.abs().max() > 100
+        exact = torch.log_softmax(hidden.double() @ head.weight.double().T, -1)
+        before = torch.log_softmax(bf16_logits.double(), -1).gather(-1, tokens)[..., 0]
+    assert ours.dtype == torch.float32 and entropy.dtype == torch.float32
+    assert (before - exact.gather(-1, tokens)[..., 0])[mask].abs().max() > 0.1  # the effect is real
+    assert (ours.double() - exact.gather(-1, tokens)[..., 0])[mask].abs().max() < 1e-3
+    exact_entropy = -(exact.exp() * exact).sum(-1)
+    assert (entropy.double() - exact_entropy)[mask].abs().max() < 1e-3
+    assert (ours - full_fp32)[mask].abs().max() < 2e-2  # the rest: the bf16 backbone (measured 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [True, False])
+def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
+    """On CUDA: bf16 autocast (--bf16) keeps the LM head and log-softmax in fp32 (< 1e-3 from a float64 head on the
+    same hidden states, logits ~100); --no-bf16 matches the CPU fp32 forward to ~1e-5. Not run here (no GPU)."""
+    model, tokenizer = tiny
+    cpu_model = copy.deepcopy(model)
+    with torch.no_grad():
+        cpu_model.get_output_embeddings().weight.mul_(40.0)
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (8, 5, 3, 8)]
+    batch = grpo.make_batch(_prompts(tokenizer), responses, [[0.0] * len(r) for r in responses],
+                            tokenizer.pad_token_id, 8, CPU)
+    mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
+    with torch.no_grad():
+        cuda_batch = {k: v.cuda() for k, v in batch.items()}
+        ours, _ = grpo.compute_logprobs(cuda_model, cuda_batch, 1.0, bf16=bf16)
+        if bf16:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                hidden = cuda_model.get_decoder()(input_ids=cuda_batch["input_ids"],
+                                                  attention_mask=cuda_batch["attention_mask"],
+                                                  position_ids=cuda_batch["position_ids"]).last_hidden_state[:, -9:-1]
+            head = cuda_model.get_output_embeddings().weight
+            reference = torch.log_softmax(hidden.double() @ head.double().T, -1).gather(-1, tokens.cuda())[..., 0]
+            tol = 1e-3
+        else:
+            reference, _ = grpo.compute_logprobs(cpu_model, batch, 1.0)
+            tol = 1e-4
+    assert ours.dtype == torch.float32
+    assert (ours.cpu().double() - reference.cpu().double())[mask].abs().max() < tol
 
 
 def test_apply_mismatch():
@@ -321,10 +396,10 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, corrections.RolloutCorrection.disabled())
     logprobs, entropy = grpo.compute_logprobs(model.eval(), batch, args.temperature, args.logprob_chunk_size)
     kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
-    micro = args.ppo_micro_batch_size_per_gpu
+    _, mini = grpo.local_batch_sizes(args, 1)  # the logged terms are whole-minibatch losses (global normalisation)
     expected = {"actor/entropy": [], "actor/kl_loss": [], "plain_entropy": []}
-    for start in range(0, logprobs.shape[0], micro):
-        rows = slice(start, start + micro)
+    for start in range(0, logprobs.shape[0], mini):
+        rows = slice(start, start + mini)
         expected["actor/entropy"].append(corrections.agg_loss(entropy[rows], corrected[rows]).item())
         expected["actor/kl_loss"].append(corrections.agg_loss(kld[rows], corrected[rows]).item())
         expected["plain_entropy"].append(corrections.agg_loss(entropy[rows], batch["response_mask"][rows]).item())
@@ -418,6 +493,37 @@ def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
     assert not out.exists()  # nothing was built or loaded
 
 
+def _relative_difference(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("mode", corrections.AGG_MODES)
+def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
+    """verl's global normalisation: the same minibatch (64 sequences of 1..8 tokens) gives the same gradient with
+    micro-batch 8 or 64. Measured before it (each micro-batch averaged on its own, then weighted by its share of
+    the sequences): token-mean 0.118 and token-sum 0.875 relative difference; now ~2e-7 (float32 summation order)."""
+    import minibatch_gradient
+
+    a, b = minibatch_gradient.minibatch_gradient(8, mode), minibatch_gradient.minibatch_gradient(64, mode)
+    assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
+
+
+def test_one_minibatch_gradient_is_the_same_on_two_ranks_as_on_one(tmp_path):
+    """2 gloo processes with 32 sequences and micro-batch 8 each == 1 process with all 64 at micro-batch 64 (the
+    global token count is all-reduced, the loss multiplied by the world size, the gradients averaged)."""
+    import minibatch_gradient
+
+    modes = ["token-mean", "seq-mean-token-mean"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "tests", "minibatch_gradient.py"), str(tmp_path / "grads.pt"), "8", *modes]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two_ranks = torch.load(tmp_path / "grads.pt")
+    for mode in modes:
+        assert _relative_difference(two_ranks[mode], minibatch_gradient.minibatch_gradient(64, mode)) < 1e-6, mode
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 
@@ -427,7 +533,7 @@ def _read_metrics(path):
 
 
 def test_tiny_run_learns(tmp_path):
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path), total_steps=24, val_every=12,
+    args = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path), total_steps=24, val_every=12,
                                save_every=0)
     val0, *rows = _read_metrics(grpo.train(args))
     assert val0["step"] == 0 and set(val0) == {"step", "val/accuracy", "val/score_mean", "timing/validate"}
@@ -454,7 +560,7 @@ def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
     (training/rollout_probs_diff_max <= 1e-3 at every step, measured ~1e-7); --mismatch int8 samples from a fake-
     quantised copy, and the difference is clearly non-zero at every step."""
     small = dict(train_batch_size=16, ppo_mini_batch_size=8, total_steps=3, lr=1e-3, val_every=0, save_every=0)
-    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), **small)
+    base = dataclasses.replace(_tiny_cpu(), **small)
     fp32 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "fp32"))))
     int8 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "int8"), mismatch="int8")))
     fp32_diffs = [r["training/rollout_probs_diff_max"] for r in fp32]
@@ -468,7 +574,7 @@ def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
 def test_resume_continues_the_same_run(tmp_path):
     small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_micro_batch_size_per_gpu=8, val_every=0,
                  save_every=2, copy_train_size=64)
-    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), **small)
+    base = dataclasses.replace(_tiny_cpu(), **small)
     full = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "a"), total_steps=4)))
     grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))  # "crash" after step 2
     resumed = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4)))
@@ -494,7 +600,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
     monkeypatch.setattr(rewards, "build_tiny_model", boom)
-    base = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path))
+    base = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path))
     bad = [
         (dict(correction="nope"), ValueError, "unknown correction"),
         (dict(mismatch="int4"), ValueError, "mismatch"),
@@ -530,13 +636,33 @@ def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
            "--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4",
            "--ppo-micro-batch-size-per-gpu", "4",
            "--val-every", "2", "--debug-checksum"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sums = [(out / f"param_checksum_rank{r}.txt").read_text() for r in (0, 1)]
     assert sums[0] == sums[1]
     rows = _read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2] and "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
+
+
+def test_torchrun_a_failing_rank_ends_both_ranks_within_seconds(tmp_path):
+    """Rank 1 raises at its first update while rank 0 waits in the update's all-reduce: both processes end, the
+    run exits non-zero, well before any collective timeout (grpo.main -> fail_fast). Measured 30 s in all, most of
+    it start-up. On gloo rank 0's all-reduce also fails by itself once rank 1's socket closes (checked: the plain
+    train() call ends as fast here); fail_fast is for NCCL, where a dead peer is noticed only by the watchdog and
+    an exiting rank can block in the process group's destructor; this test pins the behaviour on CPU."""
+    import time
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "tests", "crash_rank1.py"), "tiny", "--backend", "hf", "--total-steps", "2",
+           "--output-dir", str(tmp_path / "crash"), "--train-batch-size", "8", "--ppo-mini-batch-size", "4",
+           "--rollout-n", "4", "--ppo-micro-batch-size-per-gpu", "4", "--val-every", "0"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr + proc.stdout
+    assert time.time() - t0 < 120  # startup (imports, model build) included; the failure itself ends it in seconds
 
 
 def test_gsm8k_and_countdown_tasks_offline(monkeypatch):

