@@ -1,7 +1,7 @@
 """The estimator lab: the exact bias and variance of every rollout-correction estimator, on a policy small enough to
 enumerate every response.
 
-    .venv/bin/python scripts/estimator_lab.py        # figures in docs/img/, numbers in docs/estimator_lab.json (~1 min)
+    .venv/bin/python scripts/estimator_lab.py   # figures in docs/img/, numbers in docs/estimator_lab.json (~15 s CPU)
 
 Why. The rollout-correction documents make precise claims (verl math doc 004_5b20d9ca5cbecdea.txt, section 3.3; the
 TIS paper 002_4521bf471bfe2dbe.txt, "Vanilla-IS vs. TIS"): ignoring the rollout/trainer mismatch biases the gradient;
