@@ -394,7 +394,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
     base = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=str(tmp_path))
     bad = [
         (dict(correction="nope"), ValueError, "unknown correction"),
-        (dict(mismatch="int4"), ValueError, "mismatch"),
+        (dict(mismatch="int2"), ValueError, "mismatch"),
         (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "ppo_micro_batch_size_per_gpu"),
