@@ -47,7 +47,7 @@ import corrections
 
 TASKS = ("copy", "gsm8k", "countdown")
 BACKENDS = ("hf", "vllm")
-MISMATCH_KINDS = ("none", "bf16", "fp16", "int8")
+MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
 LR_SCHEDULERS = ("constant", "cosine")
 TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
 TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
@@ -191,8 +191,8 @@ class Args:
     vllm_enforce_eager: bool = False
     """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
     mismatch: str = "none"
-    """Rollout weights rounded to none | bf16 | fp16 | int8 (per-output-channel fake quant): a controlled
-    rollout/trainer mismatch for the rollout-correction methods."""
+    """Rollout weights rounded to none | bf16 | fp16 | int8 | fp8 (e4m3) | int4 (per-output-channel fake quant): a
+    controlled rollout/trainer mismatch for the rollout-correction methods."""
     correction: str = "disabled"
     """A corrections.RolloutCorrection preset: disabled (verl's default: plain PPO against the trainer's recompute
     of pi_old, metrics only), decoupled_token_is, bypass_ppo_clip, bypass_pg_is, ..."""
@@ -585,6 +585,10 @@ def apply_mismatch(named_tensors, kind):
         int8   Linear weights (2-D, not embeddings or the LM head: our choice, as in W8A16 rollouts of the TIS
                paper) fake-quantised per output channel, symmetric: scale = max|w_row| / 127,
                w = round(w / scale).clamp(-127, 127) * scale; other tensors unchanged
+        int4   the same with 15 levels: scale = max|w_row| / 7, round(w / scale).clamp(-7, 7) * scale (a coarser,
+               W4A16-style rollout; a larger mismatch than the TIS paper's)
+        fp8    the same Linear weights scaled per output channel to e4m3's range (scale = max|w_row| / 448) and
+               rounded to torch.float8_e4m3fn (3 mantissa bits: ~6% relative error), the TIS paper's FP8 rollouts
     Takes and returns a list of (name, tensor); returned tensors are new (the trainer's are never modified).
     """
     if kind not in MISMATCH_KINDS:
@@ -597,8 +601,13 @@ def apply_mismatch(named_tensors, kind):
         elif kind in ("bf16", "fp16"):
             out.append((name, t.to(torch.bfloat16 if kind == "bf16" else torch.float16).to(t.dtype)))
         elif t.dim() == 2 and not _is_embedding(name):
-            scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0  # (out_features, 1)
-            out.append((name, (torch.round(t / scale).clamp(-127, 127) * scale).to(t.dtype)))
+            top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]  # largest int level / largest finite e4m3 value
+            scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top  # (out_features, 1)
+            if kind == "fp8":
+                q = (t / scale).to(torch.float8_e4m3fn).float()
+            else:
+                q = torch.round(t / scale).clamp(-top, top)
+            out.append((name, (q * scale).to(t.dtype)))
         else:
             out.append((name, t.clone()))
     return out

