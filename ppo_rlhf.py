@@ -391,16 +391,6 @@ def logprobs_from_logits(logits, tokens, temperature, banned=None, chunk_rows=10
     return logprobs.reshape(B, T)
 
 
-@torch.no_grad()
-def entropy_from_logits(logits, temperature, banned=None, chunk_rows=1024):
-    """Entropy of softmax(logits / T) per position (B, T), chunked the same way (a metric only)."""
-    B, T, V = logits.shape
-    tokens = torch.zeros(B * T, dtype=torch.long, device=logits.device)  # any token: only the entropy is used
-    _, entropy = corrections.token_logprobs_and_entropy(logits.reshape(B * T, V), tokens, temperature,
-                                                        chunk_size=chunk_rows, banned=banned)
-    return entropy.reshape(B, T)
-
-
 def whiten(values, shift_mean=True, group_size=0):
     """[policy 9] OAI's whiten with tf.nn.moments semantics: (x - mean) / sqrt(var + 1e-8) with the BIASED variance
     (/N, not torch.var's /(N-1)); shift_mean=False adds the mean back, so only the scale changes. Every response

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import corrections
 import ppo_rlhf
 import rewards
 from ppo_rlhf import (
@@ -27,7 +28,6 @@ from ppo_rlhf import (
     batch_sizes,
     clipped_value_loss,
     compute_gae,
-    entropy_from_logits,
     left_pad_queries,
     linear_lr,
     local_seed,
@@ -213,7 +213,9 @@ def test_chunked_logprobs_and_entropy_match_log_softmax_including_gradients():
     (g2,) = torch.autograd.grad(ref.sum(), logits)
     assert torch.allclose(g1, g2, atol=1e-6)
     p = F.softmax(logits / T, -1)
-    assert torch.allclose(entropy_from_logits(logits, T, chunk_rows=4), -(p * p.log()).sum(-1), atol=1e-5)
+    _, entropy = corrections.token_logprobs_and_entropy(logits.detach().reshape(15, 11), tokens.reshape(15), T,
+                                                        chunk_size=4)
+    assert torch.allclose(entropy.reshape(3, 5), -(p * p.log()).sum(-1), atol=1e-5)
     # a banned (in-vocabulary pad) token is removed from the distribution
     banned = torch.zeros(11, dtype=torch.bool)
     banned[0] = True
