@@ -75,8 +75,9 @@ class Args:
     """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path is None"""
 
     # ---- task ([repro] TaskHParams; OpenAI launch.py stylistic tasks) ----
-    query_dataset: Literal["books", "tiny"] = "books"
-    """where queries come from: bookcorpus ([policy 3]) or rewards.tiny_queries (offline)"""
+    query_dataset: Literal["books", "tiny", "openers"] = "books"
+    """where queries come from: bookcorpus ([policy 3]), rewards.tiny_queries or rewards.sentiment_queries
+    (template sentence openers; both offline)"""
     query_length: int = 64
     """queries are truncated / left-padded to exactly this many tokens ([general 2])"""
     response_length: int = 24
@@ -180,6 +181,27 @@ PRESETS = {
         "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M episodes)",
         Args(exp_name="ppo_rlhf_gpt2_descriptiveness", reward_preset="gpt2_descriptiveness"),
     ),
+    # The sentiment pipeline on a real pretrained model, offline, on 2 CPU cores in at most 30 minutes including the
+    # reward model (rewards.py's smol_sentiment preset: lexicon best-of-4 labels on template openers). Policy =
+    # SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32), continuing raw openers (no chat template: the task is
+    # continuation, as the original). Pad: SmolLM2 saves pad = eos = <|im_end|> (2), a token the model writes; like
+    # gpt2, load_tokenizer adds a distinct [PAD] at id 49152 = vocab size, outside the embedding, so it is never
+    # sampled and masked_inputs maps it to 0 before every forward; sampling stays fixed-length and EOS does not stop
+    # it ([general 2], [general 4]). Every other detail is the original's (truncate "." penalty -1, whitening, value
+    # head at 0, TF Adam, 4 epochs x 1 minibatch, gamma 1, lambda 0.95, adaptive KL); scaled: query 12 / response
+    # 20 / truncate after 10 (books: 64 / 24 / 16), 24 updates of 32 (books: 1953 of 512), lr 5e-5 (5x: 24
+    # updates instead of 1953), KL target 2 nats per response with horizon 256 episodes so beta can move within
+    # 24 updates of 32 (books: 6 nats, 10000).
+    "smol_sentiment": (
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised) sentiment, lexicon labeller (<= 30 min on 2 cores)",
+        Args(
+            exp_name="ppo_rlhf_smol_sentiment", output_dir="runs/ppo_smol_sentiment", base_model=rewards.SMOLLM2_PATH,
+            reward_preset="smol_sentiment", query_dataset="openers", query_length=14, response_length=20,
+            truncate_after=10, temperature=0.7, total_episodes=32 * 24, rollout_batch_size=32,
+            local_micro_batch_size=32, noptepochs=4, lr=5e-5, kl_coef=0.15, kl_target=2.0, kl_horizon=256,
+            sample_freq=4, save_freq=0, keep_checkpoints=1, bf16=False,
+        ),
+    ),
 }
 
 
@@ -228,8 +250,11 @@ def validate_args(args, world_size):
             corrections.RolloutCorrection.from_name(args.correction)
         except Exception as e:  # unknown preset name
             raise ValueError(f"unknown --correction {args.correction!r}: {e}") from e
-    if args.query_dataset == "books" and args.base_model == "":
-        raise ValueError("query_dataset 'books' needs a real --base-model (e.g. gpt2)")
+    if args.query_dataset in ("books", "openers") and args.base_model == "":
+        raise ValueError(f"query_dataset {args.query_dataset!r} needs a real --base-model (e.g. gpt2)")
+    if args.base_model == rewards.SMOLLM2_PATH and not os.path.isfile(
+            os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
+        raise ValueError(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
     for name in ("temperature", "lr", "sample_freq", "save_freq", "noptepochs", "logprob_chunk_rows"):
         if getattr(args, name) < 0 or (name in ("temperature", "noptepochs", "logprob_chunk_rows")
                                        and getattr(args, name) == 0):
@@ -466,11 +491,11 @@ def query_batches(args, tokenizer, seed, local_batch, start_update):
     Each rank reads its own stream (its local seed), unlike the original where every rank shuffled the dataset with
     the same seed ([general 6] note). Resuming at update u reproduces the exact same batches.
     """
-    if args.query_dataset == "tiny":
-
+    if args.query_dataset in ("tiny", "openers"):
+        make_queries = rewards.tiny_queries if args.query_dataset == "tiny" else rewards.sentiment_queries
         update = start_update
         while True:
-            texts = rewards.tiny_queries(local_batch, seed=seed * 1_000_003 + update)
+            texts = make_queries(local_batch, seed=seed * 1_000_003 + update)
             token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
             yield left_pad_queries(token_lists, args.query_length, tokenizer.pad_token_id)
             update += 1
