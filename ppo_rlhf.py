@@ -16,6 +16,7 @@ and the PyTorch reproduction as [repro] (vwxyzjn/lm-human-preference-details, tr
 
 Run:
     python ppo_rlhf.py tiny --output-dir runs/ppo_tiny                       # offline CPU, whole pipeline, minutes
+    python ppo_rlhf.py smol_sentiment --output-dir runs/ppo_smol    # offline CPU, SmolLM2-135M, real model
     torchrun --standalone --nproc_per_node 2 ppo_rlhf.py tiny --output-dir runs/ppo_tiny_ddp   # 2 CPU procs (gloo)
     torchrun --standalone --nproc_per_node 8 ppo_rlhf.py gpt2_sentiment --output-dir runs/sentiment  # the paper
 """
@@ -188,16 +189,16 @@ PRESETS = {
     # gpt2, load_tokenizer adds a distinct [PAD] at id 49152 = vocab size, outside the embedding, so it is never
     # sampled and masked_inputs maps it to 0 before every forward; sampling stays fixed-length and EOS does not stop
     # it ([general 2], [general 4]). Every other detail is the original's (truncate "." penalty -1, whitening, value
-    # head at 0, TF Adam, 4 epochs x 1 minibatch, gamma 1, lambda 0.95, adaptive KL); scaled: query 12 / response
-    # 20 / truncate after 10 (books: 64 / 24 / 16), 24 updates of 32 (books: 1953 of 512), lr 5e-5 (5x: 24
+    # head at 0, TF Adam, 4 epochs x 1 minibatch, gamma 1, lambda 0.95, adaptive KL); scaled: query 14 / response
+    # 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32 (books: 1953 of 512), lr 5e-5 (5x: 20
     # updates instead of 1953), KL target 2 nats per response with horizon 256 episodes so beta can move within
-    # 24 updates of 32 (books: 6 nats, 10000).
+    # 20 updates of 32 (books: 6 nats, 10000).
     "smol_sentiment": (
-        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised) sentiment, lexicon labeller (<= 30 min on 2 cores)",
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised) sentiment, lexicon labeller (sized for 30 min on 2 cores)",
         Args(
             exp_name="ppo_rlhf_smol_sentiment", output_dir="runs/ppo_smol_sentiment", base_model=rewards.SMOLLM2_PATH,
             reward_preset="smol_sentiment", query_dataset="openers", query_length=14, response_length=20,
-            truncate_after=10, temperature=0.7, total_episodes=32 * 24, rollout_batch_size=32,
+            truncate_after=10, temperature=0.7, total_episodes=32 * 20, rollout_batch_size=32,
             local_micro_batch_size=32, noptepochs=4, lr=5e-5, kl_coef=0.15, kl_target=2.0, kl_horizon=256,
             sample_freq=4, save_freq=0, keep_checkpoints=1, bf16=False,
         ),

@@ -6,11 +6,14 @@ Read it top to bottom:
   3. rule-based rewards    gsm8k_reward (verl's GSM8K scorer), countdown_reward (TinyZero) with evaluate_arithmetic,
                            a small recursive-descent evaluator that replaces `eval`
   4. tiny RLHF task        tiny_queries, tiny_hidden_score (the hidden "labeller" of the tiny best-of-4 labels)
+     smol_sentiment task  sentiment_queries (template openers), lexicon_sentiment_score / lexicon_best_of_4 (the
+                          word-list labeller), make_lexicon_labels; SmolLM2-135M-Instruct (Q4_1 de-quantised)
   5. reward model          Args, PRESETS, RewardModel, save_reward_model / load_reward_model, normalize_reward_model,
                            helpers, train() with numbered steps, __main__
 
 Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4 labels):
     python rewards.py tiny --output-dir runs/reward_tiny                      # offline CPU, about a minute
+    python rewards.py smol_sentiment --output-dir runs/reward_smol           # offline CPU, real model (SmolLM2)
     torchrun --standalone --nproc_per_node 2 rewards.py tiny --output-dir runs/reward_tiny_ddp   # 2 CPU procs (gloo)
     torchrun --standalone --nproc_per_node 8 rewards.py gpt2_sentiment --output-dir runs/rm_sentiment   # the paper
 """
@@ -566,10 +569,11 @@ PRESETS: dict[str, Args] = {
         label_source=f"{OPENAI_LABELS_URL}/descriptiveness/offline_5k.json",
     ),
     # The sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised), offline, sized for 2 CPU cores (the
-    # reward-model half of `python ppo_rlhf.py smol_sentiment`, which must finish in 30 minutes in all): openers of
-    # ~8 tokens in a 12-token query, 20-token responses (the books tasks: 64 and 24), 320 lexicon labels instead
-    # of 5k (256 train = 16 steps of 16, 64 held out), lr 1e-4 (2x the paper's 5e-5: 16 steps instead of 156),
-    # 128 normalisation samples and no debug re-measure (each costs a generate() of the 135M model on CPU).
+    # reward-model half of `python ppo_rlhf.py smol_sentiment`, which should take at most 30 minutes in all):
+    # template openers (at most 13 tokens) in a 14-token query, 20-token responses (the books tasks: 64 and 24),
+    # 320 lexicon labels instead of 5k (256 train = 16 steps of 16, 64 held out), lr 1e-4 (2x the paper's 5e-5:
+    # 16 steps instead of 156), 128 normalisation samples and no debug re-measure (each is a generate() of the
+    # 135M model on CPU).
     "smol_sentiment": Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
         label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,

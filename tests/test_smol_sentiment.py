@@ -83,7 +83,7 @@ def test_make_lexicon_labels_on_the_tiny_model(tmp_path):
 def test_smol_presets_batch_arithmetic_validates():
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     sizes = ppo_rlhf.validate_args(args, 1)
-    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 32, 1, 24)
+    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 32, 1, 20)
     assert ppo_rlhf.validate_args(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
     rm = rewards.PRESETS[args.reward_preset]
     rewards.check_args(rm, 1)
