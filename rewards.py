@@ -577,13 +577,13 @@ PRESETS: dict[str, Args] = {
     # The sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised), offline, sized for 2 CPU cores (the
     # reward-model half of `python ppo_rlhf.py smol_sentiment`, which should take at most 30 minutes in all):
     # template openers (at most 13 tokens) in a 14-token query, 20-token responses (the books tasks: 64 and 24),
-    # 320 lexicon labels instead of 5k (256 train = 16 steps of 16, 64 held out), lr 1e-4 (2x the paper's 5e-5:
-    # 16 steps instead of 156), 128 normalisation samples and no debug re-measure (each is a generate() of the
-    # 135M model on CPU).
+    # 320 lexicon labels instead of 5k (256 train = 16 steps of 16, 64 held out), the paper's lr 5e-5 (a shortened
+    # PPO check showed how far one Adam step moves this 30-layer model), 128 normalisation samples and no debug
+    # re-measure (each is a generate() of the 135M model on CPU).
     "smol_sentiment": Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
         label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,
-        num_test=64, batch_size=16, lr=1e-4, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
+        num_test=64, batch_size=16, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
         eval_every=8,
     ),
 }
