@@ -182,20 +182,20 @@ PRESETS = {
         "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M episodes)",
         Args(exp_name="ppo_rlhf_gpt2_descriptiveness", reward_preset="gpt2_descriptiveness"),
     ),
-    # The sentiment pipeline on a real pretrained model, offline, on 2 CPU cores in at most 30 minutes including the
-    # reward model (rewards.py's smol_sentiment preset: lexicon best-of-4 labels on template openers). Policy =
-    # SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32), continuing raw openers (no chat template: the task is
-    # continuation, as the original). Pad: SmolLM2 saves pad = eos = <|im_end|> (2), a token the model writes; like
-    # gpt2, load_tokenizer adds a distinct [PAD] at id 49152 = vocab size, outside the embedding, so it is never
-    # sampled and masked_inputs maps it to 0 before every forward; sampling stays fixed-length and EOS does not stop
-    # it ([general 2], [general 4]). Every other detail is the original's (truncate "." penalty -1, whitening, value
-    # head at 0, TF Adam, 4 epochs x 1 minibatch, gamma 1, lambda 0.95, adaptive KL); scaled: query 14 / response
-    # 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32 (books: 1953 of 512), KL target 2 nats per
-    # response with horizon 256 episodes so beta can move within 20 updates of 32 (books: 6 nats, 10000). lr 1e-5
-    # as the original: in a shortened check, 5e-5 moved this 30-layer model too far per update (first update:
+    # The sentiment pipeline on a real pretrained model, offline, sized for at most 30 minutes on 2 CPU cores including
+    # the reward model (an estimate, not yet measured end to end; rewards.py's smol_sentiment preset: lexicon best-of-4
+    # labels on template openers). Policy = SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32), continuing raw openers
+    # (no chat template: the task is continuation, as the original). Pad: SmolLM2 saves pad = eos = <|im_end|> (2), a
+    # token the model writes; like gpt2, load_tokenizer adds a distinct [PAD] at id 49152 = vocab size, outside the
+    # embedding, so it is never sampled and masked_inputs maps it to 0 before every forward; sampling stays fixed-length
+    # and EOS does not stop it ([general 2], [general 4]). Every other detail is the original's (truncate "." penalty
+    # -1, whitening, value head at 0, TF Adam, 4 epochs x 1 minibatch, gamma 1, lambda 0.95, adaptive KL); scaled: query
+    # 14 / response 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32 (books: 1953 of 512), KL target 2
+    # nats per response with horizon 256 episodes so beta can move within 20 updates of 32 (books: 6 nats, 10000). lr
+    # 1e-5 as the original: in a shortened check, 5e-5 moved this 30-layer model too far per update (first update:
     # approxkl 0.69, clipfrac 0.46, mean ratio 2.1 after 4 Adam steps).
     "smol_sentiment": (
-        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised) sentiment, lexicon labeller (sized for 30 min on 2 cores)",
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon labeller (sized for 30 min)",
         Args(
             exp_name="ppo_rlhf_smol_sentiment", output_dir="runs/ppo_smol_sentiment", base_model=rewards.SMOLLM2_PATH,
             reward_preset="smol_sentiment", query_dataset="openers", query_length=14, response_length=20,

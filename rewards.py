@@ -380,7 +380,7 @@ def tiny_hidden_score(text):
 #   - queries: bookcorpus -> `sentiment_queries`, seeded sentence openers built from templates written here. A
 #     subject ("The hotel room") + a predicate that asks for a judgement ("turned out to be") leaves the sentiment
 #     to the continuation, which is what the labeller judges and PPO changes. Seeded and deterministic, no cache to
-#     build, cheap; less varied than books (a few thousand distinct openers), which is enough for a 30-minute run.
+#     build, cheap; less varied than books (1200 distinct openers), which is enough for a 30-minute run.
 #   - labellers: OpenAI's human best-of-4 choices -> `lexicon_best_of_4`, a bag-of-words labeller that picks the
 #     sample with the most positive minus negative words (`lexicon_sentiment_score`).
 # ---------------------------------------------------------------------------------------------------------------
