@@ -16,6 +16,7 @@ and the PyTorch reproduction as [repro] (vwxyzjn/lm-human-preference-details, tr
 
 Run:
     python ppo_rlhf.py tiny --output-dir runs/ppo_tiny                       # offline CPU, whole pipeline, minutes
+    python ppo_rlhf.py smol_sentiment --output-dir runs/ppo_smol    # offline CPU, SmolLM2-135M, real model
     torchrun --standalone --nproc_per_node 2 ppo_rlhf.py tiny --output-dir runs/ppo_tiny_ddp   # 2 CPU procs (gloo)
     torchrun --standalone --nproc_per_node 8 ppo_rlhf.py gpt2_sentiment --output-dir runs/sentiment  # the paper
 """
@@ -79,7 +80,8 @@ class Args:
     query_dataset: str = "books"
     """where queries come from (rewards.load_query_dataset): "books" = the Hub's bookcorpus Parquet files
     ([policy 3]), "tldr" = OpenAI's TL;DR posts, a path/URL/glob of .parquet/.json/.jsonl files with a "text" or
-    "content" column, or "tiny" = rewards.tiny_queries (offline)"""
+    "content" column, "tiny" = rewards.tiny_queries or "openers" = rewards.sentiment_queries (template sentence
+    openers; both offline)"""
     query_length: int = 64
     """queries are truncated / left-padded to exactly this many tokens ([general 2])"""
     response_length: int = 24
@@ -219,6 +221,28 @@ PRESETS = {
              temperature=0.7, total_episodes=1_000_000, rollout_batch_size=32, local_micro_batch_size=16, lr=2e-6,
              kl_coef=0.03, adaptive_kl=False, whiten_rewards=False, whiten_group_size=4),
     ),
+    # The sentiment pipeline on a real pretrained model, offline, sized for at most 30 minutes on 2 CPU cores including
+    # the reward model (an estimate, not yet measured end to end; rewards.py's smol_sentiment preset: lexicon best-of-4
+    # labels on template openers). Policy = SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32), continuing raw openers
+    # (no chat template: the task is continuation, as the original). Pad: SmolLM2 saves pad = eos = <|im_end|> (2), a
+    # token the model writes; like gpt2, load_tokenizer adds a distinct [PAD] at id 49152 = vocab size, outside the
+    # embedding, so it is never sampled and masked_inputs maps it to 0 before every forward; sampling stays fixed-length
+    # and EOS does not stop it ([general 2], [general 4]). Every other detail is the original's (truncate "." penalty
+    # -1, whitening, value head at 0, TF Adam, 4 epochs x 1 minibatch, gamma 1, lambda 0.95, adaptive KL); scaled: query
+    # 14 / response 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32 (books: 1953 of 512), KL target 2
+    # nats per response with horizon 256 episodes so beta can move within 20 updates of 32 (books: 6 nats, 10000). lr
+    # 1e-5 as the original: in a shortened check, 5e-5 moved this 30-layer model too far per update (first update:
+    # approxkl 0.69, clipfrac 0.46, mean ratio 2.1 after 4 Adam steps).
+    "smol_sentiment": (
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon labeller (sized for 30 min)",
+        Args(
+            exp_name="ppo_rlhf_smol_sentiment", output_dir="runs/ppo_smol_sentiment", base_model=rewards.SMOLLM2_PATH,
+            reward_preset="smol_sentiment", query_dataset="openers", query_length=14, response_length=20,
+            truncate_after=10, temperature=0.7, total_episodes=32 * 20, rollout_batch_size=32,
+            local_micro_batch_size=32, noptepochs=4, lr=1e-5, kl_coef=0.15, kl_target=2.0, kl_horizon=256,
+            sample_freq=4, save_freq=0, keep_checkpoints=1, bf16=False,
+        ),
+    ),
 }
 
 
@@ -276,6 +300,9 @@ def validate_args(args, world_size):
         raise ValueError(f"query_dataset {args.query_dataset!r} needs a real --base-model (e.g. gpt2)")
     if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
         raise ValueError("the tiny task has no start_text/end_text/query_prefix/query_suffix")
+    if args.base_model == rewards.SMOLLM2_PATH and not os.path.isfile(
+            os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
+        raise ValueError(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
     for name in ("temperature", "lr", "sample_freq", "save_freq", "noptepochs", "logprob_chunk_rows"):
         if getattr(args, name) < 0 or (name in ("temperature", "noptepochs", "logprob_chunk_rows")
                                        and getattr(args, name) == 0):
@@ -522,11 +549,11 @@ def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, worl
     too); queries are trimmed by start_text/end_text (rewards.trim_query_tokens). Resuming at update u replays the
     stream to the same position, so the batches are exactly those of an uninterrupted run.
     """
-    if args.query_dataset == "tiny":
-
+    if args.query_dataset in ("tiny", "openers"):
+        make_queries = rewards.tiny_queries if args.query_dataset == "tiny" else rewards.sentiment_queries
         update = start_update
         while True:
-            texts = rewards.tiny_queries(local_batch, seed=seed * 1_000_003 + update)
+            texts = make_queries(local_batch, seed=seed * 1_000_003 + update)
             token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
             yield left_pad_queries(token_lists, args.query_length, tokenizer.pad_token_id)
             update += 1

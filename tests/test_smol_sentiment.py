@@ -1,0 +1,123 @@
+"""Tests for the smol_sentiment task (rewards.py + ppo_rlhf.py presets on SmolLM2-135M-Instruct): the lexicon
+labeller on hand-computed cases, the seeded template openers, the label file it writes (on the tiny offline model),
+the presets' batch arithmetic, and the pad token chosen for SmolLM2's pad = eos tokenizer. Only the last test reads
+the converted SmolLM2 folder (its tokenizer and config, not the weights); without it, it fails with the command."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import ppo_rlhf  # noqa: E402
+import rewards  # noqa: E402
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", 0),
+    ("The table is made of wood.", 0),
+    ("It was great!", 1),
+    ("Great, GREAT, great.", 3),  # case-insensitive, every occurrence counts
+    ("a lovely day, but a terrible, terrible night", 1 - 2),
+    ("not good", 1),  # no negation handling: a bag of words
+    ("goodness greatly", 0),  # whole words only: "goodness" is not "good"
+    ("I don't hate it", -1),  # "don't" -> "don", "t"; "hate" counts
+    ("happy123sad", 1 - 1),  # digits split words: "happy", "sad"
+    (None, 0),
+])
+def test_lexicon_sentiment_score_hand_computed(text, expected):
+    assert rewards.lexicon_sentiment_score(text) == expected
+
+
+def test_lexicon_best_of_4_picks_the_highest_and_breaks_ties_at_the_lowest_index():
+    assert rewards.lexicon_best_of_4(["bad day", "a day", "good day", "sad day"]) == 2
+    assert rewards.lexicon_best_of_4(["a", "b", "c", "d"]) == 0  # all tied at 0
+    assert rewards.lexicon_best_of_4(["sad", "good", "sad", "nice"]) == 1  # tie at +1: the first one
+    assert rewards.lexicon_best_of_4(["awful awful", "bad", "awful", "worst worst worst"]) == 1  # all negative
+    # deterministic: the same texts give the same index every time
+    texts = ["nice", "lovely", "warm", "calm"]
+    assert {rewards.lexicon_best_of_4(texts) for _ in range(5)} == {0}
+
+
+def test_lexicon_word_lists_are_disjoint_lowercase_words():
+    assert not rewards.SENTIMENT_POSITIVE & rewards.SENTIMENT_NEGATIVE
+    for word in rewards.SENTIMENT_POSITIVE | rewards.SENTIMENT_NEGATIVE:
+        assert rewards.SENTIMENT_WORD.fullmatch(word), word
+
+
+def test_sentiment_queries_are_seeded_deterministic_and_varied():
+    a, b = rewards.sentiment_queries(200, seed=3), rewards.sentiment_queries(200, seed=3)
+    assert a == b
+    assert rewards.sentiment_queries(50, seed=3) == a[:50]  # a prefix of a longer draw
+    assert rewards.sentiment_queries(200, seed=4) != a
+    assert len(set(a)) > 150  # 6 x 25 x 8 = 1200 possible openers
+    for q in a:
+        assert q[0].isupper() and not q.endswith(" ") and q.split()[-1] in {
+            w.split()[-1] for w in rewards.SENTIMENT_PREDICATES}
+    # no opener carries sentiment itself: the continuation has to
+    assert all(rewards.lexicon_sentiment_score(q) == 0 for q in rewards.sentiment_queries(2000, seed=0))
+
+
+def test_make_lexicon_labels_on_the_tiny_model(tmp_path):
+    """The label file has OpenAI's format and `best` is the lexicon labeller's pick of the decoded samples."""
+    policy, tokenizer = rewards.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
+    args = dataclasses.replace(rewards.PRESETS["smol_sentiment"], num_train=6, num_test=2, query_length=12,
+                               response_length=8, rollout_batch_size=8)
+    path = tmp_path / "labels.json"
+    labels = rewards.make_lexicon_labels(policy.eval(), tokenizer, args, str(path))
+    assert json.loads(path.read_text()) == labels and len(labels) == 8
+    queries = rewards.sentiment_queries(8, seed=args.seed)
+    for label, query in zip(labels, queries):
+        assert len(label["query"]) == 12 and all(len(label[f"sample{k}"]) == 8 for k in range(4))
+        assert [t for t in label["query"] if t != tokenizer.pad_token_id] == tokenizer.encode(query)[:12]
+        texts = [tokenizer.decode(label[f"sample{k}"], skip_special_tokens=True) for k in range(4)]
+        assert label["best"] == rewards.lexicon_best_of_4(texts)
+    # seeded by args.seed alone: the same file again
+    assert rewards.make_lexicon_labels(policy.eval(), tokenizer, args, str(tmp_path / "again.json")) == labels
+
+
+def test_smol_presets_batch_arithmetic_validates():
+    args = ppo_rlhf.PRESETS["smol_sentiment"][1]
+    sizes = ppo_rlhf.validate_args(args, 1)
+    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 32, 1, 20)
+    assert ppo_rlhf.validate_args(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
+    rm = rewards.PRESETS[args.reward_preset]
+    rewards.check_args(rm, 1)
+    assert rm.num_train // rm.batch_size == 16 and rm.num_test == 64
+    # the two halves must agree on the task shape: the reward model reads what the policy writes
+    assert (rm.query_length, rm.response_length, rm.base_model) == (
+        args.query_length, args.response_length, args.base_model)
+    assert args.truncate_after < args.response_length
+    with pytest.raises(ValueError, match="num_test"):
+        rewards.check_args(dataclasses.replace(rm, num_test=None), 1)
+    with pytest.raises(ValueError, match="real base_model"):
+        rewards.check_args(dataclasses.replace(rm, base_model="tiny"), 1)
+    with pytest.raises(ValueError, match="needs a real --base-model"):
+        ppo_rlhf.validate_args(dataclasses.replace(args, base_model=""), 1)
+
+
+def test_smollm2_pad_token_is_distinct_from_eos_and_never_sampled():
+    """SmolLM2 saves pad = eos = <|im_end|> (2). Both scripts add a [PAD] at id = vocab size: outside the embedding
+    (masked_inputs maps it to 0), so generate() can never sample it, and an <|im_end|> the policy writes stays a
+    real token. The longest template opener fits query_length."""
+    from transformers import AutoConfig
+
+    path = rewards.SMOLLM2_PATH
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        pytest.fail(f"SmolLM2 is not converted at {path}; run: {rewards.SMOLLM2_SETUP}")
+    tokenizer = ppo_rlhf.load_tokenizer(path)
+    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == vocab_size == 49152
+    assert ppo_rlhf.banned_vocab_mask(vocab_size, tokenizer.pad_token_id, "cpu") is None  # nothing to ban
+    query = ppo_rlhf.left_pad_queries([[5, 6]], 4, tokenizer.pad_token_id)
+    input_ids, attention_mask, position_ids = ppo_rlhf.masked_inputs(query, tokenizer.pad_token_id)
+    assert input_ids.tolist() == [[0, 0, 5, 6]] and position_ids.tolist() == [[0, 0, 0, 1]]
+    assert tokenizer.encode(".", add_special_tokens=False) == [30]  # the truncate token is one token
+    args = ppo_rlhf.PRESETS["smol_sentiment"][1]
+    longest = max(len(tokenizer.encode(q, add_special_tokens=False))
+                  for q in rewards.sentiment_queries(4000, seed=0))
+    assert longest <= args.query_length
