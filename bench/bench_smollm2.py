@@ -117,8 +117,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up (default 3)")
     parser.add_argument("--runs", default="trl,hf,vllm", help="which to run, comma-separated")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step (default %(default)s)")
+    parser.add_argument("--n", type=int, default=N, help="samples per prompt (default %(default)s)")
+    parser.add_argument("--max-new", type=int, default=MAX_NEW, help="max new tokens (default %(default)s)")
     parser.add_argument("--write", action="store_true", help="append the section to bench/RESULTS.md")
     opts = parser.parse_args()
+    global PROMPTS, N, MAX_NEW
+    PROMPTS, N, MAX_NEW = opts.prompts, opts.n, opts.max_new  # smaller sizes: a quick check that it runs
     grpo.check_args(grpo.PRESETS["smol_arith"][1]())  # the model must be converted (clear error if not)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +138,8 @@ def main():
 
         versions += f", trl {trl_module.__version__}"
     lines = ["## grpo on SmolLM2-135M-Instruct vs TRL GRPOTrainer", "",
-             f"Measured by `PYTHONPATH=/tmp/trl_site .venv/bin/python bench/bench_smollm2.py --steps {opts.steps}` "
+             f"Measured by `PYTHONPATH=/tmp/trl_site .venv/bin/python bench/bench_smollm2.py --steps {opts.steps} "
+             f"--prompts {PROMPTS} --n {N} --max-new {MAX_NEW}` "
              f"({versions}, CPU, {torch.get_num_threads()} torch threads). Per step: {PROMPTS} prompts x {N} samples, "
              f"<= {MAX_NEW} new tokens, one AdamW step, beta 0, fp32; mean of steps 2..{opts.steps}. Weights: "
              "Q4_1-de-quantised SmolLM2-135M-Instruct.", "",

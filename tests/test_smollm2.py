@@ -161,3 +161,64 @@ def test_vllm_logprobs_match_trainer_before_and_after_weight_sync(smol, engine):
     print(f"vLLM vs trainer: max |logprob diff| before sync {before:.2e}, after sync {after:.2e}")
     assert before <= TOL and after <= TOL
     engine.sync_weights(model)  # leave the engine as it was
+
+
+# --- the smol_arith task (no model needed) ---------------------------------------------------------------------------
+
+
+def solve_arith(question):
+    """An independent solver of make_arith_task's sentences: replays them in order."""
+    import re
+
+    count = None
+    for sentence in re.split(r"(?<=[.?])\s+", question):
+        if m := re.search(r" has (\d+) \w+\.$", sentence):
+            count = int(m.group(1))
+        elif m := re.search(r"buys (\d+) bags with (\d+) ", sentence):
+            count += int(m.group(1)) * int(m.group(2))
+        elif m := re.search(r"buys (\d+) more ", sentence):
+            count += int(m.group(1))
+        elif m := re.search(r"gives (\d+) ", sentence):
+            count -= int(m.group(1))
+        elif m := re.search(r"splits them into (\d+) equal groups", sentence):
+            assert count % int(m.group(1)) == 0
+            count //= int(m.group(1))
+        else:
+            assert sentence.startswith("How many"), sentence
+    return count
+
+
+def test_make_arith_task_answers_and_seeding():
+    import rewards
+
+    problems = rewards.make_arith_task(500, seed=0, max_steps=3, max_number=20)
+    assert problems == rewards.make_arith_task(500, seed=0, max_steps=3, max_number=20)  # seeded
+    assert problems != rewards.make_arith_task(500, seed=1, max_steps=3, max_number=20)
+    for question, answer in problems:
+        assert int(answer) == solve_arith(question) >= 0
+    # all four operations and 1..3 of them occur
+    text = " ".join(q for q, _ in problems)
+    assert all(w in text for w in ("more", "gives", "bags with", "equal groups"))
+    assert {q.count(". ") for q, _ in problems} == {2, 3, 4}  # "has" + 1..3 operations, then the question
+    one_step = rewards.make_arith_task(200, seed=0, max_steps=1)
+    assert {q.count(". ") for q, _ in one_step} == {2}
+
+
+def test_arith_task_held_out_split_and_reward():
+    args = grpo.PRESETS["smol_arith"][1]()
+    train, val, reward_fn = grpo.load_task(args)
+    assert len(train) == args.arith_train_size and len(val) == args.arith_val_size
+    assert not {ex["prompt"] for ex in val} & {ex["prompt"] for ex in train}  # held out
+    # the pool the training set is drawn from does contain validation questions (so the filter does something)
+    import rewards
+
+    pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, max_steps=args.arith_max_steps,
+                                   max_number=args.arith_max_number)
+    assert {q for q, _ in pool} & {ex["prompt"].removesuffix(" " + grpo.ARITH_INSTRUCTION) for ex in val}
+    ex = val[0]
+    assert ex["prompt"].endswith(grpo.ARITH_INSTRUCTION)
+    # scored exactly as the gsm8k presets score: gsm8k_reward with args.gsm8k_reward_mode ("strict")
+    assert args.gsm8k_reward_mode == "strict"
+    assert reward_fn(f"So the answer is\n#### {ex['answer']}", ex) == 1.0
+    assert reward_fn(f"The answer is {ex['answer']}.", ex) == 0.0  # strict: no "####", no reward
+    assert reward_fn(f"#### {int(ex['answer']) + 1}", ex) == 0.0
