@@ -101,7 +101,7 @@ def trl(steps, tmp):
         gradient_accumulation_steps=1, steps_per_generation=1, max_completion_length=MAX_NEW, temperature=1.0,
         top_p=1.0, top_k=0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
         bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", save_strategy="no",
-        logging_steps=1, seed=1, use_vllm=False, max_grad_norm=1.0, weight_decay=0.0, warmup_ratio=0.0,
+        logging_steps=1, seed=1, use_vllm=False, max_grad_norm=1.0, weight_decay=0.0, warmup_steps=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[StepTimer()])
@@ -114,6 +114,7 @@ def trl(steps, tmp):
 
 
 def main():
+    global PROMPTS, N, MAX_NEW
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up (default 3)")
     parser.add_argument("--runs", default="trl,hf,vllm", help="which to run, comma-separated")
@@ -122,7 +123,6 @@ def main():
     parser.add_argument("--max-new", type=int, default=MAX_NEW, help="max new tokens (default %(default)s)")
     parser.add_argument("--write", action="store_true", help="append the section to bench/RESULTS.md")
     opts = parser.parse_args()
-    global PROMPTS, N, MAX_NEW
     PROMPTS, N, MAX_NEW = opts.prompts, opts.n, opts.max_new  # smaller sizes: a quick check that it runs
     grpo.check_args(grpo.PRESETS["smol_arith"][1]())  # the model must be converted (clear error if not)
     results = {}
