@@ -396,9 +396,14 @@ def reduce_metrics(metrics, world_size, device):
 # ---------------------------------------------------------------------------------------------------------------
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
-# arith (smol_arith): like verl's instruction, plus an example of the format: gsm8k_reward (strict) only accepts
-# "#### <number>", and with verl's words alone SmolLM2-135M-Instruct wrote "####" in 36% of its greedy answers.
-ARITH_INSTRUCTION = 'Solve it step by step, then write the final answer as a number after "####", for example: #### 42'
+# arith (smol_arith): the instruction + one worked example (a one-shot prompt, as GSM8K is usually evaluated few-shot),
+# then the problem. gsm8k_reward (strict) only accepts "#### <number>". Measured greedy, one-step problems, 96-128 new
+# tokens, SmolLM2-135M-Instruct (Q4_1-de-quantised): verl's instruction after the question 1/64 correct, "####" in 36%
+# of the answers; an instruction with "for example: #### 42" 1/64 and 0/32, "####" in 44%; this prompt 4/32 (12.5%),
+# "####" in 75%.
+ARITH_INSTRUCTION = ('Solve the problem, then write the final answer as a number after "####".\n'
+                     'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
+                     'Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: ')
 COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
                     "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
 
@@ -409,7 +414,7 @@ def load_task(args):
     copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out split).
     gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####" without commas.
     countdown: TinyZero's prompt; the first countdown_train_size rows train, the next 1024 are the test split.
-    arith: rewards.make_arith_task word problems + ARITH_INSTRUCTION, answers scored like gsm8k; val held out.
+    arith: ARITH_INSTRUCTION (one worked example) + a rewards.make_arith_task problem, scored like gsm8k; val held out.
     """
     import rewards
 
@@ -431,7 +436,7 @@ def load_task(args):
         held_out = {q for q, _ in val}
         pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, **size)
         train = [(q, a) for q, a in pool if q not in held_out][: args.arith_train_size]
-        as_dicts = lambda pairs: [{"prompt": q + " " + ARITH_INSTRUCTION, "answer": a} for q, a in pairs]  # noqa: E731
+        as_dicts = lambda pairs: [{"prompt": ARITH_INSTRUCTION + q, "answer": a} for q, a in pairs]  # noqa: E731
         return as_dicts(train), as_dicts(val), gsm8k_reward_fn
 
     import datasets

@@ -214,9 +214,9 @@ def test_arith_task_held_out_split_and_reward():
 
     pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, max_steps=args.arith_max_steps,
                                    max_number=args.arith_max_number)
-    assert {q for q, _ in pool} & {ex["prompt"].removesuffix(" " + grpo.ARITH_INSTRUCTION) for ex in val}
+    assert {q for q, _ in pool} & {ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION) for ex in val}
     ex = val[0]
-    assert ex["prompt"].endswith(grpo.ARITH_INSTRUCTION)
+    assert ex["prompt"].startswith(grpo.ARITH_INSTRUCTION)
     # scored exactly as the gsm8k presets score: gsm8k_reward with args.gsm8k_reward_mode ("strict")
     assert args.gsm8k_reward_mode == "strict"
     assert reward_fn(f"So the answer is\n#### {ex['answer']}", ex) == 1.0
