@@ -52,6 +52,8 @@ def main(argv=None):
     with open(os.path.join(args.output_dir, "val_step0.json"), "w") as f:
         json.dump(row, f)
     before = greedy_answers(backend, tokenizer, val_ids[:N_EXAMPLES], val_examples[:N_EXAMPLES], reward_fn, args)
+    with open(os.path.join(args.output_dir, "examples.json"), "w") as f:  # now: a run stopped early keeps these
+        json.dump({"before": before}, f, indent=1)
     grpo.train(args, backend=backend)
     after = greedy_answers(backend, tokenizer, val_ids[:N_EXAMPLES], val_examples[:N_EXAMPLES], reward_fn, args)
     with open(os.path.join(args.output_dir, "examples.json"), "w") as f:
