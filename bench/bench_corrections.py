@@ -148,7 +148,7 @@ def main():
     rejected = 1 - float(new_mask.sum()) / float(mask.sum())
     print(f"B={B} T={T} ({B * T / 1e6:.1f}M tokens, {mask.sum().item() / 1e6:.2f}M valid), torch threads "
           f"{torch.get_num_threads()}, rejected token fraction {rejected:.3f}")
-    print(f"| measurement | value |\n|---|---|")
+    print("| measurement | value |\n|---|---|")
     print(f"| pipeline time (IS + RS x2 + veto + all metrics) | {t_pipe:.3f} s |")
     print(f"| naive per-sequence loop time (same weights, mask and {len(loop_m)} of its metrics) | {t_loop:.3f} s |")
     print(f"| speed-up vs loop | {t_loop / t_pipe:.1f}x |")

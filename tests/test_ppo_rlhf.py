@@ -22,7 +22,6 @@ import corrections
 import ppo_rlhf
 import rewards
 from ppo_rlhf import (
-    Args,
     PRESETS,
     adaptive_kl_update,
     batch_sizes,

