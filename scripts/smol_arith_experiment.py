@@ -1,10 +1,9 @@
-"""Run grpo.py's smol_arith preset with --backend vllm and record what the docs show: held-out greedy accuracy
-before training (step 0), the run's metrics.jsonl, and a few greedy answers before and after.
+"""Run grpo.py's smol_arith preset with --backend vllm and record what the docs show: the run's metrics.jsonl (its
+step-0 row is grpo's validation before training) and a few greedy held-out answers before and after.
 
     python scripts/smol_arith_experiment.py --seed 1 --output-dir runs/smol_arith_s1 [--total-steps 24 ...]
 
-Writes <output_dir>/metrics.jsonl (grpo.train), <output_dir>/val_step0.json ({"step": 0, "val/accuracy": ...}) and
-<output_dir>/examples.json. One engine serves all three: grpo.train(args, backend=...) syncs the trainer's weights
+Writes <output_dir>/metrics.jsonl (grpo.train) and <output_dir>/examples.json. One engine serves all three: grpo.train(args, backend=...) syncs the trainer's weights
 into it before its first rollout, and after train() returns it holds the trained weights.
 """
 
@@ -12,7 +11,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -41,16 +39,8 @@ def main(argv=None):
     _, val_examples, reward_fn = grpo.load_task(args)
     val_ids = grpo.tokenize_prompts(tokenizer, val_examples, args)
     max_model_len = max([args.max_prompt_length] + [len(p) for p in val_ids]) + args.max_response_length
-    t0 = time.time()
     backend = grpo.VLLMBackend(args.model_name_or_path, tokenizer.eos_token_id, max_model_len=max_model_len,
                                max_num_seqs=args.vllm_max_num_seqs, dtype="float32", seed=args.seed)
-    # Step 0: the same validation grpo.train runs every val_every steps, on the untrained model.
-    val = grpo.validate(backend, tokenizer, val_ids, val_examples, reward_fn, args, 0, 1, step=-1)
-    row = {"step": 0, "val/accuracy": val["val/correct"] / val["val/total"],
-           "val/score_mean": val["val/score_sum"] / val["val/total"], "timing/validate": time.time() - t0}
-    print(row, flush=True)
-    with open(os.path.join(args.output_dir, "val_step0.json"), "w") as f:
-        json.dump(row, f)
     before = greedy_answers(backend, tokenizer, val_ids[:N_EXAMPLES], val_examples[:N_EXAMPLES], reward_fn, args)
     with open(os.path.join(args.output_dir, "examples.json"), "w") as f:  # now: a run stopped early keeps these
         json.dump({"before": before}, f, indent=1)
