@@ -23,6 +23,9 @@ diagnostics -> policy losses and aggregation -> the TIS paper's estimators side 
 """
 
 import math
+import os
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -1128,3 +1131,35 @@ def bf16_frozen_linears_(model):
                     p.data = p.data.to(torch.bfloat16)
                     n += p.numel()
     return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 12. Under torchrun: one failing rank ends the job at once (grpo.py, ppo_rlhf.py and rewards.py use it)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fail_fast():
+    """Under torchrun, a rank that fails must not leave the others waiting in a collective until NCCL's watchdog
+    (10 minutes): print the error, abort the process groups (NCCL; no collective, no barrier), and end this process
+    at once with status 1. os._exit runs no atexit handler (vLLM's engine shutdown, the process group's destructor),
+    so nothing can block on the way out; torchrun then stops the other ranks within seconds. The in-process vLLM
+    engine ends with the process; metrics.jsonl is flushed every line and checkpoints are written atomically."""
+    traceback.print_exc()
+    sys.stdout.flush(), sys.stderr.flush()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()  # NCCL only (experimental); gloo raises, and exit suffices
+        except Exception:
+            pass
+    os._exit(1)
+
+
+def train_or_fail_fast(train, args):
+    """train(args); under torchrun (WORLD_SIZE > 1) any failure of this rank, including Ctrl-C, goes through
+    fail_fast instead of unwinding into a collective the other ranks are waiting in. One process: errors as usual."""
+    try:
+        return train(args)
+    except BaseException as e:
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (isinstance(e, SystemExit) and e.code in (0, None)):
+            fail_fast()
+        raise

@@ -35,7 +35,6 @@ import random
 import shutil
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -1708,22 +1707,6 @@ def parse_args(argv=None):
     return tyro.extras.overridable_config_cli(configs, args=argv)
 
 
-def fail_fast():
-    """Under torchrun, a rank that fails must not leave the others waiting in a collective until NCCL's watchdog
-    (10 minutes): print the error, abort the process groups (NCCL; no collective, no barrier), and end this process
-    at once with status 1. os._exit runs no atexit handler (vLLM's engine shutdown, the process group's destructor),
-    so nothing can block on the way out; torchrun then stops the other ranks within seconds. The in-process vLLM
-    engine ends with the process; metrics.jsonl is flushed every line and checkpoints are written atomically."""
-    traceback.print_exc()
-    sys.stdout.flush(), sys.stderr.flush()
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.distributed_c10d._abort_process_group()  # NCCL only (experimental); gloo raises, and exit suffices
-        except Exception:
-            pass
-    os._exit(1)
-
-
 def main(argv=None):
     """The command line: parse the preset and overrides; bad input gets one line on stderr and exit code 2 before any
     model loads (argparse's convention, as ppo_rlhf.py and rewards.py); --dry-run prints the memory plan only;
@@ -1737,12 +1720,7 @@ def main(argv=None):
     except ValueError as e:
         print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
-    try:
-        train(args)
-    except BaseException as e:
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (isinstance(e, SystemExit) and e.code in (0, None)):
-            fail_fast()
-        raise
+    corrections.train_or_fail_fast(train, args)
 
 
 if __name__ == "__main__":

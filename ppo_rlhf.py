@@ -1150,4 +1150,4 @@ if __name__ == "__main__":
     except ValueError as e:
         print(f"ppo_rlhf.py: error: {e}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
-    train(cli_args)
+    corrections.train_or_fail_fast(train, cli_args)  # under torchrun a failing rank ends the job at once

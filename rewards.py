@@ -1327,6 +1327,6 @@ if __name__ == "__main__":
     except ValueError as e:
         print(f"rewards.py: error: {str(e).removeprefix('rewards.py: ')}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
-    train(args)
+    corrections.train_or_fail_fast(train, args)  # under torchrun a failing rank ends the job at once
     if dist.is_initialized():
         dist.destroy_process_group()

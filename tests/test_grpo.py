@@ -669,8 +669,8 @@ def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
 
 def test_torchrun_a_failing_rank_ends_both_ranks_within_seconds(tmp_path):
     """Rank 1 raises at its first update while rank 0 waits in the update's all-reduce: both processes end, the
-    run exits non-zero, well before any collective timeout (grpo.main -> fail_fast). Measured 30 s in all, most of
-    it start-up. On gloo rank 0's all-reduce also fails by itself once rank 1's socket closes (checked: the plain
+    run exits non-zero, well before any collective timeout (grpo.main -> corrections.train_or_fail_fast ->
+    fail_fast). Measured 30 s in all, most of it start-up. On gloo rank 0's all-reduce also fails by itself once rank 1's socket closes (checked: the plain
     train() call ends as fast here); fail_fast is for NCCL, where a dead peer is noticed only by the watchdog and
     an exiting rank can block in the process group's destructor; this test pins the behaviour on CPU."""
     import time
