@@ -49,6 +49,7 @@ TASKS = ("copy", "gsm8k", "countdown", "arith")
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
 LR_SCHEDULERS = ("constant", "cosine")
+GRAD_BUCKET_BYTES = 25 * 2**20  # all_reduce_gradients: at most this many bytes of gradient copied at once
 TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
 TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
 
@@ -424,30 +425,37 @@ def setup_distributed(use_cuda=True):
     return rank, world_size, device
 
 
-def all_reduce_gradients(params, world_size, bucket_bytes=25 * 2**20):
+def all_reduce_gradients(params, world_size, bucket_bytes=GRAD_BUCKET_BYTES):
     """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch, in buckets
-    of about bucket_bytes (DDP's default bucket_cap_mb=25): one collective per bucket, and the extra memory is one
-    bucket, not a flat copy of every gradient (4 bytes per parameter: 12 GB for a 3B model)."""
+    of at most bucket_bytes (DDP's default bucket_cap_mb=25): one collective per bucket, and the extra memory is one
+    bucket, not a flat copy of every gradient (4 bytes per parameter: 12 GB for a 3B model). A gradient larger than
+    a bucket (an embedding) is reduced alone, in place."""
     if world_size == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]  # same order on every rank
+
+    def reduce(bucket):
+        if len(bucket) == 1:
+            dist.all_reduce(bucket[0])  # in place, no copy
+            bucket[0].div_(world_size)
+            return
+        flat = torch.cat([b.reshape(-1) for b in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+        offset = 0
+        for b in bucket:
+            b.copy_(flat[offset: offset + b.numel()].view_as(b))
+            offset += b.numel()
+
     bucket, size = [], 0
-    for i, g in enumerate(grads):
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= bucket_bytes or i == len(grads) - 1:
-            if len(bucket) == 1:
-                dist.all_reduce(bucket[0])  # a large tensor: reduced in place, no copy
-                bucket[0].div_(world_size)
-            else:
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat)
-                flat.div_(world_size)
-                offset = 0
-                for b in bucket:
-                    b.copy_(flat[offset: offset + b.numel()].view_as(b))
-                    offset += b.numel()
+    for g in (p.grad for p in params if p.grad is not None):  # same order on every rank
+        nbytes = g.numel() * g.element_size()
+        if bucket and size + nbytes > bucket_bytes:  # full: reduce it before this gradient would overflow it
+            reduce(bucket)
             bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        reduce(bucket)
 
 
 def global_token_counts(masks, world_size, device):
@@ -1403,7 +1411,7 @@ def load_model_config(model_name_or_path):
 
 def plan_memory(args, config, world_size, gpu_bytes):
     """Per-GPU bytes of one GRPO rank, in two phases that do not overlap in time:
-      train:   fp32 weights + fp32 gradients + AdamW (m, v) + the all-reduce's gradient copy (more than one GPU) +
+      train:   fp32 weights + fp32 gradients + AdamW (m, v) + the all-reduce's one gradient bucket (25 MiB, more than one GPU) +
                autocast's bf16 weight copies + the reference model + activations of one micro-batch + vLLM's share
                while it stays awake (no --vllm-sleep-mode)
       rollout: weights + AdamW + reference (update_policy frees the gradients) + the rollout engine: HF generate's
@@ -1423,8 +1431,8 @@ def plan_memory(args, config, world_size, gpu_bytes):
     context = {"CUDA context + allocator slack (estimate)": 1 * gib}
     train_rows = dict(resident)
     train_rows["gradients (fp32)"] = 4 * n
-    if world_size > 1:
-        train_rows["gradient all-reduce copy (fp32)"] = 4 * n
+    if world_size > 1:  # all_reduce_gradients: one bucket at a time
+        train_rows["gradient all-reduce bucket (fp32)"] = min(GRAD_BUCKET_BYTES, 4 * n)
     if bf16:
         train_rows["autocast bf16 weight copies"] = 2 * n
     micro = args.ppo_micro_batch_size_per_gpu
