@@ -1025,13 +1025,17 @@ def backbone_kl(reward_model, policy, tokenizer, args, n, query_iter):
     position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # exclusive cumsum ([general 3])
     input_ids = query_responses.masked_fill(~attention_mask, 0)
 
-    def response_logprobs(lm):  # the LM head on the response positions only: no (B, T, vocab) logits
+    def response_logprobs(lm):  # the LM head on the response positions only, chunked: no (B, T, vocab) logits
         hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask.long(),
                                position_ids=position_ids).last_hidden_state[:, context_length - 1:-1]
-        logits = lm.get_output_embeddings()(hidden).float() / args.temperature
-        if pad < logits.shape[-1]:
-            logits[..., pad] = float("-inf")
-        return torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        head = lm.get_output_embeddings()
+        banned = torch.zeros(head.weight.shape[0], dtype=torch.bool, device=device)
+        if pad < len(banned):
+            banned[pad] = True
+        logprobs, _ = corrections.token_logprobs_and_entropy(hidden.reshape(-1, hidden.shape[-1]),
+                                                             responses.reshape(-1), args.temperature, project=head,
+                                                             banned=banned)
+        return logprobs.view_as(responses)
 
     kl = (response_logprobs(reward_model.backbone) - response_logprobs(policy)).sum(1).double()
     sums = torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64, device=device)])
