@@ -1420,7 +1420,7 @@ def plan_memory(args, config, world_size, gpu_bytes):
     gib = corrections.GIB
     shape = corrections.model_shape(config)
     n = corrections.count_parameters(config)
-    bf16 = getattr(args, "bf16", True)
+    bf16 = args.bf16
     seq = args.max_prompt_length + args.max_response_length
     embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)  # kept fp32 by bf16_frozen_linears_
     ref = 0 if args.kl_loss_coef <= 0 else (2 * (n - embeddings) + 4 * embeddings if bf16 else 4 * n)
@@ -1525,7 +1525,7 @@ def train(args, backend=None):
     if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
-        if device.type == "cuda" and getattr(args, "bf16", True):  # under bf16 autocast: same logprobs, ~half memory
+        if device.type == "cuda" and args.bf16:  # under bf16 autocast: same logprobs, ~half memory
             corrections.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
         ref_model = ref_model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
