@@ -382,9 +382,8 @@ def check_args(args, world_size=1):
     if args.gpu_memory_gib < 0 or args.dry_run_gpus < 0:
         raise ValueError(f"gpu_memory_gib and dry_run_gpus must be >= 0, got {args.gpu_memory_gib}, "
                          f"{args.dry_run_gpus}")
-    if args.model_name_or_path == rewards.SMOLLM2_PATH and not os.path.isfile(
-            os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
-        raise ValueError(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
+    if rewards.smollm2_problem(args.model_name_or_path):
+        raise ValueError(rewards.smollm2_problem(args.model_name_or_path))
 
 
 def check_context_length(args, model_path):

@@ -298,9 +298,8 @@ def validate_args(args, world_size):
         raise ValueError(f"query_dataset {args.query_dataset!r} needs a real --base-model (e.g. gpt2)")
     if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
         raise ValueError("the tiny task has no start_text/end_text/query_prefix/query_suffix")
-    if args.base_model == rewards.SMOLLM2_PATH and not os.path.isfile(
-            os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
-        raise ValueError(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
+    if rewards.smollm2_problem(args.base_model):
+        raise ValueError(rewards.smollm2_problem(args.base_model))
     for name in ("temperature", "lr", "sample_freq", "save_freq", "noptepochs", "logprob_chunk_rows"):
         if getattr(args, name) < 0 or (name in ("temperature", "noptepochs", "logprob_chunk_rows")
                                        and getattr(args, name) == 0):

