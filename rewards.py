@@ -994,15 +994,22 @@ def format_queries(raw_queries, prefix_ids, suffix_ids, pad_token_id):
     return left_pad(torch.cat([prefix, raw_queries.cpu(), suffix], dim=1), pad_token_id).to(raw_queries.device)
 
 
-def sample_normalization_batch(policy, tokenizer, args, n, query_iter):
-    """n (this rank's share) rows of LEFT-padded RAW query + response for normalisation: the frozen policy samples
-    from prefix + query + suffix, the reward model scores the raw query + response (train_reward.py
-    sample_policy_batch returns the sampler's raw queries)."""
+def next_query_batch(query_iter, tokenizer, args, n):
+    """The next n queries of the stream as (raw, queries): raw = (n, query_length) LEFT-padded ids trimmed by
+    start_text/end_text (what the reward model scores), queries = prefix + raw + suffix (what the policy samples
+    from). Normalisation and train/kl draw their samples through it, as ppo_rlhf.py's rollout does."""
     start_token, end_token = single_token_id(tokenizer, args.start_text), single_token_id(tokenizer, args.end_text)
     raw = query_token_batch(query_iter, tokenizer, n, args.query_length, start_token, end_token)
     prefix = tokenizer.encode(args.query_prefix, add_special_tokens=False) if args.query_prefix else []
     suffix = tokenizer.encode(args.query_suffix, add_special_tokens=False) if args.query_suffix else []
-    queries = format_queries(raw, prefix, suffix, tokenizer.pad_token_id)
+    return raw, format_queries(raw, prefix, suffix, tokenizer.pad_token_id)
+
+
+def sample_normalization_batch(policy, tokenizer, args, n, query_iter):
+    """n (this rank's share) rows of LEFT-padded RAW query + response for normalisation: the frozen policy samples
+    from prefix + query + suffix, the reward model scores the raw query + response (train_reward.py
+    sample_policy_batch returns the sampler's raw queries)."""
+    raw, queries = next_query_batch(query_iter, tokenizer, args, n)
     local_rollout = max(1, args.rollout_batch_size // max(1, dist.get_world_size() if dist.is_initialized() else 1))
     query_responses = sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length,
                                              args.temperature, local_rollout)
@@ -1017,11 +1024,7 @@ def backbone_kl(reward_model, policy, tokenizer, args, n, query_iter):
     mean over samples of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / temperature), averaged over
     ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
     pad = tokenizer.pad_token_id
-    start_token, end_token = single_token_id(tokenizer, args.start_text), single_token_id(tokenizer, args.end_text)
-    raw = query_token_batch(query_iter, tokenizer, n, args.query_length, start_token, end_token)
-    prefix = tokenizer.encode(args.query_prefix, add_special_tokens=False) if args.query_prefix else []
-    suffix = tokenizer.encode(args.query_suffix, add_special_tokens=False) if args.query_suffix else []
-    queries = format_queries(raw, prefix, suffix, pad)
+    raw, queries = next_query_batch(query_iter, tokenizer, args, n)
     context_length = queries.shape[1]
     local_rollout = max(1, args.rollout_batch_size // max(1, dist.get_world_size() if dist.is_initialized() else 1))
     query_responses = sample_query_responses(reward_model.backbone, queries, pad, args.response_length,
