@@ -1062,6 +1062,12 @@ def train(args: Args):
                 "ppo/val/num_eos_tokens": (responses == tokenizer.eos_token_id).sum().float()
                 if tokenizer.eos_token_id is not None else torch.tensor(0.0),
             }
+            if getattr(rewards.PRESETS.get(args.reward_preset), "label_source", None) == "lexicon":
+                # ours, not OpenAI's (their labellers were people): the programmatic labeller's own score of the
+                # (truncated) responses, so a reader sees whether what the reward model rewards is what it imitates
+                texts = tokenizer.batch_decode([p[p != pad_id] for p in postprocessed], skip_special_tokens=True)
+                local["objective/lexicon_score"] = torch.tensor(
+                    float(np.mean([rewards.lexicon_sentiment_score(t) for t in texts])))
             for k, v in extra_stats.items():  # ppo_kl, pg_clipfrac_lower; rollout_corr/* per micro-batch (bypass)
                 local[k if "/" in k else f"ppo/policy/{k}"] = torch.tensor(float(np.mean(v)))
             if correction is not None:

@@ -516,23 +516,37 @@ def lexicon_best_of_4(texts):
 
 def make_lexicon_labels(policy, tokenizer, args, path):
     """Write the smol_sentiment best-of-4 label file (OpenAI's format: query, sample0..3 token ids, best) and return
-    it: num_train + num_test openers from sentiment_queries(seed=args.seed), 4 fixed-length responses each from the
-    frozen pretrained policy at the policy temperature (OpenAI sampled label candidates from the initial policy),
-    best = lexicon_best_of_4 of the decoded responses. Seeded by args.seed alone, like make_tiny_labels."""
+    it: num_train + num_test labels on openers from sentiment_queries(seed=args.seed), 4 fixed-length responses each
+    from the frozen pretrained policy at the policy temperature (OpenAI sampled label candidates from the initial
+    policy), best = lexicon_best_of_4 of the decoded responses. Seeded by args.seed alone, like make_tiny_labels.
+
+    Only DECISIVE queries become labels: the best lexicon score is held by one sample. A tie (about half of
+    SmolLM2's candidates, most often all four at 0) is an indifferent labeller; lexicon_best_of_4 would still name
+    sample 0, and the reward model would be trained to prefer an arbitrary sample (measured: with the ties kept,
+    held-out accuracy stayed at chance). Queries are sampled in rounds of rollout_batch_size until enough labels
+    are decisive, so this costs about twice the queries of the labels it writes."""
     n = args.num_train + (args.num_test or 0)
-    queries = tokenize_queries(tokenizer, sentiment_queries(n, seed=args.seed), args.query_length)
+    labels, drawn = [], 0
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
-        samples = [
-            sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length, args.temperature,
-                                   args.rollout_batch_size)[:, args.query_length:]
-            for _ in range(NUM_SAMPLES)
-        ]
-    labels = []
-    for i in range(n):
-        texts = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
-        labels.append({"query": queries[i].tolist(), "best": lexicon_best_of_4(texts),
-                       **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)}})
+        while len(labels) < n:
+            texts_round = sentiment_queries(drawn + args.rollout_batch_size, seed=args.seed)[drawn:]
+            drawn += args.rollout_batch_size
+            queries = tokenize_queries(tokenizer, texts_round, args.query_length)
+            samples = [
+                sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length,
+                                       args.temperature, args.rollout_batch_size)[:, args.query_length:]
+                for _ in range(NUM_SAMPLES)
+            ]
+            for i in range(len(queries)):
+                texts = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
+                scores = [lexicon_sentiment_score(t) for t in texts]
+                if scores.count(max(scores)) == 1 and len(labels) < n:  # decisive: one sample holds the best score
+                    labels.append({"query": queries[i].tolist(), "best": lexicon_best_of_4(texts),
+                                   **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)}})
+            if drawn >= 50 * n:  # a policy that almost never writes a lexicon word: say so instead of looping
+                raise RuntimeError(f"make_lexicon_labels: only {len(labels)} of {n} decisive labels in {drawn} "
+                                   "queries; the policy's samples rarely contain lexicon words")
     with open(path, "w") as f:
         json.dump(labels, f)
     return labels
@@ -670,13 +684,14 @@ PRESETS: dict[str, Args] = {
     # The sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised), offline, sized for 2 CPU cores (the
     # reward-model half of `python ppo_rlhf.py smol_sentiment`, which should take at most 30 minutes in all):
     # template openers (at most 13 tokens) in a 14-token query, 20-token responses (the books tasks: 64 and 24),
-    # 320 lexicon labels instead of 5k (256 train = 16 steps of 16, 64 held out), the paper's lr 5e-5 (a shortened
-    # PPO check showed how far one Adam step moves this 30-layer model), 128 normalisation samples and no debug
-    # re-measure (each is a generate() of the 135M model on CPU).
+    # 320 DECISIVE lexicon labels instead of 5k (make_lexicon_labels drops ties; 256 train, 64 held out), batch 8
+    # (32 steps: the first version's 16 steps of 16, ties kept, stayed at chance), the paper's lr 5e-5, one epoch,
+    # 128 normalisation samples and no debug re-measure. rollout_batch_size 128: label candidates are drawn in rounds
+    # of 128 queries until 320 are decisive (about 6 rounds), and normalisation draws exactly 128.
     "smol_sentiment": Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
         label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,
-        num_test=64, batch_size=16, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
+        num_test=64, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
         eval_every=8,
     ),
 }

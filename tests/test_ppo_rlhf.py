@@ -515,3 +515,22 @@ def test_grouped_whitening_run_logs_the_new_metrics(tiny_assets, tmp_path):
         assert 0.0 <= r["ppo/val/advantage_var"] < 1e-10
         assert r["ppo/val/ratio_var"] > 0 and np.isfinite(r["ppo/val/ratio_var"])
         assert np.isfinite(r["ppo/val/var_explained"]) and r["ppo/val/var_explained"] <= 1.0
+
+
+def test_lexicon_labeller_score_is_logged_only_for_lexicon_reward_presets(tiny_assets, tmp_path, monkeypatch):
+    """objective/lexicon_score (smol_sentiment): the programmatic labeller's mean score of the decoded truncated
+    responses, one call per response; absent for presets whose labels came from elsewhere."""
+    import rewards
+
+    seen = []
+    monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: seen.append(text) or len(seen) % 3)
+    monkeypatch.setitem(rewards.PRESETS, "lexicon_check",
+                        dataclasses.replace(rewards.PRESETS["tiny"], label_source="lexicon"))
+    out = tmp_path / "lexicon"
+    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 2, save_freq=0, reward_preset="lexicon_check"))
+    m = read_metrics(out)
+    assert len(seen) == 2 * 64 and all(isinstance(t, str) for t in seen)
+    for update, row in enumerate(m):
+        assert row["objective/lexicon_score"] == pytest.approx(np.mean([(64 * update + i + 1) % 3 for i in range(64)]))
+    ppo_rlhf.train(tiny_args(tiny_assets, tmp_path / "plain", total_episodes=64, save_freq=0))
+    assert "objective/lexicon_score" not in read_metrics(tmp_path / "plain")[0]

@@ -62,20 +62,27 @@ def test_sentiment_queries_are_seeded_deterministic_and_varied():
     assert all(rewards.lexicon_sentiment_score(q) == 0 for q in rewards.sentiment_queries(2000, seed=0))
 
 
-def test_make_lexicon_labels_on_the_tiny_model(tmp_path):
-    """The label file has OpenAI's format and `best` is the lexicon labeller's pick of the decoded samples."""
+def test_make_lexicon_labels_on_the_tiny_model(tmp_path, monkeypatch):
+    """The label file has OpenAI's format, `best` is the lexicon labeller's pick, and only decisive queries (one
+    sample holds the best score) become labels, in query order, sampled round after round until there are enough."""
     policy, tokenizer = rewards.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
+    # the tiny model writes letters, not English: score a text by its count of "a" (ties happen, as with the lexicon)
+    monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: text.count("a"))
     args = dataclasses.replace(rewards.PRESETS["smol_sentiment"], num_train=6, num_test=2, query_length=12,
                                response_length=8, rollout_batch_size=8)
     path = tmp_path / "labels.json"
     labels = rewards.make_lexicon_labels(policy.eval(), tokenizer, args, str(path))
     assert json.loads(path.read_text()) == labels and len(labels) == 8
-    queries = rewards.sentiment_queries(8, seed=args.seed)
-    for label, query in zip(labels, queries):
+    query_ids = [tokenizer.encode(q)[:12] for q in rewards.sentiment_queries(400, seed=1)]
+    positions = [-1]
+    for label in labels:
         assert len(label["query"]) == 12 and all(len(label[f"sample{k}"]) == 8 for k in range(4))
-        assert [t for t in label["query"] if t != tokenizer.pad_token_id] == tokenizer.encode(query)[:12]
+        real = [t for t in label["query"] if t != tokenizer.pad_token_id]
+        positions.append(next(i for i in range(positions[-1] + 1, 400) if query_ids[i] == real))  # in query order
         texts = [tokenizer.decode(label[f"sample{k}"], skip_special_tokens=True) for k in range(4)]
-        assert label["best"] == rewards.lexicon_best_of_4(texts)
+        scores = [t.count("a") for t in texts]
+        assert scores.count(max(scores)) == 1 and label["best"] == scores.index(max(scores))  # decisive only
+    assert positions[-1] >= 8  # some queries were skipped as ties, so more than one round was drawn
     # seeded by args.seed alone: the same file again
     assert rewards.make_lexicon_labels(policy.eval(), tokenizer, args, str(tmp_path / "again.json")) == labels
 

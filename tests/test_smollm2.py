@@ -222,3 +222,40 @@ def test_arith_task_held_out_split_and_reward():
     assert reward_fn(f"So the answer is\n#### {ex['answer']}", ex) == 1.0
     assert reward_fn(f"The answer is {ex['answer']}.", ex) == 0.0  # strict: no "####", no reward
     assert reward_fn(f"#### {int(ex['answer']) + 1}", ex) == 0.0
+
+
+def test_smol_arith_experiment_reads_each_problems_operation():
+    """scripts/smol_arith_experiment.py's per-operation accuracy: every one-step problem gets the operation its
+    sentence applied (checked against the solver's replay), and by_operation counts correct / total per operation."""
+    import rewards
+    import smol_arith_experiment
+
+    problems = rewards.make_arith_task(300, seed=3, max_steps=1)
+    ops = [smol_arith_experiment.operation(q) for q, _ in problems]
+    assert set(ops) == {"add", "bags", "give", "share"}
+    for (question, answer), op in zip(problems, ops):
+        start = int(question.split(" has ")[1].split()[0])
+        value = int(answer)
+        assert {"add": value > start, "bags": value > start, "give": value < start, "share": value < start}[op]
+    answers = [{"operation": "give", "reward": 1.0}, {"operation": "give", "reward": 0.0},
+               {"operation": "add", "reward": 0.0}]
+    assert smol_arith_experiment.by_operation(answers) == {"add": [0, 1], "give": [1, 2]}
+    # greedy_answers reads the operation of the problem, not of the prompt's worked example ("buys 3 more cards")
+    assert smol_arith_experiment.operation(grpo.ARITH_INSTRUCTION) == "add"
+
+    class Backend:
+        def generate(self, prompt_ids, n, max_new_tokens, temperature, seed):
+            return [[5] for _ in prompt_ids], None, None
+
+    class Tokenizer:
+        eos_token_id = 2
+
+        def decode(self, ids, **kwargs):
+            return "#### 7"
+
+    examples = [{"prompt": grpo.ARITH_INSTRUCTION + q, "answer": a} for q, a in problems[:20]]
+    args = grpo.PRESETS["smol_arith"][1]()
+    got = smol_arith_experiment.greedy_answers(Backend(), Tokenizer(), [[1]] * 20, examples,
+                                               lambda text, ex: float(text == f"#### {ex['answer']}"), args)
+    assert [g["operation"] for g in got] == ops[:20] and [g["question"] for g in got] == [q for q, _ in problems[:20]]
+    assert [g["reward"] for g in got] == [float(a == "7") for _, a in problems[:20]]
