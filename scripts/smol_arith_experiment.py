@@ -34,8 +34,9 @@ def greedy_answers(backend, tokenizer, prompt_ids, examples, reward_fn, args):
     out = []
     for r, ex in zip(responses, examples):
         question = ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION)  # the instruction's own example says "more"
+        text = grpo.response_text(tokenizer, r)
         out.append({"question": question, "operation": operation(question), "answer": ex["answer"],
-                    "response": grpo.response_text(tokenizer, r), "reward": reward_fn(grpo.response_text(tokenizer, r), ex)})
+                    "response": text, "reward": reward_fn(text, ex)})
     return out
 
 
