@@ -5,8 +5,8 @@
 
 Work per step (identical for all three): SmolLM2-135M-Instruct (Q4_1-de-quantised, fp32; scripts/get_smollm2.py),
 8 smol_arith prompts (chat template) x 8 samples at T=1, up to 128 new tokens, the gsm8k_reward (strict) score, group
-advantages, one AdamW step over the 64 sequences (lr 1e-6), beta = 0 (no reference model), no gradient
-checkpointing, fp32 on CPU. Reported: seconds per step and rollout tokens/s (sampled tokens / generation seconds),
+advantages, one AdamW step over the 64 sequences (lr 1e-6) accumulated over forward/backward passes of 16
+sequences (MICRO) for both, beta = 0 (no reference model), no gradient checkpointing, fp32 on CPU. Reported: seconds per step and rollout tokens/s (sampled tokens / generation seconds),
 mean of the steps after the first (warm-up), and ours / TRL.
 
 pi_old: with one optimizer step per generation TRL skips the old-logprob forward (its old logprobs = the current ones,
@@ -33,6 +33,8 @@ import grpo  # noqa: E402
 import rewards  # noqa: E402
 
 PROMPTS, N, MAX_NEW, LR = 8, 8, 128, 1e-6
+MICRO = 16  # sequences per forward/backward for both (gradient accumulation up to one optimizer step): TRL's
+# GRPOTrainer with all 64 sequences in one forward was killed by the OOM killer on 24 GB (full fp32 logits)
 grpo._set_vllm_env()  # before anything (TRL included) imports vllm: the in-process engine grpo's sync needs
 
 
@@ -40,7 +42,7 @@ def ours(backend, steps, tmp):
     """grpo.train on the smol_arith task with the bench's sizes; per-step timings from its metrics.jsonl."""
     args = dataclasses.replace(
         grpo.PRESETS["smol_arith"][1](), backend=backend, output_dir=os.path.join(tmp, f"ours_{backend}"),
-        train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=PROMPTS * N,
+        train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=min(MICRO, PROMPTS * N),
         rollout_n=N, max_response_length=MAX_NEW, lr=LR, kl_loss_coef=0.0, total_steps=steps, val_every=0,
         val_before_train=False, save_every=0, gradient_checkpointing=False, temperature=1.0,
         correction="bypass_ppo_clip")  # as TRL with one optimizer step per generation: no pi_old recompute
@@ -99,8 +101,9 @@ def trl(steps, tmp):
             step_s.append(time.time() - self.t0)
 
     config = GRPOConfig(
-        output_dir=os.path.join(tmp, "trl"), per_device_train_batch_size=PROMPTS * N, num_generations=N,
-        gradient_accumulation_steps=1, steps_per_generation=1, max_completion_length=MAX_NEW, temperature=1.0,
+        output_dir=os.path.join(tmp, "trl"), per_device_train_batch_size=min(MICRO, PROMPTS * N), num_generations=N,
+        gradient_accumulation_steps=max(1, PROMPTS * N // MICRO), steps_per_generation=max(1, PROMPTS * N // MICRO),
+        max_completion_length=MAX_NEW, temperature=1.0,
         top_p=1.0, top_k=0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
         bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", save_strategy="no",
         logging_steps=1, seed=1, use_vllm=False, max_grad_norm=1.0, weight_decay=0.0, warmup_steps=0,
