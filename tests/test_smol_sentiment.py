@@ -90,11 +90,12 @@ def test_make_lexicon_labels_on_the_tiny_model(tmp_path, monkeypatch):
 def test_smol_presets_batch_arithmetic_validates():
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     sizes = ppo_rlhf.validate_args(args, 1)
-    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 32, 1, 20)
+    # 2 minibatches of 16 per epoch (8 Adam steps per update), each one forward/backward
+    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 20)
     assert ppo_rlhf.validate_args(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
     rm = rewards.PRESETS[args.reward_preset]
     rewards.check_args(rm, 1)
-    assert rm.num_train // rm.batch_size == 16 and rm.num_test == 64
+    assert rm.num_train // rm.batch_size == 32 and rm.num_test == 64
     # the two halves must agree on the task shape: the reward model reads what the policy writes
     assert (rm.query_length, rm.response_length, rm.base_model) == (
         args.query_length, args.response_length, args.base_model)
