@@ -6,7 +6,8 @@
 Work per step (identical for all three): SmolLM2-135M-Instruct (Q4_1-de-quantised, fp32; scripts/get_smollm2.py),
 8 smol_arith prompts (chat template) x 8 samples at T=1, up to 128 new tokens, the gsm8k_reward (strict) score, group
 advantages, one AdamW step over the 64 sequences (lr 1e-6) accumulated over forward/backward passes of 16
-sequences (MICRO) for both, beta = 0 (no reference model), no gradient checkpointing, fp32 on CPU. Reported: seconds per step and rollout tokens/s (sampled tokens / generation seconds),
+sequences (MICRO) for both, beta = 0 (no reference model), no gradient checkpointing, fp32 on CPU. Reported:
+seconds per step and rollout tokens/s (sampled tokens / generation seconds),
 mean of the steps after the first (warm-up), and ours / TRL.
 
 pi_old: with one optimizer step per generation TRL skips the old-logprob forward (its old logprobs = the current ones,
