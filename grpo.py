@@ -23,6 +23,7 @@ metrics), the TIS paper (002_4521bf471bfe2dbe.txt: rollout/training mismatch, IN
 correction math lives in corrections.py; this file wires it into a training loop.
 """
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -204,6 +205,11 @@ class Args:
     mismatch: str = "none"
     """Rollout weights rounded to none | bf16 | fp16 | int8 | fp8 (e4m3) | int4 (per-output-channel fake quant): a
     controlled rollout/trainer mismatch for the rollout-correction methods."""
+    rollout_staleness: int = 0
+    """Rollouts of step t sample with the weights after update t - K (K = this; the first K steps use the initial
+    weights): a fixed temporal lag, the mismatch of an asynchronous rollout worker K policy versions behind (PRIME-RL
+    async level, AReaL max_head_offpolicyness, NeMo RL max_trajectory_age_steps). Validation uses the current
+    weights. Keeps K + 1 weight snapshots; a resumed run restarts the lag from the resumed weights."""
     correction: str = "disabled"
     """A corrections.RolloutCorrection preset: disabled (verl's default: plain PPO against the trainer's recompute
     of pi_old, metrics only), decoupled_token_is, bypass_ppo_clip, bypass_pg_is, ..."""
@@ -365,7 +371,7 @@ def check_args(args, world_size=1):
     if not 0.0 <= args.min_lr_ratio <= 1.0 or not 0.0 <= args.lr_warmup_steps_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio and lr_warmup_steps_ratio must be in [0, 1], got {args.min_lr_ratio} and "
                          f"{args.lr_warmup_steps_ratio}")
-    for name in ("val_every", "save_every", "log_samples_every", "num_log_samples"):
+    for name in ("val_every", "save_every", "log_samples_every", "num_log_samples", "rollout_staleness"):
         if getattr(args, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
     local_batch_sizes(args, world_size)
@@ -1361,6 +1367,19 @@ def restart_metrics_file(path, step):
         f.writelines(keep)
 
 
+@torch.no_grad()
+def param_snapshot(model):
+    """A detached copy of every parameter, in model.parameters() order (--rollout-staleness's weight history)."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@torch.no_grad()
+def load_params(model, snapshot):
+    """Copy a param_snapshot into `model`'s parameters in place."""
+    for p, saved in zip(model.parameters(), snapshot, strict=True):
+        p.copy_(saved)
+
+
 def param_checksum(model):
     """(sum of all parameters in float64, sha256 of their bytes): equal on every rank after a correct DDP step."""
     h, total = hashlib.sha256(), 0.0
@@ -1557,8 +1576,18 @@ def train(args, backend=None):
         max_model_len = args.max_prompt_length + args.max_response_length
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         max_model_len = min(max_model_len, context) if context else max_model_len  # vLLM refuses more than that
-        backend = make_backend(args.backend, model_path, model, args, tokenizer, max_model_len, world_size)
-    backend.sync_weights(model)
+    # --rollout-staleness K: the engine samples with a COPY of the weights that trails the trainer by K updates (an
+    # asynchronous rollout worker; 004 "Temporal lag: model staleness"); the last K + 1 snapshots are kept.
+    rollout_model, weight_history = model, None
+    if args.rollout_staleness:
+        rollout_model = copy.deepcopy(model).requires_grad_(False)
+        weight_history = collections.deque([param_snapshot(model)], maxlen=args.rollout_staleness + 1)
+    if own_backend:
+        backend = make_backend(args.backend, model_path, rollout_model, args, tokenizer, max_model_len, world_size)
+    elif args.rollout_staleness and getattr(backend, "model", None) is model:
+        raise ValueError("rollout_staleness: the backend passed to train() samples with the trainer's own model, "
+                         "so it cannot lag; let train() build it")
+    backend.sync_weights(rollout_model)
 
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
     samples_path = os.path.join(args.output_dir, "samples.jsonl")
@@ -1580,8 +1609,14 @@ def train(args, backend=None):
     def run_validation(step):
         """val/accuracy, val/score_mean on the held-out split, averaged over ranks."""
         t0 = time.time()
+        if weight_history is not None:  # --rollout-staleness: validate the trainer's current weights
+            load_params(rollout_model, weight_history[-1])
+            backend.sync_weights(rollout_model)
         val = reduce_metrics(validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank,
                                       world_size, step), world_size, device)
+        if weight_history is not None:  # back to the stale weights the next rollout samples with
+            load_params(rollout_model, weight_history[0])
+            backend.sync_weights(rollout_model)
         return {"val/accuracy": val["val/correct"] / max(val["val/total"], 1),
                 "val/score_mean": val["val/score_sum"] / max(val["val/total"], 1), "timing/validate": time.time() - t0}
 
@@ -1637,8 +1672,13 @@ def train(args, backend=None):
 
         # 6. Push the updated weights into the rollout engine (HF without mismatch: a no-op, it samples with the
         #    trainer's model; HF with mismatch: copy through apply_mismatch; vLLM: load_weights + prefix cache reset).
+        #    --rollout-staleness K: the copy gets the oldest of the last K + 1 snapshots, the weights after update
+        #    step + 1 - K (or the initial ones while fewer than K updates are done).
         t0 = time.time()
-        backend.sync_weights(model)
+        if weight_history is not None:
+            weight_history.append(param_snapshot(model))
+            load_params(rollout_model, weight_history[0])
+        backend.sync_weights(rollout_model)
         t_sync = time.time() - t0
 
         # 7. Metrics (averaged over ranks), validation, checkpoint.

@@ -686,13 +686,14 @@ PRESETS: dict[str, Args] = {
     # template openers (at most 13 tokens) in a 14-token query, 20-token responses (the books tasks: 64 and 24),
     # 320 DECISIVE lexicon labels instead of 5k (make_lexicon_labels drops ties; 256 train, 64 held out), batch 8
     # (32 steps: the first version's 16 steps of 16, ties kept, stayed at chance), the paper's lr 5e-5, one epoch,
-    # 128 normalisation samples and no debug re-measure. rollout_batch_size 128: label candidates are drawn in rounds
-    # of 128 queries until 320 are decisive (about 6 rounds), and normalisation draws exactly 128.
+    # 128 normalisation samples and no debug re-measure, held-out accuracy and train/kl every 16 steps (each check
+    # samples 64 responses, ~35 s). rollout_batch_size 128: label candidates are drawn in rounds of 128 queries until
+    # 320 are decisive (about 5-6 rounds), and normalisation draws exactly 128 (a 512 batch draws 512: 4x the time).
     "smol_sentiment": Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
         label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,
         num_test=64, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
-        eval_every=8,
+        eval_every=16,
     ),
 }
 

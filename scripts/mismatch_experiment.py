@@ -15,7 +15,7 @@ pi_rollout != pi_train. Methods (METHODS below; each is a grpo --correction pres
                   pi_rollout (the TIS paper's "naive" baseline: the gradient is biased by pi_train / pi_rollout)
     token_tis     decoupled_token_is: per-token truncated IS weight min(pi_old / pi_rollout, 2)
     seq_mis       decoupled_seq_is_rs: sequence-level IS weight + sequence rejection (verl preset)
-    seq_tis, icepop, bypass_ppo_clip (the TIS paper's PPO-IS), bypass_pg_is: the other presets
+    seq_tis, icepop, geo_rs, k3_rs, bypass_ppo_clip (the TIS paper's PPO-IS), bypass_pg_is: the other presets
 Vanilla (untruncated) IS is not offered: grpo --correction takes preset names, and corrections.parse_is_threshold
 accepts only finite thresholds here; scripts/estimator_lab.py has it (threshold 1e30).
 
@@ -44,11 +44,14 @@ METHODS = {  # name -> grpo --correction; "reference" runs with --mismatch none,
     "seq_mis": "decoupled_seq_is_rs",  # sequence IS + sequence rejection outside [0.5, 2]
     "seq_tis": "decoupled_seq_is",  # sequence truncated IS, min(prod rho, 2)
     "icepop": "decoupled_token_icepop",  # token IS weights zeroed outside [0.5, 5]
+    "geo_rs": "decoupled_geo_rs",  # sequence rejection on the geometric-mean ratio (seq_mean_k1), no IS weight
+    "k3_rs": "decoupled_k3_rs",  # sequence rejection on the mean K3 divergence, no IS weight
     "bypass_ppo_clip": "bypass_ppo_clip",  # PPO ratio against pi_rollout itself (the TIS paper's PPO-IS)
     "bypass_pg_is": "bypass_pg_is",  # REINFORCE with seq-TIS weights pi_theta / pi_rollout
 }
 COLORS = {"reference": "black", "naive": "tab:red", "token_tis": "tab:blue", "vanilla_is": "tab:brown",
-          "seq_mis": "tab:green", "seq_tis": "tab:olive", "icepop": "tab:purple", "bypass_ppo_clip": "tab:orange", "bypass_pg_is": "tab:cyan"}
+          "seq_mis": "tab:green", "seq_tis": "tab:olive", "icepop": "tab:purple", "bypass_ppo_clip": "tab:orange", "bypass_pg_is": "tab:cyan",
+          "geo_rs": "tab:pink", "k3_rs": "tab:gray"}
 
 
 @dataclass
@@ -56,7 +59,11 @@ class Args:
     methods: tuple[str, ...] = ("reference", "naive", "token_tis", "seq_mis")
     """Which methods to run (keys of METHODS)."""
     mismatch: str = "int8"
-    """grpo --mismatch for every method except the reference: int8, fp8 (e4m3), int4, bf16, fp16."""
+    """grpo --mismatch for every method except the reference: int8, fp8 (e4m3), int4, bf16, fp16, or none (with
+    --staleness: a pure temporal lag)."""
+    staleness: int = 0
+    """grpo --rollout-staleness for every method except the reference: rollouts sample with the weights K updates
+    old (an asynchronous rollout worker), on top of --mismatch."""
     copy_length: int = 3
     """Letters to copy (grpo --copy-length): the response is copy_length letters + EOS."""
     max_response_length: int = 6
@@ -88,14 +95,17 @@ class Args:
     """Skip a run whose metrics.jsonl already has total_steps rows (re-plot without re-training)."""
 
 
-def setting_tag(args):
-    """One directory per setting, so several searches can live side by side under runs_dir."""
-    return f"{args.mismatch}_len{args.copy_length}_lr{args.lr:g}_h{args.hidden_size}_steps{args.total_steps}"
+def setting_tag(args, reference=False):
+    """One directory per setting, so several searches can live side by side under runs_dir. The reference run has
+    no mismatch and no staleness, so one reference serves every mismatch kind of the same task."""
+    mismatch = "none" if reference else args.mismatch
+    lag = f"_stale{args.staleness}" if args.staleness and not reference else ""
+    return f"{mismatch}{lag}_len{args.copy_length}_lr{args.lr:g}_h{args.hidden_size}_steps{args.total_steps}"
 
 
 def run_dir(args, method, seed):
-    if method == "reference":  # the reference does not depend on the mismatch kind: share it across kinds
-        return os.path.join(ROOT, args.runs_dir, setting_tag(args).replace(args.mismatch, "none", 1), f"reference_s{seed}")
+    if method == "reference":
+        return os.path.join(ROOT, args.runs_dir, setting_tag(args, reference=True), f"reference_s{seed}")
     return os.path.join(ROOT, args.runs_dir, setting_tag(args), f"{method}_s{seed}")
 
 
@@ -132,7 +142,8 @@ def launch(args, method, seed):
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--backend", args.backend, "--mismatch", mismatch,
            "--correction", correction, "--seed", str(seed), "--total-steps", str(args.total_steps), "--lr",
            str(args.lr), "--val-every", str(args.val_every), "--save-every", "0", "--output-dir", out,
-           "--copy-length", str(args.copy_length), "--max-response-length", str(args.max_response_length)]
+           "--copy-length", str(args.copy_length), "--max-response-length", str(args.max_response_length),
+           "--rollout-staleness", "0" if method == "reference" else str(args.staleness)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(os.path.join(out, "stdout.log"), "w")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
@@ -226,7 +237,9 @@ def plot(args, curves):
     axes[0].legend(loc="upper left", fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle(f"GRPO tiny copy task ({args.copy_length} letters), {args.mismatch} rollouts ({args.backend} "
+    lag = f", {args.staleness} steps stale" if args.staleness else ""
+    rounding = "fp32" if args.mismatch == "none" else args.mismatch
+    fig.suptitle(f"GRPO tiny copy task ({args.copy_length} letters), {rounding} rollouts{lag} ({args.backend} "
                  f"backend, lr {args.lr}, hidden {args.hidden_size}, {args.total_steps} steps)")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.join(ROOT, args.plot)), exist_ok=True)

@@ -593,6 +593,35 @@ def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
     assert all("timing/sync_weights" in r for r in fp32 + int8)
 
 
+def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monkeypatch):
+    """--rollout-staleness 2: the rollouts of step t (0-based) come from the weights after update t - 2 (the initial
+    ones while t < 2) and validation from the current weights, checked by the checksum of the engine's weights at
+    every generate() against the trainer's after every update; the trainer/rollout difference is then visible."""
+    trainer_after, engine_at = [], []
+    real_update, real_generate = grpo.update_policy, grpo.HFBackend.generate
+
+    def update_policy(model, *a, **kw):
+        out = real_update(model, *a, **kw)
+        trainer_after.append(grpo.param_checksum(model)[1])
+        return out
+
+    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
+        engine_at.append(grpo.param_checksum(self.model)[1])
+        return real_generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed)
+
+    monkeypatch.setattr(grpo, "update_policy", update_policy)
+    monkeypatch.setattr(grpo.HFBackend, "generate", generate)
+    # entropy_coeff > 0: a non-zero gradient at every step even where every reward is 0, so every update counts
+    args = _small_args(output_dir=str(tmp_path), total_steps=5, val_every=2, rollout_staleness=2, entropy_coeff=0.01)
+    rows = _read_metrics(grpo.train(args))
+    theta = [engine_at[0]] + trainer_after  # theta[j]: the weights after j updates (engine_at[0]: validation at 0)
+    assert len(set(theta)) == 6  # every update changed the weights
+    # val(0), rollouts 0-1, val after 2 updates, rollouts 2-3, val after 4, rollout 4, val after 5 (the last step)
+    assert engine_at == [theta[j] for j in (0, 0, 0, 2, 0, 1, 4, 2, 5)]
+    diffs = [r.get("training/rollout_probs_diff_max") for r in rows if r["step"] > 0]
+    assert diffs[0] < 1e-5 < min(diffs[1:]), diffs  # step 1: same weights; later steps: stale rollouts
+
+
 def test_resume_continues_the_same_run(tmp_path):
     small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_micro_batch_size_per_gpu=8, val_every=0,
                  save_every=2, copy_train_size=64)
