@@ -219,21 +219,21 @@ PRESETS = {
              temperature=0.7, total_episodes=1_000_000, rollout_batch_size=32, local_micro_batch_size=16, lr=2e-6,
              kl_coef=0.03, adaptive_kl=False, whiten_rewards=False, whiten_group_size=4),
     ),
-    # The sentiment pipeline on a real pretrained model, offline, on 2 CPU cores (measured, seed 1, one command: 22.6
-    # min = labels 5.9 + reward model 5.1 + PPO 11.6; docs/ppo_rlhf.md). Reward model: rewards.py's smol_sentiment
-    # preset (decisive lexicon best-of-4 labels on template openers). Policy = SmolLM2-135M-Instruct (Q4_1 de-quantised
-    # to fp32), continuing raw openers (no chat template: the task is continuation, as the original). Pad: SmolLM2
-    # saves pad = eos = <|im_end|> (2), a token the model writes; like gpt2, load_tokenizer adds a distinct [PAD] at id
-    # 49152 = vocab size, outside the embedding, so it is never sampled and masked_inputs maps it to 0 before every
-    # forward; sampling stays fixed-length and EOS does not stop it ([general 2], [general 4]). Every other detail is
-    # the original's (truncate "." penalty -1, whitening, value head at 0, TF Adam, 4 epochs, gamma 1, lambda 0.95,
-    # adaptive KL); scaled: query 14 / response 20 / truncate after 10 (books: 64 / 24 / 16), 16 updates of 32
-    # (books: 1953 of 512; ~43 s each here), KL target 2 nats per response with horizon 256 episodes so beta can move
-    # within 16 updates (books: 6 nats, 10000). 512 episodes instead of 1M need larger steps than the original's: lr
-    # 3e-5 and 2 minibatches (8 Adam steps per update). Measured with one reward model: lr 1e-5 and 1 minibatch left
-    # the KL at 0.2-0.7 and the scores flat over 20 updates; lr 3e-5 x 2 minibatches brought the KL to its target of 2
-    # by update ~11 (first update: approxkl 0.21-0.23, clipfrac 0.33, then 0.01-0.05). lr 5e-5 and 1 minibatch: approxkl
-    # 0.69 at update 1.
+    # The sentiment pipeline on a real pretrained model, offline, on 2 CPU cores (measured, one command: seed 1 22.6
+    # min = labels 5.9 + reward model 5.1 + PPO 11.6, seed 2 21.7 min; docs/ppo_rlhf.md). Reward model: rewards.py's
+    # smol_sentiment preset (decisive lexicon best-of-4 labels on template openers). Policy = SmolLM2-135M-Instruct
+    # (Q4_1 de-quantised to fp32), continuing raw openers (no chat template: the task is continuation, as the
+    # original). Pad: SmolLM2 saves pad = eos = <|im_end|> (2), a token the model writes; like gpt2, load_tokenizer
+    # adds a distinct [PAD] at id 49152 = vocab size, outside the embedding, so it is never sampled and
+    # masked_inputs maps it to 0 before every forward; sampling stays fixed-length and EOS does not stop it
+    # ([general 2], [general 4]). Every other detail is the original's (truncate "." penalty -1, whitening, value
+    # head at 0, TF Adam, 4 epochs, gamma 1, lambda 0.95, adaptive KL); scaled: query 14 / response 20 / truncate
+    # after 10 (books: 64 / 24 / 16), 16 updates of 32 (books: 1953 of 512; ~43 s each here), KL target 2 nats per
+    # response with horizon 256 episodes so beta can move within 16 updates (books: 6 nats, 10000). 512 episodes
+    # instead of 1M need larger steps than the original's: lr 3e-5 and 2 minibatches (8 Adam steps per update).
+    # Measured with one reward model: lr 1e-5 and 1 minibatch left the KL at 0.2-0.7 and the scores flat over 20
+    # updates; lr 3e-5 x 2 minibatches brought the KL to its target of 2 by update ~11 (first update: approxkl
+    # 0.21-0.23, clipfrac 0.33, then 0.01-0.05). lr 5e-5 and 1 minibatch: approxkl 0.69 at update 1.
     "smol_sentiment": (
         "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon labeller (sized for 30 min)",
         Args(

@@ -257,6 +257,17 @@ def test_train_int8_mismatch_is_visible(setup, tmp_path):
     assert min(diffs) > INT8_MIN_PROBS_DIFF, diffs
 
 
+def test_train_rollout_staleness_reaches_the_engine(setup, tmp_path):
+    """--rollout-staleness 1 with vLLM: the engine gets the lagging copy through sync_weights, so step 1 (both on the
+    initial weights) matches the trainer to fp32 precision and steps 2-3 (engine one update behind) clearly do not."""
+    backend, _, _ = setup
+    rows = _train(backend, tmp_path, total_steps=3, val_every=0, rollout_staleness=1, train_batch_size=16,
+                  ppo_mini_batch_size=8)
+    diffs = [r["training/rollout_probs_diff_max"] for r in rows]
+    print(f"vllm staleness 1: probs_diff_max {diffs}")
+    assert diffs[0] < 1e-5 and min(diffs[1:]) > 1e-3, diffs
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torchrun: one engine per rank inside the trainer's gloo world. ~60-70 s each on 2 cores (two engine starts), so they
 # only run when slow tests are selected: `pytest -m slow tests/test_vllm_backend.py`.
