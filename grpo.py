@@ -1435,6 +1435,7 @@ def plan_memory(args, config, world_size, gpu_bytes):
       train:   fp32 weights + fp32 gradients + AdamW (m, v) + the all-reduce's one gradient bucket (25 MiB, more than one GPU) +
                autocast's bf16 weight copies + the reference model + activations of one micro-batch + vLLM's share
                while it stays awake (no --vllm-sleep-mode)
+      both:    + with --rollout-staleness K, the lagging rollout copy and K + 1 weight snapshots (fp32)
       rollout: weights + AdamW + reference (update_policy frees the gradients) + the rollout engine: HF generate's
                KV cache for generation_batch_size rows, or vLLM's whole --vllm-gpu-memory-utilization share
     plus 1 GiB for the CUDA context and allocator slack (an estimate). bf16 = bf16 autocast (the GPU default)."""
@@ -1449,6 +1450,9 @@ def plan_memory(args, config, world_size, gpu_bytes):
     resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
     if ref:
         resident["reference model (bf16 linears)" if bf16 else "reference model (fp32)"] = ref
+    if args.rollout_staleness:  # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
+        resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
+            4 * n * (args.rollout_staleness + 2))
     context = {"CUDA context + allocator slack (estimate)": 1 * gib}
     train_rows = dict(resident)
     train_rows["gradients (fp32)"] = 4 * n

@@ -66,6 +66,11 @@ def test_countdown_plan_rows_by_hand():
     assert rollout["KV cache (HF generate, 256 x 1280 tokens)"] == kv_cache
     assert plan["totals"]["train"] == sum(train.values()) and plan["peak"] == max(plan["totals"].values())
     assert 60 * GIB < plan["peak"] < 70 * GIB and plan["fits"]  # 64.06 GiB
+    # --rollout-staleness 2: a rollout copy and 3 snapshots, fp32, resident in both phases
+    stale = grpo.plan_memory(dataclasses.replace(args, rollout_staleness=2), config_of("Qwen2.5-3B"), 1, 80 * GIB)
+    for phase in ("train", "rollout"):
+        assert stale["phases"][phase]["rollout copy + 3 weight snapshots (fp32)"] == 4 * n * 4
+        assert stale["totals"][phase] == plan["totals"][phase] + 16 * n
 
 
 @pytest.mark.parametrize("preset,model", [("gsm8k_qwen05b", "Qwen2.5-0.5B-Instruct"),
