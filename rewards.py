@@ -526,13 +526,13 @@ def make_lexicon_labels(policy, tokenizer, args, path):
     held-out accuracy stayed at chance). Queries are sampled in rounds of rollout_batch_size until enough labels
     are decisive, so this costs about twice the queries of the labels it writes."""
     n = args.num_train + (args.num_test or 0)
+    openers = sentiment_queries(50 * n, seed=args.seed)  # at most 50 candidates per label, then give up (below)
     labels, drawn = [], 0
     with torch.random.fork_rng():
         torch.manual_seed(args.seed)
         while len(labels) < n:
-            texts_round = sentiment_queries(drawn + args.rollout_batch_size, seed=args.seed)[drawn:]
+            queries = tokenize_queries(tokenizer, openers[drawn:drawn + args.rollout_batch_size], args.query_length)
             drawn += args.rollout_batch_size
-            queries = tokenize_queries(tokenizer, texts_round, args.query_length)
             samples = [
                 sample_query_responses(policy, queries, tokenizer.pad_token_id, args.response_length,
                                        args.temperature, args.rollout_batch_size)[:, args.query_length:]
@@ -544,7 +544,7 @@ def make_lexicon_labels(policy, tokenizer, args, path):
                 if scores.count(max(scores)) == 1 and len(labels) < n:  # decisive: one sample holds the best score
                     labels.append({"query": queries[i].tolist(), "best": lexicon_best_of_4(texts),
                                    **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)}})
-            if drawn >= 50 * n:  # a policy that almost never writes a lexicon word: say so instead of looping
+            if len(labels) < n and drawn >= 50 * n:  # the policy almost never writes a lexicon word: say so
                 raise RuntimeError(f"make_lexicon_labels: only {len(labels)} of {n} decisive labels in {drawn} "
                                    "queries; the policy's samples rarely contain lexicon words")
     with open(path, "w") as f:
