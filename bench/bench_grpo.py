@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
+import rollout  # noqa: E402
 
 
 def peak_memory(fn):
@@ -126,11 +127,11 @@ def bench_backends(steps=12):
     with tempfile.TemporaryDirectory() as tmp:
         args = grpo.PRESETS["tiny"][1]()
         _, tokenizer = rewards.build_tiny_model(tmp, arch="qwen2", max_positions=grpo.TINY_MAX_POSITIONS)
-        engine = grpo.VLLMBackend(tmp, tokenizer.eos_token_id, max_model_len=64, max_num_seqs=args.vllm_max_num_seqs)
+        engine = rollout.VLLMBackend(tmp, tokenizer.eos_token_id, max_model_len=64, max_num_seqs=args.vllm_max_num_seqs)
         torch.set_num_threads(1)
         one_off = {"import vllm": engine.import_seconds, "engine creation": engine.engine_seconds}
         for m in ("none", "int8"):
-            engine.weight_transform = None if m == "none" else functools.partial(grpo.apply_mismatch, kind=m)
+            engine.weight_transform = None if m == "none" else functools.partial(rollout.apply_mismatch, kind=m)
             results[("vllm", m)] = run("vllm", m, backend=engine)
         engine.close()
     return results, one_off

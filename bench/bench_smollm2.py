@@ -31,12 +31,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
+import rollout  # noqa: E402
 import rewards  # noqa: E402
 
 PROMPTS, N, MAX_NEW, LR = 8, 8, 128, 1e-6
 MICRO = 16  # sequences per forward/backward for both (gradient accumulation up to one optimizer step): TRL's
 # GRPOTrainer with all 64 sequences in one forward was killed by the OOM killer on 24 GB (full fp32 logits)
-grpo._set_vllm_env()  # before anything (TRL included) imports vllm: the in-process engine grpo's sync needs
+rollout._set_vllm_env()  # before anything (TRL included) imports vllm: the in-process engine grpo's sync needs
 
 
 def ours(backend, steps, tmp):

@@ -13,7 +13,7 @@ The setting (one prompt, responses of exactly L tokens from a vocabulary of V):
     pi_train(y)    = prod_t softmax(theta[y_{t-1}])[y_t]   a bigram language model: one table of logits theta (V+1, V)
                      shared by all positions, like an LM's weights (row V is the "previous token" of t = 0), so the
                      per-token mismatch is the same at every position and only its accumulation changes with L
-    pi_rollout(y)  = the same table perturbed: weights rounded to bf16 / fp8-e4m3 / int8 / int4 (grpo.apply_mismatch,
+    pi_rollout(y)  = the same table perturbed: weights rounded to bf16 / fp8-e4m3 / int8 / int4 (rollout.apply_mismatch,
                      per output token = per row of theta^T (V, V+1), like an LM head), a sampling
                      temperature the trainer does not apply, additive Gaussian logit noise, or a "spike" (one logit
                      the trainer finds nearly impossible, as a kernel bug would produce)
@@ -136,11 +136,12 @@ def token_logprobs(table, tokens, prev, temperature=1.0):
 
 
 def round_table(table, kind):
-    """pi_rollout's weights: grpo.apply_mismatch on the table seen as an LM head theta^T (V, V+1): one row (one
+    """pi_rollout's weights: rollout.apply_mismatch on the table seen as an LM head theta^T (V, V+1): one row (one
     output channel, one per-row scale) per vocabulary token."""
     import grpo  # imported here: only the rounding perturbations need it
+    import rollout
 
-    (_, rounded), = grpo.apply_mismatch([("policy.weight", table.T.contiguous())], kind)
+    (_, rounded), = rollout.apply_mismatch([("policy.weight", table.T.contiguous())], kind)
     return rounded.T.contiguous()
 
 

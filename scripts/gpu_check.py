@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import rollout  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 
@@ -155,7 +156,7 @@ def vllm_parity(tmp, device):
     model = model.to(device)
     prompts = [tokenizer("abc=").input_ids, tokenizer("dab=").input_ids]
     for dtype in ("float32", "bfloat16"):
-        backend = grpo.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
+        backend = rollout.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
                                    gpu_memory_utilization=0.2, dtype=dtype, seed=0)
         try:
             for when in ("before sync", "after sync"):
@@ -179,7 +180,7 @@ def vllm_parity(tmp, device):
             backend.close()
     if device == "cuda":  # --vllm-sleep-mode: the engine's share is free while it sleeps, and a sync + rollout works
         free_before = torch.cuda.mem_get_info()[0]
-        backend = grpo.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
+        backend = rollout.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
                                    gpu_memory_utilization=0.2, dtype="float32", seed=0, sleep_mode=True)
         try:
             held = (free_before - torch.cuda.mem_get_info()[0]) / GIB

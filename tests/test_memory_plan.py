@@ -13,6 +13,7 @@ import torch
 
 import corrections
 import grpo
+import rollout
 import ppo_rlhf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,7 +197,7 @@ def test_sleep_mode_call_order_with_a_recording_engine():
     class FakeVLLM:
         SamplingParams = staticmethod(lambda **kw: kw)
 
-    backend = object.__new__(grpo.VLLMBackend)
+    backend = object.__new__(rollout.VLLMBackend)
     backend.llm, backend._vllm, backend.weight_transform, backend.is_cpu = RecordingLLM(), FakeVLLM(), None, False
     backend.eos_token_id, backend.sleep_mode, backend._asleep = 0, True, set()
     backend._sleep()  # what __init__ does last

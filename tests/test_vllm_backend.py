@@ -217,6 +217,7 @@ def test_sync_applies_weight_transform(setup):
 
 def _train(backend, tmp_path, **overrides):
     import grpo
+    import rollout
 
     args = dataclasses.replace(grpo.PRESETS["tiny"][1](), backend="vllm", output_dir=str(tmp_path), save_every=0,
                                cuda=False,  # the fp32 CPU trainer, even on a GPU machine
@@ -244,9 +245,10 @@ def test_train_int8_mismatch_is_visible(setup, tmp_path):
     """--mismatch int8: the engine samples from int8 fake-quantised weights (weight_transform = apply_mismatch), so
     the trainer's recompute differs from pi_rollout at every step."""
     import grpo
+    import rollout
 
     backend, _, _ = setup
-    backend.weight_transform = functools.partial(grpo.apply_mismatch, kind="int8")
+    backend.weight_transform = functools.partial(rollout.apply_mismatch, kind="int8")
     try:
         rows = _train(backend, tmp_path, total_steps=3, val_every=0, mismatch="int8", train_batch_size=16,
                       ppo_mini_batch_size=8)
