@@ -987,14 +987,33 @@ def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
     return weights, new_mask, out
 
 
+def prepare_pi_old(config, rollout_logprobs, mask, recompute_old):
+    """Once per rollout batch: what policy_loss needs, in either mode. The decoupled/bypass choice (verl math doc,
+    section 3.1) is made here and in policy_loss, nowhere in the trainers.
+
+        decoupled (every preset without bypass, "disabled" included): old_logprobs = recompute_old(), the trainer's
+            no-grad forward before the update epochs; apply_rollout_correction(old, rollout) gives the IS weights,
+            the RS/veto-corrected loss mask and the rollout_corr/* and training/* metrics, once per batch.
+        bypass: old_logprobs = rollout_logprobs (pi_old = pi_rollout; recompute_old is never called, so that forward
+            is saved); no IS weights, the plain mask; policy_loss corrects each micro-batch itself, and the trainer
+            reports the first micro-batch's metrics (verl does the same).
+    Returns (old_logprobs, is_weights or None, loss_mask, metrics).
+    """
+    if config.bypass_mode:
+        return rollout_logprobs, None, mask, {}
+    old_logprobs = recompute_old()
+    is_weights, loss_mask, metrics = apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config)
+    return old_logprobs, is_weights, loss_mask, metrics
+
+
 def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, mask, is_weights=None,
                 clip_low=0.2, clip_high=0.2, clip_c=None, agg_mode="token-mean", global_batch_info=None):
     """The policy loss for one microbatch, decoupled or bypass, in one place (grpo.py and ppo_rlhf.py call it).
 
-    Decoupled (config.bypass_mode False): `old_logprobs` is the trainer's recompute, and `is_weights` / `mask` are
-    what apply_rollout_correction returned for this batch:  loss = agg(w * ppo_clip(pi_theta / pi_old)).
-    Bypass: `old_logprobs` is ignored (pi_old = pi_rollout); pass the plain response mask. The correction is computed
-    here from the current (detached) logprobs against rollout_logprobs, per microbatch as in verl:
+    Pass what prepare_pi_old returned for this batch (old_logprobs, is_weights, loss mask), sliced to the micro-batch.
+    Decoupled (config.bypass_mode False):  loss = agg(w * ppo_clip(pi_theta / pi_old)).
+    Bypass (old_logprobs = rollout_logprobs, the plain mask): the correction is computed here from the current
+    (detached) logprobs against rollout_logprobs, per microbatch as in verl:
         loss_type "ppo_clip":  agg(ppo_clip(pi_theta / pi_rollout)) on the RS/veto mask (no IS weights: the ratio
                                already is the IS ratio)
         loss_type "reinforce": agg(-stopgrad(w) * log pi_theta * A) with w from compute_is_weights

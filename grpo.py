@@ -701,25 +701,17 @@ def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_
 
 
 def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
-    """Step 5: fill batch["old_logprobs"] (+ the correction's is_weights / corrected_mask) and batch["ref_logprobs"].
-
-    Where pi_old comes from (verl math doc 3.1):
-      decoupled mode (every preset without bypass, including "disabled", verl's default): the trainer recomputes
-        pi_old with a no-grad forward before the update epochs; apply_rollout_correction compares it with pi_rollout
-        once per batch (IS weights, rejection mask, rollout_corr/* and training/rollout_probs_diff_* metrics).
-      bypass mode: pi_old = pi_rollout, so the recompute is skipped; policy_loss computes the correction per
-        microbatch and update_policy reports the first microbatch's off-policy metrics.
-    Returns the correction metrics of decoupled mode ({} in bypass mode).
-    """
+    """Step 4: batch["old_logprobs"], batch["loss_mask"] (+ "is_weights") from corrections.prepare_pi_old, which
+    decides between the trainer's no-grad recompute of pi_old (decoupled) and pi_rollout itself (bypass); and
+    batch["ref_logprobs"] when beta > 0. Returns the correction's batch metrics ({} in bypass mode)."""
     model.eval()
-    corr_metrics = {}
-    if not correction.bypass_mode:
-        batch["old_logprobs"] = compute_logprobs_batched(model, batch, args.temperature, args.logprob_chunk_size,
-                                                         args.ppo_micro_batch_size_per_gpu, args.bf16)
-        is_weights, batch["corrected_mask"], corr_metrics = corrections.apply_rollout_correction(
-            batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction)
-        if is_weights is not None:
-            batch["is_weights"] = is_weights
+    old, is_weights, batch["loss_mask"], corr_metrics = corrections.prepare_pi_old(
+        correction, batch["rollout_logprobs"], batch["response_mask"],
+        recompute_old=lambda: compute_logprobs_batched(model, batch, args.temperature, args.logprob_chunk_size,
+                                                       args.ppo_micro_batch_size_per_gpu, args.bf16))
+    batch["old_logprobs"] = old
+    if is_weights is not None:
+        batch["is_weights"] = is_weights
     if ref_model is not None:
         batch["ref_logprobs"] = compute_logprobs_batched(ref_model, batch, args.temperature, args.logprob_chunk_size,
                                                          args.ppo_micro_batch_size_per_gpu, args.bf16)
@@ -787,9 +779,8 @@ def lr_factor(step, args):
 def update_policy(model, optimizer, batch, args, correction, world_size=1):
     """ppo_epochs x minibatches x microbatches on this rank's batch; returns averaged metrics.
 
-    batch holds (B, R) tensors: responses/mask/rollout_logprobs, advantages (B,), old_logprobs (decoupled mode;
-    ignored in bypass mode, where pi_old = pi_rollout), ref_logprobs (if kl_loss_coef > 0), and for decoupled mode
-    is_weights (or absent) and corrected_mask from apply_rollout_correction.
+    batch holds (B, R) tensors: responses/mask/rollout_logprobs, advantages (B,), and from compute_pi_old_and_ref
+    old_logprobs, loss_mask, is_weights (or absent) and ref_logprobs (if kl_loss_coef > 0).
     One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss with
     global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each microbatch's loss is
     divided by the minibatch's GLOBAL count (valid tokens over all microbatches and ranks for token-mean, one
@@ -816,8 +807,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
             # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all ranks (the
             # corrected mask in decoupled mode: verl replaces response_mask with it, so every term counts the same).
             mini_rows = slice(mb_start, min(mb_start + mini, B))
-            loss_mask_all = batch["response_mask"] if correction.bypass_mode else batch["corrected_mask"]
-            (tokens,) = global_token_counts([loss_mask_all[mini_rows]], world_size, batch["responses"].device)
+            (tokens,) = global_token_counts([batch["loss_mask"][mini_rows]], world_size, batch["responses"].device)
             sequences = args.ppo_mini_batch_size * args.rollout_n  # global sequences per minibatch (verl)
             global_info = dict(dp_size=world_size, batch_num_tokens=tokens, global_batch_size=sequences)
             mini_losses = {}
@@ -825,13 +815,9 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                 rows = slice(start, min(start + micro, B))
                 logprobs, entropy = compute_logprobs(model, batch, args.temperature, args.logprob_chunk_size,
                                                      entropy_grad=args.entropy_coeff != 0, rows=rows, bf16=args.bf16)
-                mask = batch["response_mask"][rows]
                 advantages = batch["advantages"][rows, None].expand_as(logprobs)
-                if correction.bypass_mode:  # pi_old = pi_rollout; the correction is computed inside, per microbatch
-                    loss_mask, is_weights, old = mask, None, batch["rollout_logprobs"][rows]
-                else:
-                    loss_mask, old = batch["corrected_mask"][rows], batch["old_logprobs"][rows]
-                    is_weights = batch["is_weights"][rows] if "is_weights" in batch else None
+                loss_mask, old = batch["loss_mask"][rows], batch["old_logprobs"][rows]
+                is_weights = batch["is_weights"][rows] if "is_weights" in batch else None
                 pg_loss, pg_metrics = corrections.policy_loss(
                     correction, logprobs, old, batch["rollout_logprobs"][rows], advantages, loss_mask,
                     is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
@@ -853,7 +839,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                 loss.backward()  # each term already carries the global 1 / count and x world_size: a plain sum
                 for k, v in terms.items():  # summed over microbatches; reduce_metrics' mean over ranks then gives
                     mini_losses[k] = mini_losses.get(k, 0.0) + v.item()  # the minibatch's global loss
-                if first_microbatch_metrics is None:  # bypass mode: rollout_corr/* and training/* come from here
+                if first_microbatch_metrics is None:  # bypass mode's rollout_corr/* and training/* ({} otherwise)
                     first_microbatch_metrics = {k: v for k, v in pg_metrics.items() if "/" in k}
                 for k, v in pg_metrics.items():
                     if "/" not in k:
@@ -869,10 +855,9 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
             log("actor/grad_norm", grad_norm.item())
     optimizer.zero_grad(set_to_none=True)
     metrics = {k: sums[k] / counts[k] for k in sums}
-    if correction.bypass_mode and first_microbatch_metrics:
-        # verl logs the bypass-mode off-policy metrics of the first microbatch: there pi_theta is still exactly the
-        # pi_old that a recompute would give, so they measure the rollout/trainer mismatch alone.
-        metrics.update(first_microbatch_metrics)
+    # bypass mode: verl logs the off-policy metrics of the first microbatch, where pi_theta is still exactly the pi_old
+    # that a recompute would give, so they measure the rollout/trainer mismatch alone.
+    metrics.update(first_microbatch_metrics or {})
     if "actor/kl_loss" not in metrics:
         metrics["actor/kl_loss"] = 0.0
     return metrics
