@@ -118,7 +118,7 @@ def rewards_keys(tmp_path_factory):
     import rewards
 
     out = tmp_path_factory.mktemp("rm_docs")
-    args = dataclasses.replace(rewards.PRESETS["tiny"], output_dir=str(out), num_train=32, num_test=8,
+    args = dataclasses.replace(rewards.PRESETS["tiny"][1], output_dir=str(out), num_train=32, num_test=8,
                                normalize_samples=16, debug_normalize=16, rollout_batch_size=64, eval_every=1,
                                save_model=False)
     rewards.train(args)

@@ -152,7 +152,7 @@ def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):
     torch.manual_seed(0)
 
     def sample(seed):
-        queries = rewards.tokenize_queries(tokenizer, rewards.tiny_queries(256, seed), 8)
+        queries = rewards.query_token_batch(iter(rewards.tiny_queries(256, seed)), tokenizer, 256, 8)
         return rewards.sample_query_responses(policy, queries, pad, 16, 0.7, 256)
 
     fit, fresh = sample(1), sample(2)
@@ -384,12 +384,58 @@ def read_metrics(path):
 
 
 def test_bad_arguments_fail_before_loading(tmp_path):
-    tiny = replace(rewards.PRESETS["tiny"], output_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="multiple of batch_size"):
+    tiny = replace(rewards.PRESETS["tiny"][1], output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="^--num-train 100 must be divisible by --batch-size 32$"):
         rewards.train(replace(tiny, num_train=100))
-    with pytest.raises(ValueError, match="all set to 'tiny'"):
+    with pytest.raises(ValueError, match="must all be 'tiny' or none"):
         rewards.train(replace(tiny, label_source="labels.json"))
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"lr": -1.0}, "--lr must be > 0, got -1.0"),
+    ({"temperature": 0.0}, "--temperature must be > 0, got 0.0"),
+    ({"batch_size": 0}, "--batch-size must be >= 1, got 0"),
+    ({"num_test": -1}, "--num-test must be >= 0, got -1"),
+    ({"kl_samples": -2}, "--kl-samples must be >= 0, got -2"),
+    ({"batch_size": 3, "num_train": 9}, "--batch-size 3 must be divisible by the world size 2"),
+    ({"rollout_batch_size": 5}, "--rollout-batch-size 5 must be divisible by the world size 2"),
+    ({"normalize_samples": 3}, "--normalize-samples must be >= 2 per rank to estimate a std, got 3"),
+    ({"optimizer": "sgd"}, "--optimizer must be one of adam_tf, adam, got 'sgd'"),
+    ({"num_test": None}, "--num-test must be set with --label-source tiny"),
+    ({"query_suffix": "x"}, "--start-text, --end-text, --query-prefix and --query-suffix must be empty"),
+    ({"output_dir": "/proc/no_such_dir/x"}, "--output-dir '/proc/no_such_dir/x': cannot be created"),
+])
+def test_check_args_refuses_every_bad_flag_in_one_line(tmp_path, overrides, message):
+    """Every flag with a meaningful range is refused by check_args (2 ranks here), the message starting with the flag
+    as typed on the command line, before anything is loaded or written."""
+    args = replace(rewards.PRESETS["tiny"][1], **{"output_dir": str(tmp_path / "out"), **overrides})
+    with pytest.raises(ValueError) as error:
+        rewards.check_args(args, 2)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_args_refuses_missing_models_labels_and_query_files(tmp_path):
+    gpt2 = replace(rewards.PRESETS["gpt2_sentiment"][1], output_dir=str(tmp_path / "out"), num_train=32)
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps([{"query": [1], "best": 0}] * 40))
+    model_dir = str(tmp_path / "model")
+    os.makedirs(model_dir)
+    ok = replace(gpt2, base_model=model_dir, label_source=str(labels))
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(ValueError, match=f"^--base-model '{missing}': not a local directory, and its config could "
+                                         "not be read from the Hub"):
+        rewards.check_args(replace(ok, base_model=missing), 1)
+    with pytest.raises(ValueError, match="^--label-source 'nolabels.json' must be tiny, lexicon, a label file or"):
+        rewards.check_args(replace(ok, label_source="nolabels.json"), 1)
+    with pytest.raises(ValueError, match=f"^--num-train \\+ --num-test = 4992 exceeds the 40 labels of {labels}"):
+        rewards.check_args(replace(ok, num_train=4992), 1)
+    with pytest.raises(ValueError, match="^--query-dataset 'nothing.parquet' must be one of"):
+        rewards.check_args(replace(ok, query_dataset="nothing.parquet"), 1)
+    assert not (tmp_path / "out").exists()
+    rewards.check_args(ok, 1)
+    assert (tmp_path / "out").is_dir()  # the last check creates the output directory
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +443,7 @@ def trained_tiny(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("rm_tiny"))
     # rollout batches of 256 (not the preset's 512): normalisation draws whole batches, so the 256-sample check
     # would otherwise sample 512; 32 KL samples per evaluation. Keeps this fixture near its old cost.
-    args = replace(rewards.PRESETS["tiny"], output_dir=out, num_train=512, num_test=256, eval_every=8,
+    args = replace(rewards.PRESETS["tiny"][1], output_dir=out, num_train=512, num_test=256, eval_every=8,
                    rollout_batch_size=256, kl_samples=32)
     return rewards.train(args), out
 
@@ -510,16 +556,15 @@ def test_bookcorpus_parquet_loader_shuffles_once_and_shards_by_rank(tmp_path):
     path = str(tmp_path / "train-00000-of-00001.parquet")
     write_bookcorpus_parquet(path)
     assert len(rewards.load_query_dataset(path)) == 40
-    args = replace(rewards.PRESETS["gpt2_sentiment"], query_dataset=path, seed=3)
     take = lambda it, n: [next(it) for _ in range(n)]  # noqa: E731
-    single = take(rewards.query_texts(args, local_seed=0), 40)
-    rank0 = take(rewards.query_texts(args, local_seed=0, rank=0, world_size=2), 20)
-    rank1 = take(rewards.query_texts(args, local_seed=100003, rank=1, world_size=2), 20)
+    single = take(rewards.query_texts(path, 3, local_seed=0), 40)
+    rank0 = take(rewards.query_texts(path, 3, local_seed=0, rank=0, world_size=2), 20)
+    rank1 = take(rewards.query_texts(path, 3, local_seed=100003, rank=1, world_size=2), 20)
     assert sorted(single) == sorted(f"sentence number {i} ." for i in range(40))  # a permutation of the corpus
     assert single != [f"sentence number {i} ." for i in range(40)]  # shuffled
     assert not set(rank0) & set(rank1) and sorted(rank0 + rank1) == sorted(single)
     assert rank0 == single[0::2] and rank1 == single[1::2]
-    other_seed = take(rewards.query_texts(replace(args, seed=4), local_seed=0), 40)
+    other_seed = take(rewards.query_texts(path, 4, local_seed=0), 40)
     assert other_seed != single
 
 
@@ -547,11 +592,14 @@ def test_tldr_normalization_samples_raw_query_plus_response(tiny_policy, tmp_pat
     path = tmp_path / "train-subset.json"
     path.write_text(json.dumps(TLDR_POSTS * 4))
     monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
-    args = replace(rewards.PRESETS["gpt2_tldr"], query_length=12, response_length=5, rollout_batch_size=4)
+    args = replace(rewards.PRESETS["gpt2_tldr"][1], query_length=12, response_length=5)
     assert args.query_suffix == "\n\nTL;DR:" and args.query_dataset == "tldr"
-    rows = rewards.sample_normalization_batch(policy, tokenizer, args, 4, rewards.query_texts(args, 0))
-    assert rows.shape == (4, 12 + 5)
     pad = tokenizer.pad_token_id
+    raw, queries = rewards.next_query_batch(rewards.query_texts(args.query_dataset, args.seed, 0), tokenizer, 4,
+                                            args.query_length, query_suffix=args.query_suffix)
+    assert queries.shape[1] == 12 + len(tokenizer.encode(args.query_suffix))  # the policy sees the suffix
+    rows = rewards.sample_normalization_batch(policy, raw, queries, pad, args.response_length, args.temperature, 4)
+    assert rows.shape == (4, 12 + 5)
     queries = {tokenizer.decode(r[:12][r[:12] != pad]) for r in rows}
     assert queries <= {"i ate the cake"[:12], "my cat sat\n\non the mat"[:12]}  # raw, no suffix
     assert (rows[:, 12:] != pad).all()
@@ -565,14 +613,27 @@ def test_backbone_kl_is_zero_for_the_pretrained_weights_and_grows_with_drift(tin
     import copy
 
     reward_model = rewards.RewardModel(copy.deepcopy(policy))
-    args = replace(rewards.PRESETS["tiny"], rollout_batch_size=64)
-    texts = rewards.query_texts(args, local_seed=5)
+    texts, pad = rewards.query_texts("tiny", 1, local_seed=5), tokenizer.pad_token_id
+
+    def kl():  # 64 fresh tiny queries, 16-token responses at temperature 0.7, as the tiny preset
+        queries = rewards.next_query_batch(texts, tokenizer, 64, 8)[1]
+        return rewards.backbone_kl(reward_model, policy, queries, pad, 16, 0.7, 64)
+
     torch.manual_seed(0)
-    assert rewards.backbone_kl(reward_model, policy, tokenizer, args, 64, texts) == pytest.approx(0.0, abs=1e-6)
+    assert kl() == pytest.approx(0.0, abs=1e-6)
     with torch.no_grad():
         for p in reward_model.backbone.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    assert rewards.backbone_kl(reward_model, policy, tokenizer, args, 64, texts) > 0.5
+    assert kl() > 0.5
+
+
+def test_fail_fast_excepthook_ends_the_process_at_once():
+    """Under torchrun (setup_distributed installs it) an uncaught error ends the rank without waiting for anything:
+    the traceback is printed and os._exit(1) skips atexit handlers (a process group's shutdown would block there)."""
+    code = ("import atexit, sys, rewards; atexit.register(print, 'atexit ran'); "
+            "sys.excepthook = rewards.fail_fast_excepthook; raise RuntimeError('boom')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr and "atexit ran" not in proc.stdout
 
 
 def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
@@ -582,5 +643,5 @@ def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and ppo_rlhf.py
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rewards.py: error: num_train (7) must be a positive multiple")
+    assert lines == ["rewards.py: error: --num-train 7 must be divisible by --batch-size 32"]
     assert not out.exists()  # nothing was built or loaded

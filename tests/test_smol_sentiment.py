@@ -62,16 +62,15 @@ def test_sentiment_queries_are_seeded_deterministic_and_varied():
     assert all(rewards.lexicon_sentiment_score(q) == 0 for q in rewards.sentiment_queries(2000, seed=0))
 
 
-def test_make_lexicon_labels_on_the_tiny_model(tmp_path, monkeypatch):
+def test_make_labels_lexicon_on_the_tiny_model(tmp_path, monkeypatch):
     """The label file has OpenAI's format, `best` is the lexicon labeller's pick, and only decisive queries (one
     sample holds the best score) become labels, in query order, sampled round after round until there are enough."""
     policy, tokenizer = rewards.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
     # the tiny model writes letters, not English: score a text by its count of "a" (ties happen, as with the lexicon)
     monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: text.count("a"))
-    args = dataclasses.replace(rewards.PRESETS["smol_sentiment"], num_train=6, num_test=2, query_length=12,
-                               response_length=8, rollout_batch_size=8)
     path = tmp_path / "labels.json"
-    labels = rewards.make_lexicon_labels(policy.eval(), tokenizer, args, str(path))
+    # 8 labels, seed 1, query 12, response 8, temperature 0.7, rounds of 8 openers
+    labels = rewards.make_labels("lexicon", policy.eval(), tokenizer, str(path), 8, 1, 12, 8, 0.7, 8)
     assert json.loads(path.read_text()) == labels and len(labels) == 8
     query_ids = [tokenizer.encode(q)[:12] for q in rewards.sentiment_queries(400, seed=1)]
     positions = [-1]
@@ -84,25 +83,26 @@ def test_make_lexicon_labels_on_the_tiny_model(tmp_path, monkeypatch):
         assert scores.count(max(scores)) == 1 and label["best"] == scores.index(max(scores))  # decisive only
     assert positions[-1] >= 8  # some queries were skipped as ties, so more than one round was drawn
     # seeded by args.seed alone: the same file again
-    assert rewards.make_lexicon_labels(policy.eval(), tokenizer, args, str(tmp_path / "again.json")) == labels
+    assert rewards.make_labels("lexicon", policy.eval(), tokenizer, str(tmp_path / "again.json"), 8, 1, 12, 8, 0.7,
+                               8) == labels
 
 
-def test_smol_presets_batch_arithmetic_validates():
+def test_smol_presets_batch_arithmetic_validates(tmp_path):
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     sizes = ppo_rlhf.validate_args(args, 1)
     # 2 minibatches of 16 per epoch (8 Adam steps per update), each one forward/backward
     assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 16)
     assert ppo_rlhf.validate_args(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
-    rm = rewards.PRESETS[args.reward_preset]
+    rm = dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=str(tmp_path))
     rewards.check_args(rm, 1)
     assert rm.num_train // rm.batch_size == 32 and rm.num_test == 64
     # the two halves must agree on the task shape: the reward model reads what the policy writes
     assert (rm.query_length, rm.response_length, rm.base_model) == (
         args.query_length, args.response_length, args.base_model)
     assert args.truncate_after < args.response_length
-    with pytest.raises(ValueError, match="num_test"):
+    with pytest.raises(ValueError, match="^--num-test must be set with --label-source lexicon"):
         rewards.check_args(dataclasses.replace(rm, num_test=None), 1)
-    with pytest.raises(ValueError, match="real base_model"):
+    with pytest.raises(ValueError, match="^--base-model must be a real model for --label-source lexicon"):
         rewards.check_args(dataclasses.replace(rm, base_model="tiny"), 1)
     with pytest.raises(ValueError, match="needs a real --base-model"):
         ppo_rlhf.validate_args(dataclasses.replace(args, base_model=""), 1)
@@ -145,4 +145,5 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
         ppo_rlhf.validate_args(dataclasses.replace(ppo_rlhf.PRESETS["smol_sentiment"][1], base_model=missing), 1)
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
-        rewards.check_args(dataclasses.replace(rewards.PRESETS["smol_sentiment"], base_model=missing), 1)
+        rewards.check_args(dataclasses.replace(rewards.PRESETS["smol_sentiment"][1], base_model=missing,
+                                               output_dir=str(tmp_path / "out")), 1)
