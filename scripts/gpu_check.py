@@ -85,8 +85,9 @@ def ppo_update(tmp, device):
     backbone, _ = rewards.build_tiny_model(None, arch="gpt2", seed=2)
     rewards.save_reward_model(rewards.RewardModel(backbone), rm_dir, tokenizer)
     bf16 = device == "cuda"
-    args = dataclasses.replace(ppo_rlhf.PRESETS["tiny"][1], output_dir=os.path.join(tmp, "ppo"), reward_model_path=rm_dir,
-                               total_episodes=64, rollout_batch_size=64, bf16=bf16, save_freq=0, sample_freq=0)
+    args = dataclasses.replace(ppo_rlhf.PRESETS["tiny"][1], output_dir=os.path.join(tmp, "ppo"),
+                               reward_model_path=rm_dir, total_episodes=64, rollout_batch_size=64, bf16=bf16,
+                               save_every=0, log_samples_every=0)
     ppo_rlhf.train(args)
     m = last_metrics(os.path.join(args.output_dir, "metrics.jsonl"))
     approxkl = m["ppo/policy/approxkl_avg"]

@@ -100,14 +100,15 @@ def logged_keys(path):
 @pytest.fixture(scope="module")
 def ppo_rlhf_keys(tiny_assets, tmp_path_factory):
     """Two updates of the tiny preset at rollout batch 16, with the random reward model of tests/test_ppo_rlhf.py
-    (no `python rewards.py tiny`) and --correction decoupled_token_is, so the rollout_corr/* family is logged too."""
+    (no `python rewards.py tiny`) and --correction decoupled_token_is, so the IS-weight keys of the rollout_corr/*
+    family are logged too (the rest of it is logged with the default --correction disabled as well)."""
     import ppo_rlhf
 
     out = tmp_path_factory.mktemp("ppo_docs")
     args = dataclasses.replace(
         ppo_rlhf.PRESETS["tiny"][1], reward_model_path=str(tiny_assets / "reward_model"), output_dir=str(out),
-        total_episodes=32, rollout_batch_size=16, local_micro_batch_size=16, noptepochs=1, save_freq=0,
-        sample_freq=1, correction="decoupled_token_is")
+        total_episodes=32, rollout_batch_size=16, local_micro_batch_size=16, noptepochs=1, save_every=0,
+        log_samples_every=1, correction="decoupled_token_is")
     ppo_rlhf.train(args)
     return logged_keys(out / "metrics.jsonl")
 

@@ -21,29 +21,26 @@ import torch.nn.functional as F
 import corrections
 import ppo_rlhf
 import rewards
+import rollout
 from ppo_rlhf import (
     PRESETS,
     adaptive_kl_update,
     batch_sizes,
+    check_args,
     clipped_value_loss,
     compute_gae,
     left_pad_queries,
     linear_lr,
     local_seed,
-    logprobs_from_logits,
     masked_inputs,
     minibatch_schedule,
     penalise_untruncated,
     truncate_responses,
-    validate_args,
     whiten,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 PAD = 0
-
-
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # padding, position ids, truncation
@@ -178,14 +175,14 @@ def test_global_batch_sizes_are_gpu_count_independent_and_errors_are_clear():
     one, eight = batch_sizes(gpt2, 1), batch_sizes(gpt2, 8)
     assert (one["local_batch"], one["micro"], one["grad_accum"], one["num_updates"]) == (512, 64, 8, 1953)
     assert (eight["local_batch"], eight["micro"], eight["grad_accum"], eight["num_updates"]) == (64, 64, 1, 1953)
-    with pytest.raises(ValueError, match="rollout_batch_size over world_size"):
-        validate_args(gpt2, 3)
-    with pytest.raises(ValueError, match="local_micro_batch_size"):
-        validate_args(dataclasses.replace(gpt2, local_micro_batch_size=48), 1)
-    with pytest.raises(ValueError, match="truncate_after"):
-        validate_args(dataclasses.replace(gpt2, truncate_after=24), 1)
-    with pytest.raises(ValueError, match="correction"):
-        validate_args(dataclasses.replace(gpt2, correction="no_such_preset"), 1)
+    with pytest.raises(ValueError, match="^--rollout-batch-size 512 must be divisible by the world size 3$"):
+        check_args(gpt2, 3)
+    with pytest.raises(ValueError, match="must be divisible by --local-micro-batch-size 48$"):
+        check_args(dataclasses.replace(gpt2, local_micro_batch_size=48), 1)
+    with pytest.raises(ValueError, match="^--truncate-after 24 must be < --response-length 24"):
+        check_args(dataclasses.replace(gpt2, truncate_after=24), 1)
+    with pytest.raises(ValueError, match="^--correction must be one of decoupled_token_is, .*, got 'no_such_preset'$"):
+        check_args(dataclasses.replace(gpt2, correction="no_such_preset"), 1)
 
 
 def test_unknown_preset_is_rejected_by_the_cli():
@@ -198,6 +195,13 @@ def test_unknown_preset_is_rejected_by_the_cli():
 # ---------------------------------------------------------------------------------------------------------------
 # logprobs without the full float32 log-softmax; forward parity; generation
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(logits, tokens, temperature, banned=None, chunk_rows=1024):
+    """corrections.token_logprobs_and_entropy's logprobs on (B, T, V) logits (what logprobs_from_hidden calls)."""
+    B, T, V = logits.shape
+    return corrections.token_logprobs_and_entropy(logits.reshape(B * T, V), tokens.reshape(B * T), temperature,
+                                                  chunk_size=chunk_rows, banned=banned)[0].reshape(B, T)
 
 
 def test_chunked_logprobs_and_entropy_match_log_softmax_including_gradients():
@@ -238,7 +242,9 @@ def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
     L = 9
     padded = torch.stack([torch.cat([torch.full((L - len(r),), pad), r]) for r in rows])
     with torch.no_grad():
-        hidden = ppo_rlhf.backbone_hidden(model.base_model, padded, pad)
+        input_ids, attention_mask, position_ids = masked_inputs(padded, pad)
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids).last_hidden_state
         logits = model.get_output_embeddings()(hidden)
         for i, r in enumerate(rows):
             ref = model(input_ids=r[None]).logits[0]  # unpadded HF forward, default positions 0..n-1
@@ -257,8 +263,13 @@ def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
         assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-5)
 
 
-def test_generation_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_lm):
+def test_sampling_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_lm):
+    """rollout.sample_fixed_length with OpenAI's settings: exactly R tokens although EOS is likely, the in-vocabulary
+    pad never sampled, the same tokens as a plain HF generate() with those settings under the same seed (the global
+    RNG, as before the move to rollout.py), and rollout logprobs equal to the training forward's."""
     import copy
+
+    from transformers import GenerationConfig
 
     model, tok = tiny_lm
     model = copy.deepcopy(model)
@@ -271,18 +282,25 @@ def test_generation_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tin
         model.get_output_embeddings().weight = head
     model.generation_config.eos_token_id = None  # as load_policy does
     model.generation_config.pad_token_id = None
-    args = dataclasses.replace(PRESETS["tiny"][1], response_length=10, temperature=0.7)
     banned = ppo_rlhf.banned_vocab_mask(model.config.vocab_size, tok.pad_token_id, "cpu")
-    gen = ppo_rlhf.generation_config(args, tok.pad_token_id, banned, output_scores=True)
+    assert banned is not None  # the tiny tokenizer's [PAD] is id 0, inside the vocabulary
     queries = left_pad_queries([[5, 6, 7], [8, 9]], 4, tok.pad_token_id)
     torch.manual_seed(0)
-    responses, scores = ppo_rlhf.generate(model, queries, tok.pad_token_id, gen)
-    assert responses.shape == (2, 10)
+    responses, rollout_lp = rollout.sample_fixed_length(model, queries, tok.pad_token_id, 10, 0.7,
+                                                        banned_token=tok.pad_token_id, bf16=False)
+    assert responses.shape == rollout_lp.shape == (2, 10)
     assert (responses == eos).any() and not (responses == tok.pad_token_id).any()
-    rollout_lp = logprobs_from_logits(scores, responses, 1.0, banned)  # generate() scores are logits / T
+    reference = GenerationConfig(max_new_tokens=10, min_new_tokens=10, do_sample=True, top_k=0, top_p=1.0,
+                                 temperature=0.7, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+                                 suppress_tokens=[tok.pad_token_id])
+    attention_mask = queries != tok.pad_token_id
+    torch.manual_seed(0)
     with torch.no_grad():
-        qr = torch.cat([queries, responses], 1)
-        hidden = ppo_rlhf.response_hidden(model, qr, 4, tok.pad_token_id)
+        out = model.generate(input_ids=queries.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
+                             generation_config=reference)
+    assert torch.equal(out[:, 4:], responses)
+    with torch.no_grad():
+        hidden = ppo_rlhf.response_hidden(model, torch.cat([queries, responses], 1), 4, tok.pad_token_id)
         forward_lp, _ = ppo_rlhf.logprobs_from_hidden(model, hidden, responses, 0.7, banned)
     assert torch.allclose(rollout_lp, forward_lp, atol=1e-4)
 
@@ -315,7 +333,7 @@ def tiny_assets(tmp_path_factory):
 def tiny_args(assets, output_dir, **overrides):
     base = PRESETS["tiny"][1]
     return dataclasses.replace(base, reward_model_path=str(assets / "reward_model"), output_dir=str(output_dir),
-                               sample_freq=0, **{"cuda": False, **overrides})  # exact fp32 CPU, even on a GPU box
+                               log_samples_every=0, **{"cuda": False, **overrides})  # exact fp32 CPU, even on a GPU box
 
 
 def read_metrics(output_dir):
@@ -324,7 +342,7 @@ def read_metrics(output_dir):
 
 def test_tiny_run_learns(tiny_assets, tmp_path):
     out = tmp_path / "learn"
-    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 30, save_freq=0))
+    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 30, save_every=0))
     m = read_metrics(out)
     assert [r["step"] for r in m] == list(range(1, 31))
     first = np.mean([r["objective/scores"] for r in m[:3]])
@@ -333,7 +351,10 @@ def test_tiny_run_learns(tiny_assets, tmp_path):
     assert last - first >= 0.5
     assert m[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference before the first step
     assert all(0.0 <= r["objective/kl"] < 3 * PRESETS["tiny"][1].kl_target for r in m)
-    assert (out / "policy" / "value_head.pt").exists() and (out / "checkpoints" / "latest").exists()
+    assert (out / "policy" / "value_head.pt").exists()
+    # DIALECT checkpoint layout: <output_dir>/checkpoint/ (HF policy + trainer state + per-rank RNG), nothing else
+    assert {"config.json", "trainer_state.pt", "value_head.pt", "rng_rank0.pt"} <= set(os.listdir(out / "checkpoint"))
+    assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
     for key in ("objective/kl_coef", "objective/entropy", "objective/non_score_reward", "objective/score_total",
                 "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg", "ppo/loss/policy_avg", "ppo/loss/value_avg",
                 "ppo/loss/total", "ppo/val/vpred", "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean",
@@ -341,34 +362,80 @@ def test_tiny_run_learns(tiny_assets, tmp_path):
         assert key in m[-1] and np.isfinite(m[-1][key]), key
 
 
-def test_resume_after_crash_is_exact(tiny_assets, tmp_path):
-    out = tmp_path / "resume"
-    args = tiny_args(tiny_assets, out, total_episodes=64 * 3, save_freq=2, correction="decoupled_token_is")
+def test_resume_after_crash_is_exact(tiny_assets, tmp_path, monkeypatch):
+    """A run that crashes while saving update 3's checkpoint (its metrics row already written) resumes from update
+    2's checkpoint when started again with the same --output-dir: update 3's row moves to metrics.jsonl.discarded,
+    and the final weights and beta are those of an uninterrupted run."""
+    args = tiny_args(tiny_assets, tmp_path / "uninterrupted", total_episodes=64 * 3, save_every=2,
+                     correction="decoupled_token_is")
     ppo_rlhf.train(args)
-    uninterrupted = json.load(open(out / "final_rank0.json"))
-    assert "rollout_corr/kl" in read_metrics(out)[-1]
-    # simulate a crash during update 3: its checkpoint never got written, but its metrics line did
-    ckpts = out / "checkpoints"
-    import shutil
+    uninterrupted = json.load(open(tmp_path / "uninterrupted" / "final_rank0.json"))
+    assert "rollout_corr/kl" in read_metrics(tmp_path / "uninterrupted")[-1]
+    out = tmp_path / "resume"
+    args = dataclasses.replace(args, output_dir=str(out))
+    save = ppo_rlhf.save_checkpoint
 
-    shutil.rmtree(ckpts / "update_0000003")
-    (ckpts / "latest").write_text("update_0000002")
-    (out / "final_rank0.json").unlink()
-    ppo_rlhf.train(args)  # resumes automatically from <output_dir>/checkpoints/latest
+    def crash_at_update_3(output_dir, update, *rest):
+        if update == 3:
+            raise RuntimeError("simulated crash")
+        save(output_dir, update, *rest)
+
+    monkeypatch.setattr(ppo_rlhf, "save_checkpoint", crash_at_update_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ppo_rlhf.train(args)
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["update"] == 2
+    monkeypatch.setattr(ppo_rlhf, "save_checkpoint", save)
+    ppo_rlhf.train(args)  # resumes from <output_dir>/checkpoint
     resumed = json.load(open(out / "final_rank0.json"))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl.discarded")] == [3]
     assert resumed["checksum"] == uninterrupted["checksum"]
     assert resumed["kl_coef"] == uninterrupted["kl_coef"]
 
 
 def test_cli_rejects_bad_input_before_loading_models(tmp_path):
     proc = subprocess.run([sys.executable, "ppo_rlhf.py", "tiny", "--output-dir", str(tmp_path / "bad"),
-                           "--truncate-after", "16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--kl-coef", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and rewards.py
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ppo_rlhf.py: error: ")
-    assert "truncate_after (16) must be < response_length (16)" in lines[0]
+    assert proc.stderr.strip().splitlines() == ["ppo_rlhf.py: error: --kl-coef must be >= 0, got -1.0"]
     assert not (tmp_path / "bad" / "reward_model_run").exists()  # nothing was trained or loaded
+
+
+BAD_FLAGS = [  # (flags after `tiny`, the start of the one-line message)
+    (["--kl-coef", "-1"], "--kl-coef must be >= 0, got -1.0"),
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--temperature", "0"], "--temperature must be > 0, got 0.0"),
+    (["--cliprange", "-1"], "--cliprange must be in [0, 1), got -1.0"),
+    (["--vf-coef", "-1"], "--vf-coef must be >= 0, got -1.0"),
+    (["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
+    (["--lam", "2"], "--lam must be in [0, 1], got 2.0"),
+    (["--kl-target", "0"], "--kl-target must be > 0, got 0.0"),
+    (["--kl-horizon", "0"], "--kl-horizon must be >= 1, got 0"),
+    (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    (["--optimizer", "sgd"], "--optimizer must be one of adam_tf, adam, got 'sgd'"),
+    (["--correction", "nope"], "--correction must be one of decoupled_token_is, "),
+    (["--truncate-after", "16"], "--truncate-after 16 must be < --response-length 16"),
+    (["--nminibatches", "3"], "--rollout-batch-size / world size = 64 must be divisible by --nminibatches 3"),
+    (["--base-model", "/no/such/model"], "--base-model '/no/such/model': not a local directory, and its config"),
+    (["--reward-model-path", "/no/such/dir"], "--reward-model-path '/no/such/dir' must be a directory"),
+    (["--resume-from", "/no/such/dir"], "--resume-from '/no/such/dir' must be a checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_every_bad_flag_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
+    """main() as the command line runs it: a bad flag is refused by check_args in one line naming it, exit code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        ppo_rlhf.main(["tiny", "--output-dir", str(tmp_path / "out"), *flags])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ppo_rlhf.py: error: " + message), lines
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="^--output-dir '.*a_file/run': cannot be created"):
+        check_args(dataclasses.replace(PRESETS["tiny"][1], output_dir=str(tmp_path / "a_file" / "run")), 1)
 
 
 def test_torchrun_two_cpu_processes_end_identical(tiny_assets, tmp_path):
@@ -376,7 +443,7 @@ def test_torchrun_two_cpu_processes_end_identical(tiny_assets, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "ppo_rlhf.py",
            "tiny", "--output-dir", str(out), "--reward-model-path", str(tiny_assets / "reward_model"),
-           "--total-episodes", str(64 * 3), "--save-freq", "0", "--sample-freq", "0", "--kl-horizon", "100"]
+           "--total-episodes", str(64 * 3), "--save-every", "0", "--log-samples-every", "0", "--kl-horizon", "100"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0 = json.load(open(out / "final_rank0.json"))
@@ -387,12 +454,47 @@ def test_torchrun_two_cpu_processes_end_identical(tiny_assets, tmp_path):
     assert [r["step"] for r in m] == [1, 2, 3] and m[-1]["ppo/episode"] == 64 * 3
 
 
-def test_bypass_rollout_correction_runs_and_logs_mismatch(tiny_assets, tmp_path):
+def test_bypass_logs_the_first_micro_batch_correction_metrics(tiny_assets, tmp_path, monkeypatch):
+    """Bypass mode: corrections.policy_loss corrects every micro-batch; the logged rollout_corr/* and training/* are
+    those of the first micro-batch of the update (verl, grpo.update_policy), where pi_theta is still pi_old: the
+    generate()-vs-forward mismatch alone, ~0 on CPU in fp32. Later micro-batches (after optimizer steps) differ."""
+    calls = []
+    policy_loss = corrections.policy_loss
+
+    def recording_policy_loss(*args, **kwargs):
+        loss, metrics = policy_loss(*args, **kwargs)
+        calls.append(metrics)
+        return loss, metrics
+
+    monkeypatch.setattr(corrections, "policy_loss", recording_policy_loss)
     out = tmp_path / "bypass"
-    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 2, save_freq=0, correction="bypass_ppo_clip"))
-    m = read_metrics(out)
-    # generate() scores vs the training forward: same fp32 weights on CPU, so the mismatch is ~0 but measured
-    assert abs(m[0]["rollout_corr/kl"]) < 1e-3 and np.isfinite(m[-1]["ppo/loss/total"])
+    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64, local_micro_batch_size=16, nminibatches=2,
+                             save_every=0, correction="bypass_ppo_clip"))
+    m = read_metrics(out)[0]
+    assert len(calls) == 4 * 4  # 4 epochs x 2 minibatches x 2 micro-batches
+    corr_keys = [k for k in calls[0] if k.startswith(("rollout_corr/", "training/"))]
+    assert "rollout_corr/kl" in corr_keys and abs(m["rollout_corr/kl"]) < 1e-3
+    for k in corr_keys:
+        assert m[k] == pytest.approx(calls[0][k], rel=1e-6, abs=1e-6, nan_ok=True), k
+    assert abs(calls[-1]["rollout_corr/kl"]) > 100 * abs(calls[0]["rollout_corr/kl"])  # the policy moved
+    assert np.isfinite(m["ppo/loss/total"])
+
+
+def test_disabled_correction_is_the_original_ppo_loss():
+    """--correction disabled (the default): pi_old = the trainer's forward, no IS weights, the plain mask, and the
+    loss is exactly ppo_clip_loss (what ppo_rlhf.py computed before the rollout-correction path was always on)."""
+    g = torch.Generator().manual_seed(0)
+    new, old, rollout_lp, adv = (torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.1 for _ in range(4))
+    mask = torch.ones(4, 6, dtype=torch.float64)
+    disabled = corrections.RolloutCorrection.from_name("disabled")
+    pi_old, is_weights, loss_mask, metrics = corrections.prepare_pi_old(disabled, rollout_lp, mask, lambda: old)
+    assert pi_old is old and is_weights is None and torch.equal(loss_mask, mask) and "rollout_corr/kl" in metrics
+    info = dict(dp_size=2, batch_num_tokens=48.0)
+    loss, _ = corrections.policy_loss(disabled, new, pi_old, rollout_lp, adv, loss_mask, is_weights=is_weights,
+                                      clip_low=0.2, clip_high=0.2, agg_mode="token-mean", global_batch_info=info)
+    expected, _ = corrections.ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2, agg_mode="token-mean",
+                                            global_batch_info=info)
+    assert torch.equal(loss, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -428,12 +530,12 @@ def test_whiten_group_size_is_checked():
     gpt2 = PRESETS["gpt2_sentiment"][1]
     assert gpt2.whiten_group_size == 64  # 512 / 8 ranks: one GPU reproduces the 8-GPU experiment
     assert batch_sizes(gpt2, 1)["local_batch"] == 512 and batch_sizes(gpt2, 8)["local_batch"] == 64
-    with pytest.raises(ValueError, match="whiten_group_size"):
-        validate_args(dataclasses.replace(gpt2, whiten_group_size=48), 1)
-    with pytest.raises(ValueError, match="too small to whiten rewards"):
-        validate_args(dataclasses.replace(gpt2, whiten_group_size=4), 1)
-    with pytest.raises(ValueError, match="whiten_group_size"):
-        validate_args(dataclasses.replace(gpt2, whiten_group_size=-1), 1)
+    with pytest.raises(ValueError, match="must be divisible by --whiten-group-size 48$"):
+        batch_sizes(dataclasses.replace(gpt2, whiten_group_size=48), 1)
+    with pytest.raises(ValueError, match="^--whiten-group-size must be >= 8 to whiten rewards"):
+        batch_sizes(dataclasses.replace(gpt2, whiten_group_size=4), 1)
+    with pytest.raises(ValueError, match="^--whiten-group-size must be >= 0"):
+        batch_sizes(dataclasses.replace(gpt2, whiten_group_size=-1), 1)
 
 
 def test_gpt2_tldr_preset_follows_launch_py():
@@ -447,7 +549,7 @@ def test_gpt2_tldr_preset_follows_launch_py():
         (1_000_000, 32, 2e-6, 0.03, False, False)
     assert (a.noptepochs, a.nminibatches, a.gamma, a.lam, a.vf_coef, a.cliprange, a.cliprange_value) == \
         (4, 1, 1.0, 0.95, 0.1, 0.2, 0.2)
-    assert validate_args(a, 1)["local_batch"] == 32 and validate_args(a, 8)["local_batch"] == 4
+    assert batch_sizes(a, 1)["local_batch"] == 32 and batch_sizes(a, 8)["local_batch"] == 4
     r = rewards.PRESETS[a.reward_preset]
     assert r.label_source.endswith("/labels/tldr/online_45k.json") and r.query_dataset == "tldr"
     assert (r.num_train, r.batch_size, r.lr, r.rollout_batch_size, r.normalize_samples) == (46_000, 16, 2.5e-5, 128,
@@ -508,7 +610,7 @@ def test_grouped_whitening_run_logs_the_new_metrics(tiny_assets, tmp_path):
     var_explained = 1 - error / var(returns) <= 1."""
     out = tmp_path / "grouped"
     ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=32, rollout_batch_size=16, local_micro_batch_size=8,
-                             whiten_group_size=8, save_freq=0))
+                             whiten_group_size=8, save_every=0))
     m = read_metrics(out)
     assert len(m) == 2
     for r in m:
@@ -527,10 +629,10 @@ def test_lexicon_labeller_score_is_logged_only_for_lexicon_reward_presets(tiny_a
     monkeypatch.setitem(rewards.PRESETS, "lexicon_check",
                         dataclasses.replace(rewards.PRESETS["tiny"], label_source="lexicon"))
     out = tmp_path / "lexicon"
-    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 2, save_freq=0, reward_preset="lexicon_check"))
+    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 2, save_every=0, reward_preset="lexicon_check"))
     m = read_metrics(out)
     assert len(seen) == 2 * 64 and all(isinstance(t, str) for t in seen)
     for update, row in enumerate(m):
         assert row["objective/lexicon_score"] == pytest.approx(np.mean([(64 * update + i + 1) % 3 for i in range(64)]))
-    ppo_rlhf.train(tiny_args(tiny_assets, tmp_path / "plain", total_episodes=64, save_freq=0))
+    ppo_rlhf.train(tiny_args(tiny_assets, tmp_path / "plain", total_episodes=64, save_every=0))
     assert "objective/lexicon_score" not in read_metrics(tmp_path / "plain")[0]
