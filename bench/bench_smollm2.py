@@ -43,7 +43,7 @@ rollout._set_vllm_env()  # before anything (TRL included) imports vllm: the in-p
 def ours(backend, steps, tmp):
     """grpo.train on the smol_arith task with the bench's sizes; per-step timings from its metrics.jsonl."""
     args = dataclasses.replace(
-        grpo.PRESETS["smol_arith"][1](), backend=backend, output_dir=os.path.join(tmp, f"ours_{backend}"),
+        grpo.PRESETS["smol_arith"][1], backend=backend, output_dir=os.path.join(tmp, f"ours_{backend}"),
         train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=min(MICRO, PROMPTS * N),
         rollout_n=N, max_response_length=MAX_NEW, lr=LR, kl_loss_coef=0.0, total_steps=steps, val_every=0,
         val_before_train=False, save_every=0, gradient_checkpointing=False, temperature=1.0,
@@ -66,7 +66,7 @@ def trl(steps, tmp):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    task_args = grpo.PRESETS["smol_arith"][1]()
+    task_args = grpo.PRESETS["smol_arith"][1]
     train, _, _ = grpo.load_task(task_args)
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": ex["prompt"]}], "answer": ex["answer"]}
                               for ex in train[: PROMPTS * (steps + 1)]])
@@ -131,7 +131,7 @@ def main():
     parser.add_argument("--write", action="store_true", help="append the section to bench/RESULTS.md")
     opts = parser.parse_args()
     PROMPTS, N, MAX_NEW = opts.prompts, opts.n, opts.max_new  # smaller sizes: a quick check that it runs
-    grpo.check_args(grpo.PRESETS["smol_arith"][1]())  # the model must be converted (clear error if not)
+    grpo.check_args(grpo.PRESETS["smol_arith"][1])  # the model must be converted (clear error if not)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in opts.runs.split(","):

@@ -61,7 +61,7 @@ def last_metrics(path):
 
 def grpo_step(tmp, precision, device):
     """One GRPO step on the tiny preset (HF backend). precision "fp32" needs grpo.Args.bf16 on a GPU."""
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), output_dir=os.path.join(tmp, f"grpo_{precision}"),
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1], output_dir=os.path.join(tmp, f"grpo_{precision}"),
                                total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
                                val_every=0, save_every=0, auto_resume=False)
     if device == "cuda":
@@ -137,7 +137,7 @@ def plans(device):
     for preset, model_name in GRPO_GPU_PRESETS.items():
         from transformers import AutoConfig
 
-        args = grpo.PRESETS[preset][1]()
+        args = grpo.PRESETS[preset][1]
         config = AutoConfig.from_pretrained(os.path.join(CONFIGS, model_name))
         plan = grpo.plan_memory(args, config, 1, corrections.gpu_memory_bytes(80.0 if device == "cpu" else 0.0))
         train = plan["phases"]["train"]

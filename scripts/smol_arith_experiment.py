@@ -54,7 +54,7 @@ def by_operation(answers):
 def main(argv=None):
     import tyro
 
-    args = tyro.cli(grpo.Args, default=dataclasses.replace(grpo.PRESETS["smol_arith"][1](), backend="vllm"),
+    args = tyro.cli(grpo.Args, default=dataclasses.replace(grpo.PRESETS["smol_arith"][1], backend="vllm"),
                     args=argv)
     from transformers import AutoTokenizer
 

@@ -9,7 +9,6 @@ step(). Rank 0 saves {mode: flat gradient}. Not a test file itself (no test_ pre
 """
 
 import dataclasses
-import functools
 import os
 import sys
 
@@ -59,7 +58,7 @@ def minibatch_gradient(micro, mode, rank=0, world_size=1):
     batch = fixed_batch(model, tokenizer)
     rows = slice(rank * PROMPTS * N // world_size, (rank + 1) * PROMPTS * N // world_size)
     batch = {k: v[rows] for k, v in batch.items()}
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS,
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1], train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS,
                                rollout_n=N, max_response_length=R, ppo_micro_batch_size_per_gpu=micro,
                                max_grad_norm=1e30, loss_agg_mode=mode, entropy_coeff=0.01)
     correction = corrections.RolloutCorrection.from_name("decoupled_token_is")
@@ -77,9 +76,6 @@ if __name__ == "__main__":
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         dist.init_process_group("gloo")
-        # 16 KiB buckets: the tiny model's gradients then take both paths of all_reduce_gradients (several small
-        # tensors flattened into one bucket; a tensor of >= 16 KiB reduced in place on its own)
-        grpo.all_reduce_gradients = functools.partial(grpo.all_reduce_gradients, bucket_bytes=16 * 1024)
     grads = {mode: minibatch_gradient(micro, mode, rank, world_size) for mode in modes}
     if rank == 0:
         torch.save(grads, out)

@@ -43,7 +43,7 @@ def _prompts(tokenizer):
 
 def _tiny_cpu():
     """The tiny preset pinned to the CPU (--no-cuda): these tests need exact fp32 CPU numerics even on a GPU machine."""
-    return dataclasses.replace(grpo.PRESETS["tiny"][1](), cuda=False)
+    return dataclasses.replace(grpo.PRESETS["tiny"][1], cuda=False)
 
 
 def _small_args(**kw):
@@ -414,7 +414,7 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     corrected = batch["response_mask"].clone()
     corrected[::2] = 0  # as if RS had rejected every other sequence
     corrected[1::4, 0] = 0  # and some single tokens
-    batch["corrected_mask"] = corrected
+    batch["loss_mask"] = corrected
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, corrections.RolloutCorrection.disabled())
     logprobs, entropy = grpo.compute_logprobs(model.eval(), batch, args.temperature, args.logprob_chunk_size)
@@ -487,7 +487,7 @@ def test_lr_schedule_matches_verl(kw):
     verl = _verl_lr_schedules()
     if verl is None:
         pytest.skip("verl not installed (scripts/setup_cpu.sh installs it)")
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), total_steps=12, lr=0.5, **kw)
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1], total_steps=12, lr=0.5, **kw)
     warmup = args.lr_warmup_steps if args.lr_warmup_steps > 0 else int(args.lr_warmup_steps_ratio * args.total_steps)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
     if args.lr_scheduler_type == "constant":
@@ -512,7 +512,7 @@ def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "grpo.py: error: unknown loss_agg_mode 'mean'; allowed: " + ", ".join(corrections.AGG_MODES)]
+        "grpo.py: error: --loss-agg-mode must be one of " + ", ".join(corrections.AGG_MODES) + ", got 'mean'"]
     assert not out.exists()  # nothing was built or loaded
 
 
@@ -654,11 +654,11 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(rewards, "build_tiny_model", boom)
     base = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path))
     bad = [
-        (dict(correction="nope"), ValueError, "unknown correction"),
-        (dict(mismatch="int2"), ValueError, "mismatch"),
-        (dict(loss_agg_mode="mean"), ValueError, "loss_agg_mode"),
+        (dict(correction="nope"), ValueError, "^--correction must be one of"),
+        (dict(mismatch="int2"), ValueError, "^--mismatch must be one of"),
+        (dict(loss_agg_mode="mean"), ValueError, "^--loss-agg-mode must be one of"),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
-        (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "ppo_micro_batch_size_per_gpu"),
+        (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "--ppo-micro-batch-size-per-gpu 7"),
         (dict(max_prompt_length=200, max_response_length=100), ValueError, "max_position_embeddings"),
     ]
     for overrides, exc, match in bad:
@@ -669,16 +669,15 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    for overrides, match in [(dict(vllm_dtype="fp8"), "vllm_dtype"), (dict(vllm_gpu_memory_utilization=1.5),
-                                                                        "vllm_gpu_memory_utilization")]:
+    for overrides, match in [(dict(vllm_dtype="fp8"), "^--vllm-dtype must be one of"), (dict(vllm_gpu_memory_utilization=1.5),
+                                                                        "^--vllm-gpu-memory-utilization must be in")]:
         with pytest.raises(ValueError, match=match):
             grpo.train(dataclasses.replace(base, backend="vllm", **overrides))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name))
     with pytest.raises(ValueError, match="needs the vllm package"):
         grpo.train(dataclasses.replace(base, backend="vllm"))
     with pytest.raises(SystemExit):
-        grpo.parse_args(["no_such_preset"])
-    assert grpo.parse_args(["tiny", "--total-steps", "3", "--correction", "bypass_pg_is"]).total_steps == 3
+        grpo.main(["no_such_preset"])
 
 
 def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
@@ -699,9 +698,9 @@ def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
 
 def test_torchrun_a_failing_rank_ends_both_ranks_within_seconds(tmp_path):
     """Rank 1 raises at its first update while rank 0 waits in the update's all-reduce: both processes end, the
-    run exits non-zero, well before any collective timeout (grpo.main -> corrections.train_or_fail_fast ->
-    fail_fast). Measured 30 s in all, most of it start-up. On gloo rank 0's all-reduce also fails by itself once rank 1's socket closes (checked: the plain
-    train() call ends as fast here); fail_fast is for NCCL, where a dead peer is noticed only by the watchdog and
+    run exits non-zero, well before any collective timeout (grpo.setup_distributed sets sys.excepthook to print the
+    error and os._exit(1)). Measured 30 s in all, most of it start-up. On gloo rank 0's all-reduce also fails by
+    itself once rank 1's socket closes; the hook is for NCCL, where a dead peer is noticed only by the watchdog and
     an exiting rank can block in the process group's destructor; this test pins the behaviour on CPU."""
     import time
 
@@ -729,12 +728,12 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
         return countdown if name == "Jiayi-Pan/Countdown-Tasks-3to4" else gsm8k
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    train, val, reward_fn = grpo.load_task(grpo.PRESETS["gsm8k_qwen05b"][1]())
+    train, val, reward_fn = grpo.load_task(grpo.PRESETS["gsm8k_qwen05b"][1])
     assert train[0]["prompt"] == ("What is 2+3? Let's think step by step and output the final answer after "
                                   '"####".')
     assert val[0]["answer"] == "1234"  # verl's extract_solution drops the thousands separator
     assert reward_fn("so 2+3=5 #### 5", train[0]) == 1.0 and reward_fn("#### 6", train[0]) == 0.0
-    args = grpo.PRESETS["countdown"][1]()
+    args = grpo.PRESETS["countdown"][1]
     train, val, reward_fn = grpo.load_task(dataclasses.replace(args, countdown_train_size=4))
     assert len(train) == 4 and len(val) == 1024 and "equals 22" in train[0]["prompt"]
     # TinyZero's 3B run: the "base" template as plain text, no chat template (its rl_dataset.py tokenizes it as is)

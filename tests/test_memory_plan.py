@@ -52,7 +52,7 @@ def test_parameter_counts_from_the_config_alone_are_exact(name, by_hand, publish
 
 def test_countdown_plan_rows_by_hand():
     """Every row of the Qwen2.5-3B countdown plan on 1 x 80 GiB (HF backend), recomputed here from the formulas."""
-    args = grpo.PRESETS["countdown"][1]()
+    args = grpo.PRESETS["countdown"][1]
     plan = grpo.plan_memory(args, config_of("Qwen2.5-3B"), world_size=1, gpu_bytes=80 * GIB)
     n, h, L, inter, kv, V = 3_085_938_688, 2048, 36, 11008, 256, 151936
     train, rollout = plan["phases"]["train"], plan["phases"]["rollout"]
@@ -79,7 +79,7 @@ def test_countdown_plan_rows_by_hand():
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_every_grpo_gpu_preset_fits_80_gib(preset, model, gpus):
     """README: each GPU preset runs on 1 or 8 x 80 GB with the HF backend, and with vLLM (countdown: in sleep mode)."""
-    args = grpo.PRESETS[preset][1]()
+    args = grpo.PRESETS[preset][1]
     config = config_of(model)
     assert grpo.plan_memory(args, config, gpus, 80 * GIB)["fits"]
     vllm = dataclasses.replace(args, backend="vllm", vllm_sleep_mode=preset == "countdown")
@@ -87,7 +87,7 @@ def test_every_grpo_gpu_preset_fits_80_gib(preset, model, gpus):
 
 
 def test_countdown_with_vllm_awake_does_not_fit_and_sleep_mode_frees_the_share():
-    args = dataclasses.replace(grpo.PRESETS["countdown"][1](), backend="vllm")
+    args = dataclasses.replace(grpo.PRESETS["countdown"][1], backend="vllm")
     config = config_of("Qwen2.5-3B")
     awake = grpo.plan_memory(args, config, 1, 80 * GIB)
     asleep = grpo.plan_memory(dataclasses.replace(args, vllm_sleep_mode=True), config, 1, 80 * GIB)
@@ -106,7 +106,7 @@ def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
 
 
 def test_grpo_dry_run_prints_the_plan_and_refuses_in_one_line(capsys):
-    args = dataclasses.replace(grpo.PRESETS["countdown"][1](), model_name_or_path=os.path.join(CONFIGS, "Qwen2.5-3B"),
+    args = dataclasses.replace(grpo.PRESETS["countdown"][1], model_name_or_path=os.path.join(CONFIGS, "Qwen2.5-3B"),
                                dry_run=True, gpu_memory_gib=80)
     assert grpo.dry_run(args) == 0
     out = capsys.readouterr().out
@@ -167,7 +167,7 @@ def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
 
 def test_sleep_mode_needs_the_vllm_backend():
     with pytest.raises(ValueError, match="vllm_sleep_mode needs --backend vllm"):
-        grpo.check_args(dataclasses.replace(grpo.PRESETS["tiny"][1](), vllm_sleep_mode=True))
+        grpo.check_args(dataclasses.replace(grpo.PRESETS["tiny"][1], vllm_sleep_mode=True))
 
 
 def test_sleep_mode_call_order_with_a_recording_engine():

@@ -550,7 +550,7 @@ def test_gpt2_tldr_preset_follows_launch_py():
     assert (a.noptepochs, a.nminibatches, a.gamma, a.lam, a.vf_coef, a.cliprange, a.cliprange_value) == \
         (4, 1, 1.0, 0.95, 0.1, 0.2, 0.2)
     assert batch_sizes(a, 1)["local_batch"] == 32 and batch_sizes(a, 8)["local_batch"] == 4
-    r = rewards.PRESETS[a.reward_preset]
+    r = rewards.PRESETS[a.reward_preset][1]
     assert r.label_source.endswith("/labels/tldr/online_45k.json") and r.query_dataset == "tldr"
     assert (r.num_train, r.batch_size, r.lr, r.rollout_batch_size, r.normalize_samples) == (46_000, 16, 2.5e-5, 128,
                                                                                            256)
@@ -627,7 +627,7 @@ def test_lexicon_labeller_score_is_logged_only_for_lexicon_reward_presets(tiny_a
     seen = []
     monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: seen.append(text) or len(seen) % 3)
     monkeypatch.setitem(rewards.PRESETS, "lexicon_check",
-                        dataclasses.replace(rewards.PRESETS["tiny"], label_source="lexicon"))
+                        ("lexicon check", dataclasses.replace(rewards.PRESETS["tiny"][1], label_source="lexicon")))
     out = tmp_path / "lexicon"
     ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 2, save_every=0, reward_preset="lexicon_check"))
     m = read_metrics(out)

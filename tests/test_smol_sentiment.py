@@ -89,10 +89,10 @@ def test_make_labels_lexicon_on_the_tiny_model(tmp_path, monkeypatch):
 
 def test_smol_presets_batch_arithmetic_validates(tmp_path):
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
-    sizes = ppo_rlhf.validate_args(args, 1)
+    sizes = ppo_rlhf.batch_sizes(args, 1)
     # 2 minibatches of 16 per epoch (8 Adam steps per update), each one forward/backward
     assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 16)
-    assert ppo_rlhf.validate_args(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
+    assert ppo_rlhf.batch_sizes(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
     rm = dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=str(tmp_path))
     rewards.check_args(rm, 1)
     assert rm.num_train // rm.batch_size == 32 and rm.num_test == 64
@@ -105,7 +105,7 @@ def test_smol_presets_batch_arithmetic_validates(tmp_path):
     with pytest.raises(ValueError, match="^--base-model must be a real model for --label-source lexicon"):
         rewards.check_args(dataclasses.replace(rm, base_model="tiny"), 1)
     with pytest.raises(ValueError, match="needs a real --base-model"):
-        ppo_rlhf.validate_args(dataclasses.replace(args, base_model=""), 1)
+        ppo_rlhf.check_args(dataclasses.replace(args, base_model="", output_dir=str(tmp_path / "p")), 1)
 
 
 def test_smollm2_pad_token_is_distinct_from_eos_and_never_sampled():
@@ -141,9 +141,10 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
     assert rewards.smollm2_problem(missing) == f"SmolLM2 is not converted at {missing}; run: {rewards.SMOLLM2_SETUP}"
     assert rewards.smollm2_problem(str(tmp_path)) is None
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
-        grpo.check_args(dataclasses.replace(grpo.PRESETS["smol_arith"][1](), model_name_or_path=missing))
+        grpo.check_args(dataclasses.replace(grpo.PRESETS["smol_arith"][1], model_name_or_path=missing))
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
-        ppo_rlhf.validate_args(dataclasses.replace(ppo_rlhf.PRESETS["smol_sentiment"][1], base_model=missing), 1)
+        ppo_rlhf.check_args(dataclasses.replace(ppo_rlhf.PRESETS["smol_sentiment"][1], base_model=missing,
+                                               output_dir=str(tmp_path / "p")), 1)
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
         rewards.check_args(dataclasses.replace(rewards.PRESETS["smol_sentiment"][1], base_model=missing,
                                                output_dir=str(tmp_path / "out")), 1)

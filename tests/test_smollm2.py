@@ -206,7 +206,7 @@ def test_make_arith_task_answers_and_seeding():
 
 
 def test_arith_task_held_out_split_and_reward():
-    args = grpo.PRESETS["smol_arith"][1]()
+    args = grpo.PRESETS["smol_arith"][1]
     train, val, reward_fn = grpo.load_task(args)
     assert len(train) == args.arith_train_size and len(val) == args.arith_val_size
     assert not {ex["prompt"] for ex in val} & {ex["prompt"] for ex in train}  # held out
@@ -255,7 +255,7 @@ def test_smol_arith_experiment_reads_each_problems_operation():
             return "#### 7"
 
     examples = [{"prompt": grpo.ARITH_INSTRUCTION + q, "answer": a} for q, a in problems[:20]]
-    args = grpo.PRESETS["smol_arith"][1]()
+    args = grpo.PRESETS["smol_arith"][1]
     got = smol_arith_experiment.greedy_answers(Backend(), Tokenizer(), [[1]] * 20, examples,
                                                lambda text, ex: float(text == f"#### {ex['answer']}"), args)
     assert [g["operation"] for g in got] == ops[:20] and [g["question"] for g in got] == [q for q, _ in problems[:20]]

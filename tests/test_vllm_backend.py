@@ -219,7 +219,7 @@ def _train(backend, tmp_path, **overrides):
     import grpo
     import rollout
 
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1](), backend="vllm", output_dir=str(tmp_path), save_every=0,
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1], backend="vllm", output_dir=str(tmp_path), save_every=0,
                                cuda=False,  # the fp32 CPU trainer, even on a GPU machine
                                **overrides)
     with open(grpo.train(args, backend=backend)) as f:
