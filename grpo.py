@@ -441,11 +441,8 @@ def reduce_metrics(metrics, world_size, device):
 # ---------------------------------------------------------------------------------------------------------------
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
-# arith (smol_arith): the instruction + one worked example (a one-shot prompt, as GSM8K is usually evaluated few-shot),
-# then the problem. gsm8k_reward (strict) only accepts "#### <number>". Measured greedy, one-step problems, 96-128 new
-# tokens, SmolLM2-135M-Instruct (Q4_1-de-quantised): verl's instruction after the question 1/64 correct, "####" in 36%
-# of the answers; an instruction with "for example: #### 42" 1/64 and 0/32, "####" in 44%; this prompt 4/32 (12.5%),
-# "####" in 75%.
+# arith (smol_arith): the instruction + one worked example (one-shot, as GSM8K is usually evaluated few-shot), then the
+# problem; gsm8k_reward (strict) only accepts "#### <number>" (how this prompt was chosen: docs/grpo.md, smol_arith).
 ARITH_INSTRUCTION = ('Solve the problem, then write the final answer as a number after "####".\n'
                      'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
                      'Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: ')
@@ -566,11 +563,6 @@ def step_prompt_indices(step, n_train, args, rank, world_size):
 def sampling_seed(args, step, rank):
     """A distinct sampling seed per (rank, step) (seed + rank * 100003 style), independent of the RNG state."""
     return args.seed + 100003 * rank + 7919 * (step + 1)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rollout backends: generate(...) -> (response_token_ids, response_logprobs, finish_reasons), sync_weights(model)
-# ---------------------------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -855,13 +847,50 @@ def restart_metrics_file(path, step):
 
 
 def param_checksum(model):
-    """(sum of all parameters in float64, sha256 of their bytes): equal on every rank after a correct DDP step."""
+    """(sum of all parameters in float64, sha256 of their bytes): equal on every rank after a correct update."""
     h, total = hashlib.sha256(), 0.0
     for _, p in sorted(model.named_parameters()):
         t = p.detach().float().cpu().contiguous()
         total += t.double().sum().item()
         h.update(t.numpy().tobytes())
     return total, h.hexdigest()
+
+
+def check_ranks_agree(model, args, rank, world_size):
+    """--debug-checksum: write this rank's parameter checksum and assert that every rank holds the same parameters."""
+    total, digest = param_checksum(model)
+    with open(os.path.join(args.output_dir, f"param_checksum_rank{rank}.txt"), "w") as f:
+        f.write(f"{total!r} {digest}\n")
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (total, digest))
+        assert all(g[1] == digest for g in gathered), f"parameters differ across ranks: {gathered}"
+
+
+def log_step(metrics, total_steps, metrics_file, wandb_run):
+    """Rank 0: one flushed line of metrics.jsonl (nothing is lost on a crash), the same to wandb, one line printed."""
+    metrics_file.write(json.dumps(metrics) + "\n")
+    metrics_file.flush()
+    if wandb_run is not None:
+        wandb_run.log(metrics, step=metrics["step"])
+    line = [f"step {metrics['step']}/{total_steps}"]
+    for key, short, fmt in [("reward/mean", "reward", ".3f"), ("val/accuracy", "val_acc", ".3f"),
+                            ("response_length/mean", "len", ".2f"), ("actor/pg_loss", "pg_loss", "+.4f"),
+                            ("actor/entropy", "entropy", ".3f"), ("actor/grad_norm", "grad_norm", ".3f")]:
+        if key in metrics:
+            line.append(f"{short} {metrics[key]:{fmt}}")
+    print(" | ".join(line) + (f" | {metrics['timing/step']:.2f}s" if "timing/step" in metrics else ""), flush=True)
+
+
+def write_samples(path, rows, wandb_run):
+    """A few prompts, responses, scores and advantages of rank 0 (samples.jsonl; a wandb Table with --track)."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    if wandb_run is not None:
+        import wandb
+
+        wandb_run.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
+                      step=rows[0]["step"])
 
 
 @torch.no_grad()
@@ -879,43 +908,14 @@ def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, 
     return {"val/correct": correct, "val/total": total, "val/score_sum": score_sum}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def train(args, backend=None):
-    """Run GRPO; returns the path of <output_dir>/metrics.jsonl.
-
-    backend: an already built rollout backend to use instead of rollout.make_backend(args.backend, ...) (tests share one
-    vLLM engine this way); its weights are synced from the trainer before the first rollout, its weight_transform
-    is the caller's business, and the caller closes it."""
+def load_models(args, model_path, checkpoint, device, rank):
+    """(tokenizer, policy, reference or None, AdamW, first step): fp32 master weights (autocast to bf16 for the
+    forward on GPU), from the checkpoint when resuming, with the optimizer state and RNG state it saved."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
-    rank, world_size, device = setup_distributed(args.cuda)
-    check_args(args, world_size)
-    if args.torch_threads and device.type == "cpu":
-        torch.set_num_threads(args.torch_threads)
-    correction = corrections.RolloutCorrection.from_name(args.correction)
-    prompts_per_rank, _ = local_batch_sizes(args, world_size)
-    train_examples, val_examples, reward_fn = load_task(args)
-    os.makedirs(args.output_dir, exist_ok=True)
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
-
-    model_path = args.model_name_or_path
-    if model_path == TINY_MODEL:  # build the offline tiny model on disk (an engine such as vLLM loads it from there)
-        model_path = os.path.join(args.output_dir, "tiny_model")
-        if rank == 0 and not os.path.isfile(os.path.join(model_path, "config.json")):
-            rewards.build_tiny_model(model_path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed)
-        if world_size > 1:
-            dist.barrier()
-    checkpoint = find_checkpoint(args)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-
-    # fp32 master weights (autocast to bf16 for the forward on GPU); from the checkpoint when resuming.
     model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -937,6 +937,40 @@ def train(args, backend=None):
         torch.set_rng_state(state["rng"]["torch"])
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
+    return tokenizer, model, ref_model, optimizer, start_step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train(args, backend=None):
+    """Run GRPO; returns the path of <output_dir>/metrics.jsonl.
+
+    backend: an already built rollout backend to use instead of rollout.make_backend(args.backend, ...) (tests share one
+    vLLM engine this way); its weights are synced from the trainer before the first rollout, its weight_transform
+    is the caller's business, and the caller closes it."""
+    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
+    rank, world_size, device = setup_distributed(args.cuda)
+    check_args(args, world_size)
+    if args.torch_threads and device.type == "cpu":
+        torch.set_num_threads(args.torch_threads)
+    correction = corrections.RolloutCorrection.from_name(args.correction)
+    prompts_per_rank, _ = local_batch_sizes(args, world_size)
+    train_examples, val_examples, reward_fn = load_task(args)
+    os.makedirs(args.output_dir, exist_ok=True)
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+
+    model_path = args.model_name_or_path
+    if model_path == TINY_MODEL:  # build the offline tiny model on disk (an engine such as vLLM loads it from there)
+        model_path = os.path.join(args.output_dir, "tiny_model")
+        if rank == 0 and not os.path.isfile(os.path.join(model_path, "config.json")):
+            rewards.build_tiny_model(model_path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed)
+        if world_size > 1:
+            dist.barrier()
+    checkpoint = find_checkpoint(args)
+    tokenizer, model, ref_model, optimizer, start_step = load_models(args, model_path, checkpoint, device, rank)
 
     def drop_overlong(examples):  # verl data.filter_overlong_prompts, applied to the train and the val dataset
         prompt_ids = tokenize_prompts(tokenizer, examples, args)
@@ -996,11 +1030,7 @@ def train(args, backend=None):
     if args.val_every and args.val_before_train and start_step == 0:
         metrics = {"step": 0, **run_validation(-1)}
         if rank == 0:
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=0)
-            print(f"step 0/{args.total_steps} | val_acc {metrics['val/accuracy']:.3f}", flush=True)
+            log_step(metrics, args.total_steps, metrics_file, wandb_run)
 
     for step in range(start_step, args.total_steps):
         t_step = time.time()
@@ -1073,42 +1103,21 @@ def train(args, backend=None):
         metrics["timing/step"] = time.time() - t_step
         metrics = {"step": step + 1, **metrics}
         if rank == 0:
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()  # nothing is lost on a crash
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=step + 1)
+            log_step(metrics, args.total_steps, metrics_file, wandb_run)
             if args.log_samples_every and args.num_log_samples and (
-                    (step + 1) % args.log_samples_every == 0 or step == start_step):
-                # A few of rank 0's samples, as ppo_rlhf.py does: learners read what the policy writes.
-                rows = [{"step": step + 1, "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
-                         "response": response_text(tokenizer, response_ids[i]), "score": seq_scores[i].item(),
-                         "advantage": batch["advantages"][i].item()}
-                        for i in range(min(args.num_log_samples, len(response_ids)))]
-                with open(samples_path, "a") as f:
-                    f.writelines(json.dumps(row) + "\n" for row in rows)
-                if wandb_run is not None:
-                    import wandb
-
-                    table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
-                    wandb_run.log({"samples": table}, step=step + 1)
-            val_text = f" | val_acc {metrics['val/accuracy']:.3f}" if "val/accuracy" in metrics else ""
-            print(f"step {step + 1}/{args.total_steps} | reward {metrics['reward/mean']:.3f}{val_text} | "
-                  f"len {metrics['response_length/mean']:.2f} | pg_loss {metrics['actor/pg_loss']:+.4f} | "
-                  f"entropy {metrics['actor/entropy']:.3f} | grad_norm {metrics['actor/grad_norm']:.3f} | "
-                  f"{metrics['timing/step']:.2f}s", flush=True)
+                    (step + 1) % args.log_samples_every == 0 or step == start_step):  # what the policy writes
+                write_samples(samples_path, [
+                    {"step": step + 1, "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
+                     "response": response_text(tokenizer, response_ids[i]), "score": seq_scores[i].item(),
+                     "advantage": batch["advantages"][i].item()}
+                    for i in range(min(args.num_log_samples, len(response_ids)))], wandb_run)
         if rank == 0 and ((args.save_every and (step + 1) % args.save_every == 0) or last):
             save_checkpoint(os.path.join(args.output_dir, "checkpoint"), model, tokenizer, optimizer, step + 1, args)
         if world_size > 1:
             dist.barrier()  # no rank runs ahead of a checkpoint being written
 
-    if args.debug_checksum:  # a real assertion that DDP kept every rank's parameters identical
-        total, digest = param_checksum(model)
-        with open(os.path.join(args.output_dir, f"param_checksum_rank{rank}.txt"), "w") as f:
-            f.write(f"{total!r} {digest}\n")
-        if world_size > 1:
-            gathered = [None] * world_size
-            dist.all_gather_object(gathered, (total, digest))
-            assert all(g[1] == digest for g in gathered), f"parameters differ across ranks: {gathered}"
+    if args.debug_checksum:  # a real assertion that the averaged gradients kept every rank's parameters identical
+        check_ranks_agree(model, args, rank, world_size)
     if metrics_file is not None:
         metrics_file.close()
     if wandb_run is not None:
