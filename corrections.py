@@ -17,15 +17,13 @@ Notation (verl, "Mathematical Formulations of Rollout Correction Methods", Nov 2
 Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or float) unless said otherwise.
 Padding is sacred: values at padded positions (which may be NaN or inf) never reach a result or a gradient.
 
-Reading order: masked reductions -> token logprobs/entropy -> divergences and KL penalties -> IS weights -> rejection masks -> veto ->
-diagnostics -> policy losses and aggregation -> the TIS paper's estimators side by side -> RolloutCorrection presets
--> apply_rollout_correction / policy_loss (what grpo.py and ppo_rlhf.py call).
+Reading order: masked reductions -> token logprobs/entropy (fp32 heads, bf16 frozen copies) -> divergences and KL
+penalties -> IS weights -> rejection masks -> veto -> diagnostics -> policy losses and aggregation -> the TIS paper's
+estimators side by side -> RolloutCorrection presets -> apply_rollout_correction / prepare_pi_old / policy_loss (what
+grpo.py and ppo_rlhf.py call). GPU memory planning is scripts/plan_memory.py.
 """
 
 import math
-import os
-import sys
-import traceback
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -149,6 +147,26 @@ def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(logprob_parts), torch.cat(entropy_parts)
+
+
+def bf16_frozen_linears_(model):
+    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output embedding (the LM
+    head; with tied embeddings it is the embedding matrix) and everything that is not a Linear (embeddings, norms).
+    Under bf16 autocast a Linear casts its fp32 weight to bf16 before the matmul anyway, so the forward is bit-for-bit
+    the one of the fp32 model (tests/test_corrections.py checks it) at about half the memory; verl keeps its
+    reference model in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
+    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in bf16."""
+    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    n = 0
+    for module in model.modules():
+        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"  # gpt2's Conv1D: addmm
+        if is_linear and module is not output_embedding:
+            for name in ("weight", "bias"):
+                p = getattr(module, name)
+                if p is not None and p.dtype == torch.float32:
+                    p.data = p.data.to(torch.bfloat16)
+                    n += p.numel()
+    return n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1034,151 +1052,3 @@ def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, ma
                                             global_batch_info)
     metrics.update(loss_metrics)
     return loss, metrics
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 11. GPU memory: the per-GPU plan that `grpo.py/ppo_rlhf.py PRESET --dry-run` prints, and the bf16 frozen copies
-# ---------------------------------------------------------------------------------------------------------------
-# The arithmetic lives here, once, because both trainers need it and both already import this module (no new import
-# edge between the two scripts). It is plain arithmetic on a model's config: no weights are read. The activation
-# figures are estimates (stated in memory_plan's docstring); scripts/gpu_check.sh measures them against
-# torch.cuda.max_memory_allocated on random-init models of the real sizes.
-
-GIB = 2 ** 30
-
-
-def gpu_memory_bytes(gpu_memory_gib=0.0):
-    """A plan's GPU size: --gpu-memory-gib if given, else the total memory of the GPU torch sees, else None."""
-    if gpu_memory_gib > 0:
-        return int(gpu_memory_gib * GIB)
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[1]
-    return None
-
-
-def model_shape(config):
-    """The sizes the plan needs, from an HF config (gpt2's n_embd/n_layer/n_inner or llama/qwen2 names):
-    dict(hidden, layers, intermediate, vocab, heads, kv_dim, gated_mlp, tied)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return dict(hidden=hidden, layers=config.num_hidden_layers, intermediate=intermediate, vocab=config.vocab_size,
-                heads=heads, kv_dim=kv_heads * head_dim, gated_mlp=hasattr(config, "intermediate_size"),
-                tied=bool(getattr(config, "tie_word_embeddings", False)))
-
-
-def count_parameters(config):
-    """Exact number of parameters of AutoModelForCausalLM.from_config(config), built on the meta device (no memory,
-    no weights read); a tied LM head is counted once (module.parameters() de-duplicates shared tensors)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def kv_cache_bytes_per_token(shape, dtype_bytes=2):
-    """K and V of every layer for one token: 2 * layers * kv_dim * bytes (bf16 on GPU: 2)."""
-    return 2 * shape["layers"] * shape["kv_dim"] * dtype_bytes
-
-
-def activation_bytes(shape, tokens, gradient_checkpointing, logprob_rows):
-    """Estimated activation memory of one training micro-batch of `tokens` = micro_batch * padded length, under bf16
-    autocast with fp32 weights (the residual stream stays fp32). Per layer and token, what backward keeps:
-        fp32: the inputs of the two norms and their normalised fp32 copies        16 * hidden bytes
-        bf16: two norm outputs, q/k/v, attention output, o_proj input              8 * hidden + 4 * kv_dim
-        bf16: MLP  (gated: gate, up, act(gate), product = 8 * I; gpt2: fc out, gelu out = 4 * I)
-    (the attention matrix is not stored: SDPA/flash recompute it). With gradient checkpointing only each layer's
-    fp32 input (4 * hidden per token) is kept, plus one layer's full set while it is recomputed. The LM head runs in
-    chunks of `logprob_rows` positions (corrections.token_logprobs_and_entropy): 3 fp32 (rows, V) tensors at a time."""
-    h, kv, inter = shape["hidden"], shape["kv_dim"], shape["intermediate"]
-    per_token_layer = 16 * h + 8 * h + 4 * kv + (8 if shape["gated_mlp"] else 4) * inter
-    if gradient_checkpointing:
-        layers = shape["layers"] * tokens * 4 * h + tokens * per_token_layer
-    else:
-        layers = shape["layers"] * tokens * per_token_layer
-    return layers + 3 * logprob_rows * shape["vocab"] * 4
-
-
-def memory_plan(gpu_bytes, phases):
-    """Per-GPU memory plan: `phases` maps a phase name ("train", "rollout") to an ordered dict {row: bytes}; a
-    phase's total is the sum of its rows, and the plan's peak is the largest phase total (the two phases do not
-    overlap in time: gradients are freed before the rollout, and vLLM's share sleeps during training if asked).
-    Returns dict(phases, totals, peak, gpu_bytes, fits); gpu_bytes None = unknown (fits is None)."""
-    totals = {name: sum(rows.values()) for name, rows in phases.items()}
-    peak = max(totals.values())
-    return dict(phases=phases, totals=totals, peak=peak, gpu_bytes=gpu_bytes,
-                fits=None if gpu_bytes is None else peak <= gpu_bytes)
-
-
-def format_memory_plan(plan, title):
-    """The plan as a small table in GiB (one column per phase), then the verdict line."""
-    names = list(plan["phases"])
-    rows = []
-    for rows_of_phase in plan["phases"].values():
-        rows += [r for r in rows_of_phase if r not in rows]
-    lines = [title, f"  {'GiB per GPU':<44}" + "".join(f"{n:>10}" for n in names)]
-    for r in rows:
-        lines.append(f"  {r:<44}" + "".join(
-            f"{plan['phases'][n][r] / GIB:>10.2f}" if r in plan["phases"][n] else f"{'-':>10}" for n in names))
-    lines.append(f"  {'total':<44}" + "".join(f"{plan['totals'][n] / GIB:>10.2f}" for n in names))
-    if plan["gpu_bytes"] is None:
-        lines.append(f"  peak {plan['peak'] / GIB:.2f} GiB (no GPU seen: pass --gpu-memory-gib to check a size)")
-    else:
-        verdict = "fits" if plan["fits"] else "does NOT fit"
-        lines.append(f"  peak {plan['peak'] / GIB:.2f} GiB of {plan['gpu_bytes'] / GIB:.2f} GiB: {verdict}")
-    return "\n".join(lines)
-
-
-def bf16_frozen_linears_(model):
-    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output embedding (the LM
-    head; with tied embeddings it is the embedding matrix) and everything that is not a Linear (embeddings, norms).
-    Under bf16 autocast a Linear casts its fp32 weight to bf16 before the matmul anyway, so the forward is bit-for-bit
-    the one of the fp32 model (tests/test_corrections.py checks it) at about half the memory; verl keeps its
-    reference model in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
-    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in bf16."""
-    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    n = 0
-    for module in model.modules():
-        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"  # gpt2's Conv1D: addmm
-        if is_linear and module is not output_embedding:
-            for name in ("weight", "bias"):
-                p = getattr(module, name)
-                if p is not None and p.dtype == torch.float32:
-                    p.data = p.data.to(torch.bfloat16)
-                    n += p.numel()
-    return n
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 12. Under torchrun: one failing rank ends the job at once (grpo.py, ppo_rlhf.py and rewards.py use it)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def fail_fast():
-    """Under torchrun, a rank that fails must not leave the others waiting in a collective until NCCL's watchdog
-    (10 minutes): print the error, abort the process groups (NCCL; no collective, no barrier), and end this process
-    at once with status 1. os._exit runs no atexit handler (vLLM's engine shutdown, the process group's destructor),
-    so nothing can block on the way out; torchrun then stops the other ranks within seconds. The in-process vLLM
-    engine ends with the process; metrics.jsonl is flushed every line and checkpoints are written atomically."""
-    traceback.print_exc()
-    sys.stdout.flush(), sys.stderr.flush()
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.distributed_c10d._abort_process_group()  # NCCL only (experimental); gloo raises, and exit suffices
-        except Exception:
-            pass
-    os._exit(1)
-
-
-def train_or_fail_fast(train, args):
-    """train(args); under torchrun (WORLD_SIZE > 1) any failure of this rank, including Ctrl-C, goes through
-    fail_fast instead of unwinding into a collective the other ranks are waiting in. One process: errors as usual."""
-    try:
-        return train(args)
-    except BaseException as e:
-        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not (isinstance(e, SystemExit) and e.code in (0, None)):
-            fail_fast()
-        raise

@@ -582,3 +582,24 @@ def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(bann
     for a, b in zip(grad_chunked, grad_full):
         assert torch.allclose(a, b, atol=1e-10)
     assert C.token_logprobs_and_entropy(hidden[:0], tokens[:0], 1.0)[0].shape == (0,)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
+    """bf16_frozen_linears_ halves a frozen model's Linear/Conv1D weights; under bf16 autocast the forward is the
+    fp32 model's bit for bit (autocast casts those weights to bf16 anyway), on CPU here as on CUDA."""
+    import copy
+
+    import rewards
+
+    model = rewards.build_tiny_model(None, arch=arch, seed=3)[0].float().eval()  # fp32 (this file's default: fp64)
+    ref = copy.deepcopy(model)
+    n_bf16 = C.bf16_frozen_linears_(ref)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert 0 < n_bf16 < total - embedding + 1  # the tied embedding / LM head stays fp32
+    assert ref.get_output_embeddings().weight.dtype == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = model(ids).logits, ref(ids).logits
+    assert torch.equal(expected, got)

@@ -1,9 +1,10 @@
-"""The per-GPU memory plan (corrections.memory_plan, printed by `grpo.py/ppo_rlhf.py PRESET --dry-run`) on the real
-model sizes, from config.json files alone (tests/model_configs: the published configs, no weights), and the bf16
-reference copies (corrections.bf16_frozen_linears_). A separate file from test_corrections.py: it is about the
-trainers' memory, and it needs the trainers' Args. Whole file: a few seconds on 2 cores."""
+"""scripts/plan_memory.py: the per-GPU memory plan of every trainer preset on the real model sizes, from config.json
+files alone (tests/model_configs: the published configs, no weights), its command line, and the vLLM sleep mode the
+plan counts on. A separate file from test_corrections.py: it is about the trainers' memory and needs their presets.
+Whole file: ~15 s on 2 shared cores (one subprocess; the rest calls the script's functions in-process)."""
 
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,20 +12,19 @@ import sys
 import pytest
 import torch
 
-import corrections
 import grpo
 import rollout
-import ppo_rlhf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "tests", "model_configs")
 GIB = 2 ** 30
+_spec = importlib.util.spec_from_file_location("plan_memory", os.path.join(ROOT, "scripts", "plan_memory.py"))
+plan_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_memory)
 
 
 def config_of(name):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(os.path.join(CONFIGS, name))
+    return plan_memory.read_config(os.path.join(CONFIGS, name))
 
 
 def qwen2_params_by_hand(V, h, inter, L, kv_dim):
@@ -32,6 +32,21 @@ def qwen2_params_by_hand(V, h, inter, L, kv_dim):
     RMSNorms (2h); the final norm h."""
     per_layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * inter + 2 * h
     return V * h + L * per_layer + h
+
+
+def run_cli(capsys, *argv):
+    """plan_memory.main(argv) in-process: (exit status, stdout, stderr)."""
+    try:
+        status = plan_memory.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The arithmetic, by hand
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name,by_hand,published", [
@@ -47,127 +62,145 @@ def qwen2_params_by_hand(V, h, inter, L, kv_dim):
 def test_parameter_counts_from_the_config_alone_are_exact(name, by_hand, published):
     """Meta-device count == the hand formula == the published total (494M / 1.54B / 3.09B / 124M)."""
     assert by_hand == published
-    assert corrections.count_parameters(config_of(name)) == published
+    assert plan_memory.count_parameters(config_of(name)) == published
 
 
 def test_countdown_plan_rows_by_hand():
     """Every row of the Qwen2.5-3B countdown plan on 1 x 80 GiB (HF backend), recomputed here from the formulas."""
-    args = grpo.PRESETS["countdown"][1]
-    plan = grpo.plan_memory(args, config_of("Qwen2.5-3B"), world_size=1, gpu_bytes=80 * GIB)
+    args = plan_memory.preset_args("grpo", "countdown")
+    plan = plan_memory.plan_grpo(args, config_of("Qwen2.5-3B"), world_size=1, gpu_bytes=80 * GIB)
     n, h, L, inter, kv, V = 3_085_938_688, 2048, 36, 11008, 256, 151936
-    train, rollout = plan["phases"]["train"], plan["phases"]["rollout"]
+    train, step, rollout_ = (plan["phases"][p] for p in ("train", "optimizer step", "rollout"))
     assert train["policy weights (fp32)"] == 4 * n and train["gradients (fp32)"] == 4 * n
     assert train["AdamW state (fp32 m and v)"] == 8 * n and train["autocast bf16 weight copies"] == 2 * n
-    assert train["reference model (bf16 linears)"] == 2 * (n - V * h) + 4 * V * h  # tied embedding kept fp32
+    ref = 2 * (n - V * h) + 4 * V * h  # tied embedding kept fp32
+    assert train["reference model (bf16 linears)"] == ref
     tokens = 8 * (256 + 1024)  # micro-batch 8 x (prompt + response)
     checkpointed = L * tokens * 4 * h + tokens * (24 * h + 4 * kv + 8 * inter)
     assert train["activations (8 x 1280 tokens, estimate)"] == checkpointed + 3 * 512 * V * 4
     seqs = 256  # generation_batch_size
     kv_cache = seqs * 1280 * (2 * L * kv * 2) + seqs * V * 4
-    assert rollout["KV cache (HF generate, 256 x 1280 tokens)"] == kv_cache
+    assert rollout_["KV cache (HF generate, 256 x 1280 tokens)"] == kv_cache
+    # AdamW's foreach step: sqrt(v) of every parameter at once, one more fp32 copy (measured on an H100: 63.82 GiB)
+    assert step["AdamW step temporaries (foreach sqrt(v), fp32)"] == 4 * n
+    assert plan["totals"]["optimizer step"] == 4 * n + 8 * n + ref + 4 * n + 4 * n + GIB
     assert plan["totals"]["train"] == sum(train.values()) and plan["peak"] == max(plan["totals"].values())
-    assert 60 * GIB < plan["peak"] < 70 * GIB and plan["fits"]  # 64.06 GiB
-    # --rollout-staleness 2: a rollout copy and 3 snapshots, fp32, resident in both phases
-    stale = grpo.plan_memory(dataclasses.replace(args, rollout_staleness=2), config_of("Qwen2.5-3B"), 1, 80 * GIB)
-    for phase in ("train", "rollout"):
+    assert plan["peak"] == plan["totals"]["optimizer step"] and round(plan["peak"] / GIB, 2) == 64.81
+    assert round(plan["totals"]["train"] / GIB, 2) == 64.06 and plan["fits"]  # the trainer's former --dry-run
+    # --rollout-staleness 2: a rollout copy and 3 snapshots, fp32, resident in every phase
+    stale = plan_memory.plan_grpo(dataclasses.replace(args, rollout_staleness=2), config_of("Qwen2.5-3B"), 1, 80 * GIB)
+    for phase in ("train", "optimizer step", "rollout"):
         assert stale["phases"][phase]["rollout copy + 3 weight snapshots (fp32)"] == 4 * n * 4
         assert stale["totals"][phase] == plan["totals"][phase] + 16 * n
 
 
-@pytest.mark.parametrize("preset,model", [("gsm8k_qwen05b", "Qwen2.5-0.5B-Instruct"),
-                                          ("gsm8k_qwen15b", "Qwen2.5-1.5B-Instruct"), ("countdown", "Qwen2.5-3B")])
+@pytest.mark.parametrize("preset", ["gsm8k_qwen05b", "gsm8k_qwen15b", "countdown"])
 @pytest.mark.parametrize("gpus", [1, 8])
-def test_every_grpo_gpu_preset_fits_80_gib(preset, model, gpus):
-    """README: each GPU preset runs on 1 or 8 x 80 GB with the HF backend, and with vLLM (countdown: in sleep mode)."""
-    args = grpo.PRESETS[preset][1]
-    config = config_of(model)
-    assert grpo.plan_memory(args, config, gpus, 80 * GIB)["fits"]
-    vllm = dataclasses.replace(args, backend="vllm", vllm_sleep_mode=preset == "countdown")
-    assert grpo.plan_memory(vllm, config, gpus, 80 * GIB)["fits"]
+def test_every_grpo_gpu_preset_fits_80_gib(preset, gpus):
+    """README: each GPU preset runs on 1 or 8 x 80 GB with the HF backend, and with vLLM (countdown: in sleep mode).
+    Gradients are averaged in place (all_reduce of each p.grad): more GPUs add no gradient buffer."""
+    one = plan_memory.plan_preset("grpo", preset, 1, 80 * GIB)
+    plan = plan_memory.plan_preset("grpo", preset, gpus, 80 * GIB)
+    assert plan["fits"] and plan["totals"]["train"] == one["totals"]["train"]
+    assert not any("bucket" in row for rows in plan["phases"].values() for row in rows)
+    flags = ("--backend", "vllm") + (("--vllm-sleep-mode",) if preset == "countdown" else ())
+    assert plan_memory.plan_preset("grpo", preset, gpus, 80 * GIB, flags)["fits"]
 
 
 def test_countdown_with_vllm_awake_does_not_fit_and_sleep_mode_frees_the_share():
-    args = dataclasses.replace(grpo.PRESETS["countdown"][1], backend="vllm")
-    config = config_of("Qwen2.5-3B")
-    awake = grpo.plan_memory(args, config, 1, 80 * GIB)
-    asleep = grpo.plan_memory(dataclasses.replace(args, vllm_sleep_mode=True), config, 1, 80 * GIB)
+    awake = plan_memory.plan_preset("grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm"))
+    asleep = plan_memory.plan_preset("grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm", "--vllm-sleep-mode"))
     assert not awake["fits"] and asleep["fits"]
-    assert awake["totals"]["train"] - asleep["totals"]["train"] == 0.3 * 80 * GIB  # the engine's whole share
+    for phase in ("train", "optimizer step"):  # the engine's whole share, 0.3 x 80 GiB
+        assert awake["totals"][phase] - asleep["totals"][phase] == 0.3 * 80 * GIB
 
 
 @pytest.mark.parametrize("preset", ["gpt2_sentiment", "gpt2_descriptiveness"])
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
-    args = dataclasses.replace(ppo_rlhf.PRESETS[preset][1], base_model=os.path.join(CONFIGS, "gpt2"))
-    plan = ppo_rlhf.plan_memory(args, config_of("gpt2"), gpus, 80 * GIB)
+    """Same per-rank micro-batch on 1 or 8 GPUs and no DDP bucket: the same plan. AdamTF's step goes one tensor at a
+    time (the largest: the embedding), torch's Adam (--optimizer adam) takes all of them at once."""
+    plan = plan_memory.plan_preset("ppo_rlhf", preset, gpus, 80 * GIB)
     n = 124_439_808 + 768 + 1  # + value head
     assert plan["phases"]["train"]["Adam state (fp32 m and v)"] == 8 * n
-    assert plan["fits"] and plan["peak"] < 10 * GIB
+    assert plan["phases"]["optimizer step"]["AdamTF step temporaries (one tensor, fp32)"] == 4 * 50257 * 768
+    assert plan["fits"] and round(plan["peak"] / GIB, 2) == 6.84
+    assert not any("DDP" in row for rows in plan["phases"].values() for row in rows)
+    adam = plan_memory.plan_preset("ppo_rlhf", preset, gpus, 80 * GIB, ("--optimizer", "adam"))
+    assert adam["phases"]["optimizer step"]["Adam step temporaries (foreach sqrt(v), fp32)"] == 4 * n
 
 
-def test_grpo_dry_run_prints_the_plan_and_refuses_in_one_line(capsys):
-    args = dataclasses.replace(grpo.PRESETS["countdown"][1], model_name_or_path=os.path.join(CONFIGS, "Qwen2.5-3B"),
-                               dry_run=True, gpu_memory_gib=80)
-    assert grpo.dry_run(args) == 0
-    out = capsys.readouterr().out
-    assert "reference model (bf16 linears)" in out and "fits" in out
-    assert grpo.dry_run(dataclasses.replace(args, gpu_memory_gib=40)) == 2
-    errors = capsys.readouterr().err.strip().splitlines()  # the plan on stdout, the one error line on stderr
-    assert len(errors) == 1
-    assert errors[0].startswith("grpo.py: error: the plan needs 64.06 GiB per GPU, more than 40.00 GiB")
-    assert grpo.dry_run(dataclasses.replace(args, ppo_micro_batch_size_per_gpu=7)) == 2  # a bad argument: one line
-    captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1
+# ---------------------------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------------------------
 
 
-def test_ppo_dry_run_prints_the_plan(capsys):
-    args = dataclasses.replace(ppo_rlhf.PRESETS["gpt2_sentiment"][1], base_model=os.path.join(CONFIGS, "gpt2"),
-                               dry_run=True, gpu_memory_gib=80)
-    assert ppo_rlhf.dry_run(args) == 0
-    assert "peak 6.84 GiB of 80.00 GiB: fits" in capsys.readouterr().out
-    assert ppo_rlhf.dry_run(dataclasses.replace(args, gpu_memory_gib=5)) == 2
-    errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and errors[0].startswith("ppo_rlhf.py: error: the plan needs 6.84 GiB")
+def test_plan_prints_and_refuses_in_one_line(capsys):
+    status, out, err = run_cli(capsys, "grpo", "countdown", "--gpu-memory-gib", "80")
+    assert status == 0 and err == ""
+    assert "reference model (bf16 linears)" in out and "peak 64.81 GiB of 80.00 GiB: fits" in out
+    status, out, err = run_cli(capsys, "grpo", "countdown", "--gpu-memory-gib", "40")
+    assert status == 2 and "does NOT fit" in out  # the plan on stdout, the one error line on stderr
+    assert err.count("\n") == 1
+    assert err.startswith("plan_memory.py: error: the plan needs 64.81 GiB per GPU, more than 40.00 GiB")
+    status, out, err = run_cli(capsys, "ppo_rlhf", "gpt2_sentiment", "--gpus", "1", "--gpu-memory-gib", "80")
+    assert status == 0 and "peak 6.84 GiB of 80.00 GiB: fits" in out
+    status, _, err = run_cli(capsys, "ppo_rlhf", "gpt2_sentiment", "--gpu-memory-gib", "5")
+    assert status == 2 and err.startswith("plan_memory.py: error: the plan needs 6.84 GiB") and err.count("\n") == 1
 
 
-def test_dry_run_command_line_exit_status():
-    """The real command line (the __main__ branch): exit 2 and one error line when the plan does not fit; no weights
-    are read. One subprocess only (~20 s on 2 shared cores, mostly imports)."""
+def test_trainer_flags_change_the_plan_and_no_gpu_gives_no_verdict(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, out, err = run_cli(capsys, "grpo", "gsm8k_qwen05b", "--gpus", "8", "--ppo-micro-batch-size-per-gpu", "8",
+                               "--backend", "vllm", "--vllm-sleep-mode")
+    assert status == 0 and err == ""
+    assert "8 GPU(s), backend vllm + sleep mode" in out and "activations (8 x 1536 tokens, estimate)" in out
+    assert "vLLM share, awake" not in out and "no GPU seen" in out
+    status, out, _ = run_cli(capsys, "ppo_rlhf", "tiny")  # the tiny models are built in memory (no files)
+    assert status == 0 and "tiny gpt2" in out
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["grpo"], ["grpo", "nope"], ["nope", "tiny"], ["grpo", "countdown", "--gpus", "3"],
+    ["grpo", "countdown", "--gpus", "0"], ["grpo", "countdown", "--gpu-memory-gib", "-1"],
+    ["grpo", "countdown", "--rollout-n", "abc"], ["grpo", "countdown", "--no-such-flag", "1"],
+    ["grpo", "countdown", "--ppo-micro-batch-size-per-gpu", "7"], ["grpo", "countdown", "--vllm-sleep-mode"],
+    ["grpo", "countdown", "--max-response-length", "40000"], ["ppo_rlhf", "gpt2_sentiment", "--optimizer", "sgd"],
+    ["ppo_rlhf", "gpt2_sentiment", "--gpus", "3"], ["--all", "grpo"],
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv):
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("plan_memory.py: error: "), err
+
+
+def test_all_prints_every_gpu_preset_without_vllm():
+    """`--all` (the README's table) exits 0 and has a row for every GPU preset at 1 and 8 GPUs; vllm is made
+    unimportable first (issue 20: the old --dry-run test failed on a GPU machine without vLLM)."""
+    code = ("import runpy, sys; sys.modules['vllm'] = None; sys.argv = ['plan_memory.py', '--all']; "
+            "runpy.run_path('scripts/plan_memory.py', run_name='__main__')")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    refused = subprocess.run([sys.executable, "grpo.py", "countdown", "--model-name-or-path",
-                              os.path.join(CONFIGS, "Qwen2.5-3B"), "--backend", "vllm", "--dry-run",
-                              "--gpu-memory-gib", "80"], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=120)
-    assert refused.returncode == 2, refused.stderr
-    assert "vLLM share, awake" in refused.stdout
-    assert refused.stderr.strip().splitlines()[-1].startswith("grpo.py: error: the plan needs 88.06 GiB")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| `")]
+    for trainer, preset in [("grpo", "gsm8k_qwen05b"), ("grpo", "gsm8k_qwen15b"), ("grpo", "countdown"),
+                            ("ppo_rlhf", "gpt2_sentiment"), ("ppo_rlhf", "gpt2_descriptiveness"),
+                            ("ppo_rlhf", "gpt2_tldr")]:
+        row = next(r for r in rows if r.startswith(f"| `{trainer} {preset}`"))
+        assert row.count("|") == 6 and row.endswith("| yes / yes |")  # 1 GPU, 8 GPUs, fits on both
+    assert "| `grpo countdown` | Qwen/Qwen2.5-3B (3085.9M) | 64.81 (64.06 / 64.81 / 53.21) |" in out.stdout
+    assert len(rows) == len(plan_memory.ALL_PLANS)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
-def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
-    """bf16_frozen_linears_ halves a frozen model's Linear/Conv1D weights; under bf16 autocast the forward is the
-    fp32 model's bit for bit (autocast casts those weights to bf16 anyway), on CPU here as on CUDA."""
-    import copy
-
-    import rewards
-
-    model, _ = rewards.build_tiny_model(None, arch=arch, seed=3)
-    model.eval()
-    ref = copy.deepcopy(model)
-    n_bf16 = corrections.bf16_frozen_linears_(ref)
-    total = sum(p.numel() for p in model.parameters())
-    embedding = model.get_input_embeddings().weight.numel()
-    assert 0 < n_bf16 < total - embedding + 1  # the tied embedding / LM head stays fp32
-    assert ref.get_output_embeddings().weight.dtype == torch.float32
-    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        expected, got = model(ids).logits, ref(ids).logits
-    assert torch.equal(expected, got)
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's sleep mode, which the plan counts as freeing the engine's share during training
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def test_sleep_mode_needs_the_vllm_backend():
-    with pytest.raises(ValueError, match="vllm_sleep_mode needs --backend vllm"):
-        grpo.check_args(dataclasses.replace(grpo.PRESETS["tiny"][1], vllm_sleep_mode=True))
+    tiny = plan_memory.preset_args("grpo", "tiny")
+    with pytest.raises(ValueError, match="vllm.sleep.mode needs --backend vllm"):  # either spelling of the field
+        grpo.check_args(dataclasses.replace(tiny, vllm_sleep_mode=True))
 
 
 def test_sleep_mode_call_order_with_a_recording_engine():
