@@ -344,7 +344,8 @@ RS_OPTIONS = (
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
 )
-# The older verl modes (000_942613bf4f9033c0.txt, section 3.4) are the same ratio bounds under other names.
+# The older verl modes (the 2025-11-04 version of verl's rollout-correction math doc, section 3.4) are the same
+# ratio bounds under other names.
 RS_LEGACY_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
 
@@ -516,7 +517,8 @@ def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token
 
 
 def veto_mask(log_ratio, mask, threshold=1e-4):
-    """Reject a whole sequence if any valid token has rho_t < C_veto (000_942613bf4f9033c0.txt, section 3.5):
+    """Reject a whole sequence if any valid token has rho_t < C_veto (the 2025-11-04 version of
+    verl's rollout-correction math doc, section 3.5):
 
         keep sequence  iff  min_{t in T} rho_t >= C_veto
 
@@ -915,7 +917,8 @@ class RolloutCorrection:
         """No correction: metrics only (plain decoupled PPO against the trainer's pi_old)."""
         return cls()
 
-    # The older document's presets (000_942613bf4f9033c0.txt, section 3.7), each with that document's definition
+    # The older document's presets (the 2025-11-04 version of verl's rollout-correction math doc, section 3.7), each
+    # with that document's definition
     @classmethod
     def ppo_is_bypass(cls, threshold=2.0):
         """Older name: bypass PPO-clip with token IS configured. The loss is bypass_ppo_clip's: the ratio against
@@ -946,7 +949,7 @@ class RolloutCorrection:
     @classmethod
     def decoupled_token_vanilla_is(cls):
         """Vanilla (untruncated) token IS in the PPO form: decoupled_token_is with C = inf, i.e. w = pi_old/pi_rollout
-        times the PPO-clip term: the TIS paper's ablation baseline (002_4521bf471bfe2dbe.txt)."""
+        times the PPO-clip term: the ablation baseline of Yao et al. 2025 (fengyao.notion.site/off-policy-rl)."""
         return cls.decoupled_token_is(threshold=math.inf)
 
 
@@ -960,7 +963,7 @@ PRESETS = (  # verl 0.9.1's RolloutCorrectionConfig presets
 OLD_PRESETS = ("ppo_is_bypass", "pg_is", "pg_rs")  # the older document's names, with its definitions
 EXTRA_PRESETS = ("decoupled_geo_rs_veto", "decoupled_token_vanilla_is")  # ours (see their docstrings)
 PRESET_ALIASES = {  # names the documents use for an existing preset
-    "bypass_pg_rs": "bypass_pg_geo_rs",  # 004_5b20d9ca5cbecdea.txt 3.6: "Pure RS (bypass_pg_rs)"
+    "bypass_pg_rs": "bypass_pg_geo_rs",  # verl docs/algo/rollout_corr_math.md 3.6: "Pure RS (bypass_pg_rs)"
     "geo_rs_seq_tis": "decoupled_geo_rs_seq_tis",
 }
 ALL_PRESET_NAMES = PRESETS + OLD_PRESETS + EXTRA_PRESETS + tuple(PRESET_ALIASES)

@@ -1073,7 +1073,8 @@ def train(args, backend=None):
         t_update = time.time() - t0
 
         # 6. Push the updated weights into the rollout engine (HF without mismatch: a no-op, it samples with the
-        #    trainer's model; HF with mismatch: copy through rollout.apply_mismatch; vLLM: load_weights + prefix cache reset).
+        #    trainer's model; HF with mismatch: a copy through rollout.apply_mismatch; vLLM: load_weights + prefix
+        #    cache reset).
         #    --rollout-staleness K: the copy gets the oldest of the last K + 1 snapshots, the weights after update
         #    step + 1 - K (or the initial ones while fewer than K updates are done).
         t0 = time.time()

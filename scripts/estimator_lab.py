@@ -3,8 +3,8 @@ enumerate every response.
 
     .venv/bin/python scripts/estimator_lab.py   # figures in docs/img/, numbers in docs/estimator_lab.json (~15 s CPU)
 
-Why. The rollout-correction documents make precise claims (verl math doc 004_5b20d9ca5cbecdea.txt, section 3.3; the
-TIS paper 002_4521bf471bfe2dbe.txt, "Vanilla-IS vs. TIS"): ignoring the rollout/trainer mismatch biases the gradient;
+Why. The rollout-correction documents make precise claims (verl's docs/algo/rollout_corr_math.md, section 3.3; the
+TIS paper, Yao et al. 2025, "Vanilla-IS vs. TIS"): ignoring the rollout/trainer mismatch biases the gradient;
 sequence-level IS is unbiased but its variance grows with the length; token-level truncated IS trades a small bias for
 a low variance; rejection drops what IS cannot repair. Monte-Carlo training curves bury these effects in seed noise
 (docs/mismatch_experiment.md). Here nothing is sampled: every expectation is an exact sum over all V^L responses.

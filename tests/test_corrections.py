@@ -451,7 +451,7 @@ def test_presets_match_verl_definitions():
 
 
 def test_older_document_presets_keep_their_definitions():
-    """000_942613bf4f9033c0.txt section 3.7 (older verl): pg_rs and decoupled_geo_rs are "geometric RS + veto" with
+    """The 2025-11-04 version of verl's rollout-correction math doc, section 3.7: pg_rs and decoupled_geo_rs are "geometric RS + veto" with
     bounds 1/1.001..1.001 and veto 1e-4; ppo_is_bypass is bypass PPO with token IS; pg_is is bypass_pg_is. The newer
     document's bypass_pg_rs is bypass_pg_geo_rs; every name either document uses is accepted."""
     p = C.RolloutCorrection

@@ -1,7 +1,7 @@
 """The estimator lab's claims, asserted on exact numbers (scripts/estimator_lab.py: every expectation is a sum over all
 V^L responses, nothing is sampled). Each test names the section of the source document whose claim it checks:
-004 = 004_5b20d9ca5cbecdea.txt (verl math doc), 000 = 000_942613bf4f9033c0.txt (its older version, with the veto),
-002 = 002_4521bf471bfe2dbe.txt (the TIS paper summary)."""
+004 = verl's docs/algo/rollout_corr_math.md (the rollout-correction math doc), 000 = its 2025-11-04 version (with
+the veto), 002 = Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"."""
 
 import json
 import math
