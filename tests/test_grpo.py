@@ -755,3 +755,25 @@ def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens(
     assert grpo.response_text(tokenizer, abc) == "abc"
     assert grpo.response_text(tokenizer, abc + [unk]) == "abc[UNK]"
     assert rewards.copy_reward(grpo.response_text(tokenizer, abc + [unk]), "abc") < 1.0
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--clip-ratio-low", "-1"], "--clip-ratio-low must be in [0, 1)"),
+    (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--model-name-or-path", "/no/such/model_dir"], "--model-name-or-path '/no/such/model_dir': not a local directory"),
+    (["--output-dir", "/proc/no_such_dir/run"], "--output-dir '/proc/no_such_dir/run' cannot be created"),
+])
+def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(flags, named, capsys, monkeypatch, tmp_path):
+    """The flags a new user got wrong (issue: a traceback in AdamW after loading, or accepted and trained): each ends
+    in `grpo.py: error: --flag ...` and exit status 2, with model loading made impossible."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("a model was loaded before the bad flag was refused"))
+    argv = ["tiny", "--output-dir", str(tmp_path / "run"), *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("grpo.py: error: " + named), err
