@@ -561,8 +561,7 @@ def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, worl
 
 
 def setup_distributed(args):
-    """(rank, world_size, device): torchrun sets RANK/WORLD_SIZE/LOCAL_RANK, without them this is a single process.
-    NCCL on GPU, gloo on CPU."""
+    """(rank, world_size, device) from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (NCCL on GPU, gloo on CPU)."""
     use_cuda = args.cuda and torch.cuda.is_available()
     rank, world_size, local_rank = 0, 1, 0
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -578,9 +577,10 @@ def setup_distributed(args):
 
 def average_gradients(model, world_size):
     """DDP's gradient averaging, by hand, once per minibatch: every rank's p.grad becomes the mean over the ranks."""
-    for p in model.parameters() if world_size > 1 else []:
-        dist.all_reduce(p.grad)
-        p.grad.div_(world_size)
+    if world_size > 1:
+        for p in (p for p in model.parameters() if p.grad is not None):  # the same order on every rank
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
 
 
 def all_gather_cat(tensor):

@@ -138,8 +138,7 @@ def token_logprobs(table, tokens, prev, temperature=1.0):
 def round_table(table, kind):
     """pi_rollout's weights: rollout.apply_mismatch on the table seen as an LM head theta^T (V, V+1): one row (one
     output channel, one per-row scale) per vocabulary token."""
-    import grpo  # imported here: only the rounding perturbations need it
-    import rollout
+    import rollout  # imported here: only the rounding perturbations need it
 
     (_, rounded), = rollout.apply_mismatch([("policy.weight", table.T.contiguous())], kind)
     return rounded.T.contiguous()

@@ -217,7 +217,6 @@ def test_sync_applies_weight_transform(setup):
 
 def _train(backend, tmp_path, **overrides):
     import grpo
-    import rollout
 
     args = dataclasses.replace(grpo.PRESETS["tiny"][1], backend="vllm", output_dir=str(tmp_path), save_every=0,
                                cuda=False,  # the fp32 CPU trainer, even on a GPU machine
@@ -244,7 +243,6 @@ def test_train_fp32_rollouts_equal_trainer_at_every_step_and_learn(setup, tmp_pa
 def test_train_int8_mismatch_is_visible(setup, tmp_path):
     """--mismatch int8: the engine samples from int8 fake-quantised weights (weight_transform = apply_mismatch), so
     the trainer's recompute differs from pi_rollout at every step."""
-    import grpo
     import rollout
 
     backend, _, _ = setup
