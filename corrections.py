@@ -773,7 +773,7 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 
 @dataclass
 class RolloutCorrection:
-    """Which correction to apply; one classmethod per verl preset (verl math doc 3.6, 5.1).
+    """Which correction to apply (verl's RolloutCorrectionConfig); PRESET_SETTINGS below names verl's presets.
 
     Decoupled mode (bypass_mode=False, three policies): pi_old is the trainer's recompute, IS weights are
     pi_old / pi_rollout, PPO clips pi_theta / pi_old. Bypass mode (two policies): pi_old = pi_rollout, no recompute;
@@ -799,9 +799,6 @@ class RolloutCorrection:
     """Bypass-mode loss: "ppo_clip" or "reinforce"."""
 
     def __post_init__(self):
-        self.validate()
-
-    def validate(self):
         """Raise ValueError naming the field and the allowed values for any invalid setting."""
         if self.rollout_is is not None and self.rollout_is not in ("token", "sequence"):
             raise ValueError(f"rollout_is must be None, 'token' or 'sequence', got {self.rollout_is!r}")
@@ -819,154 +816,67 @@ class RolloutCorrection:
                              "computed in the loss; decoupled mode uses loss_type='ppo_clip')")
 
     @classmethod
-    def from_name(cls, name):
-        """A preset by name, e.g. RolloutCorrection.from_name("decoupled_seq_is_rs")."""
+    def from_name(cls, name, **overrides):
+        """A preset by name, e.g. RolloutCorrection.from_name("decoupled_seq_is_rs"); keyword arguments override its
+        settings (from_name("decoupled_token_is", rollout_is_threshold=5.0))."""
         name = PRESET_ALIASES.get(name, name)
-        if name not in PRESETS + OLD_PRESETS + EXTRA_PRESETS:
+        if name not in PRESET_SETTINGS:
             raise ValueError(f"unknown correction preset {name!r}; allowed: {', '.join(ALL_PRESET_NAMES)}")
-        return getattr(cls, name)()
+        return cls(**{**PRESET_SETTINGS[name], **overrides})
 
+
+# verl 0.9.1's presets (verl/trainer/config/algorithm.py, RolloutCorrectionConfig's classmethods; math doc 3.6, 5.1),
+# then the older document's (the 2025-11-04 version of verl's rollout-correction math doc, section 3.7), then ours.
+TOKEN_IS = dict(rollout_is="token", rollout_is_threshold=2.0)  # token-TIS, C = 2
+SEQ_IS = dict(rollout_is="sequence", rollout_is_threshold=2.0)  # seq-TIS, C = 2
+GEO = dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001")  # Geo-RS: geometric-mean ratio in the band
+K3 = dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01)  # K3-RS: mean_t k3 <= 0.01
+BYPASS, BYPASS_PG = dict(bypass_mode=True, loss_type="ppo_clip"), dict(bypass_mode=True, loss_type="reinforce")
+ICEPOP = dict(rollout_is="token", rollout_is_threshold="0.5_5.0")  # token weights outside [0.5, 5] zeroed (IcePop)
+PRESET_SETTINGS = {
     # Decoupled PPO (three policies)
-    @classmethod
-    def decoupled_token_is(cls, threshold=2.0):
-        return cls(rollout_is="token", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_seq_is(cls, threshold=2.0):
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold)
-
-    @classmethod
-    def decoupled_seq_is_rs(cls, is_threshold=2.0, rs_threshold="0.5_2.0"):
-        """Seq-MIS: sequence IS plus rejection of sequences whose product ratio leaves [0.5, 2]."""
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
-                   rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs(cls, rs_threshold="0.999_1.001"):
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_geo_rs_token_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs(cls, rs_threshold=0.01):
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_seq_tis(cls, is_threshold=2.0, rs_threshold=0.01):
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
-                   rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_k3_rs_token_tis(cls, is_threshold=2.0, rs_threshold=0.01):
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k3",
-                   rollout_rs_threshold=rs_threshold)
-
-    @classmethod
-    def decoupled_token_icepop(cls, threshold=5.0, threshold_lower=0.5):
-        """IcePop: token weights outside [0.5, 5] are zeroed (the mask itself is unchanged)."""
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
-
-    # Bypass mode, PPO-clip loss (ratio against pi_rollout handles IS; RS masks outliers)
-    @classmethod
-    def bypass_ppo_clip(cls):
-        return cls(bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def bypass_ppo_clip_geo_rs(cls, rs_threshold="0.999_1.001"):
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True)
-
-    @classmethod
-    def bypass_ppo_clip_k3_rs(cls, rs_threshold=0.01):
-        return cls(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold, bypass_mode=True)
-
+    "decoupled_token_is": TOKEN_IS,
+    "decoupled_seq_is": SEQ_IS,
+    "decoupled_seq_is_rs": dict(**SEQ_IS, rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),  # seq-MIS
+    "decoupled_geo_rs": GEO,
+    "decoupled_geo_rs_seq_tis": dict(**SEQ_IS, **GEO),
+    "decoupled_geo_rs_token_tis": dict(**TOKEN_IS, **GEO),
+    "decoupled_k3_rs": K3,
+    "decoupled_k3_rs_seq_tis": dict(**SEQ_IS, **K3),
+    "decoupled_k3_rs_token_tis": dict(**TOKEN_IS, **K3),
+    "decoupled_token_icepop": ICEPOP,
+    # Bypass mode, PPO-clip loss (the ratio against pi_rollout is the IS ratio; RS masks outliers)
+    "bypass_ppo_clip": BYPASS,
+    "bypass_ppo_clip_geo_rs": dict(**GEO, **BYPASS),
+    "bypass_ppo_clip_k3_rs": dict(**K3, **BYPASS),
     # Bypass mode, REINFORCE loss (explicit stop-gradient weights, no clipping)
-    @classmethod
-    def bypass_pg_is(cls, threshold=2.0):
-        return cls(rollout_is="sequence", rollout_is_threshold=threshold, bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs(cls, rs_threshold="0.999_1.001"):
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold, bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs_seq_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
-        return cls(rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_geo_rs_token_tis(cls, is_threshold=2.0, rs_threshold="0.999_1.001"):
-        return cls(rollout_is="token", rollout_is_threshold=is_threshold, rollout_rs="seq_mean_k1",
-                   rollout_rs_threshold=rs_threshold, bypass_mode=True, loss_type="reinforce")
-
-    @classmethod
-    def bypass_pg_token_icepop(cls, threshold=5.0, threshold_lower=0.5):
-        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", bypass_mode=True,
-                   loss_type="reinforce")
-
-    @classmethod
-    def disabled(cls):
-        """No correction: metrics only (plain decoupled PPO against the trainer's pi_old)."""
-        return cls()
-
-    # The older document's presets (the 2025-11-04 version of verl's rollout-correction math doc, section 3.7), each
-    # with that document's definition
-    @classmethod
-    def ppo_is_bypass(cls, threshold=2.0):
-        """Older name: bypass PPO-clip with token IS configured. The loss is bypass_ppo_clip's: the ratio against
-        pi_rollout already is the IS ratio, and the older verl computed the weights from pi_old = pi_rollout, so they
-        were exactly 1. Here only the rollout_is_* metrics (of pi_theta / pi_rollout) differ from bypass_ppo_clip."""
-        return cls(rollout_is="token", rollout_is_threshold=threshold, bypass_mode=True, loss_type="ppo_clip")
-
-    @classmethod
-    def pg_is(cls, threshold=2.0):
-        """Older name of bypass_pg_is (sequence IS, REINFORCE); the same definition in both documents."""
-        return cls.bypass_pg_is(threshold)
-
-    @classmethod
-    def pg_rs(cls, rs_threshold=1.001, veto_threshold=1e-4):
-        """Older "geometric RS + veto" with REINFORCE: keep a sequence if 1/1.001 <= geometric-mean rho <= 1.001 and
-        no token has rho < 1e-4. (The newer bypass_pg_geo_rs has bounds 0.999_1.001 and no veto.)"""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   rollout_token_veto_threshold=veto_threshold, bypass_mode=True, loss_type="reinforce")
-
-    # Ours, not verl presets: named so that a run can select them with --correction
-    @classmethod
-    def decoupled_geo_rs_veto(cls, rs_threshold=1.001, veto_threshold=1e-4):
-        """The older document's decoupled_geo_rs ("geometric RS + veto", bounds 1/1.001..1.001); the name
-        decoupled_geo_rs itself keeps verl 0.9.1's definition (0.999_1.001, no veto)."""
-        return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold,
-                   rollout_token_veto_threshold=veto_threshold)
-
-    @classmethod
-    def decoupled_token_vanilla_is(cls):
-        """Vanilla (untruncated) token IS in the PPO form: decoupled_token_is with C = inf, i.e. w = pi_old/pi_rollout
-        times the PPO-clip term: the ablation baseline of Yao et al. 2025 (fengyao.notion.site/off-policy-rl)."""
-        return cls.decoupled_token_is(threshold=math.inf)
-
-
-PRESETS = (  # verl 0.9.1's RolloutCorrectionConfig presets
-    "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "decoupled_geo_rs_seq_tis",
-    "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis",
-    "decoupled_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs", "bypass_pg_is",
-    "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "bypass_pg_token_icepop",
-    "disabled",
-)
-OLD_PRESETS = ("ppo_is_bypass", "pg_is", "pg_rs")  # the older document's names, with its definitions
-EXTRA_PRESETS = ("decoupled_geo_rs_veto", "decoupled_token_vanilla_is")  # ours (see their docstrings)
+    "bypass_pg_is": dict(**SEQ_IS, **BYPASS_PG),
+    "bypass_pg_geo_rs": dict(**GEO, **BYPASS_PG),
+    "bypass_pg_geo_rs_seq_tis": dict(**SEQ_IS, **GEO, **BYPASS_PG),
+    "bypass_pg_geo_rs_token_tis": dict(**TOKEN_IS, **GEO, **BYPASS_PG),
+    "bypass_pg_token_icepop": dict(**ICEPOP, **BYPASS_PG),
+    "disabled": {},  # no correction: metrics only (plain decoupled PPO against the trainer's pi_old)
+    # The older document's names, with its definitions. ppo_is_bypass: bypass PPO-clip with token IS configured;
+    # the loss is bypass_ppo_clip's (the older verl computed the weights from pi_old = pi_rollout, so they were 1),
+    # only the rollout_is_* metrics (of pi_theta / pi_rollout) differ. pg_rs: "geometric RS + veto" with REINFORCE,
+    # bounds 1/1.001..1.001 and veto 1e-4 (the newer bypass_pg_geo_rs has 0.999_1.001 and no veto).
+    "ppo_is_bypass": dict(**TOKEN_IS, **BYPASS),
+    "pg_is": dict(**SEQ_IS, **BYPASS_PG),  # = bypass_pg_is in both documents
+    "pg_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001, rollout_token_veto_threshold=1e-4,
+                  **BYPASS_PG),
+    # Ours, named so that a run can select them with --correction. decoupled_geo_rs_veto: the older document's
+    # decoupled_geo_rs (the name decoupled_geo_rs keeps verl 0.9.1's definition); decoupled_token_vanilla_is:
+    # untruncated token IS in the PPO form (C = inf), the ablation baseline of Yao et al. 2025.
+    "decoupled_geo_rs_veto": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
+                                  rollout_token_veto_threshold=1e-4),
+    "decoupled_token_vanilla_is": dict(rollout_is="token", rollout_is_threshold=math.inf),
+}
+PRESETS = tuple(PRESET_SETTINGS)[: list(PRESET_SETTINGS).index("disabled") + 1]  # verl 0.9.1's own
 PRESET_ALIASES = {  # names the documents use for an existing preset
     "bypass_pg_rs": "bypass_pg_geo_rs",  # verl docs/algo/rollout_corr_math.md 3.6: "Pure RS (bypass_pg_rs)"
     "geo_rs_seq_tis": "decoupled_geo_rs_seq_tis",
 }
-ALL_PRESET_NAMES = PRESETS + OLD_PRESETS + EXTRA_PRESETS + tuple(PRESET_ALIASES)
+ALL_PRESET_NAMES = tuple(PRESET_SETTINGS) + tuple(PRESET_ALIASES)
 
 
 # ---------------------------------------------------------------------------------------------------------------

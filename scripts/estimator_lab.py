@@ -53,19 +53,19 @@ from corrections import RolloutCorrection  # noqa: E402
 # accepts `inf`; corrections clamps log-ratios to +-20 before exponentiating, so the weights stay finite).
 NO_TRUNCATION = math.inf
 METHODS = {
-    "naive": RolloutCorrection.disabled(),  # PPO against pi_old, pi_rollout ignored (TIS paper's naive baseline)
+    "naive": RolloutCorrection.from_name("disabled"),  # PPO against pi_old, pi_rollout ignored (TIS paper's naive)
     "seq IS (vanilla)": RolloutCorrection(rollout_is="sequence", rollout_is_threshold=NO_TRUNCATION),
     "token IS (vanilla)": RolloutCorrection(rollout_is="token", rollout_is_threshold=NO_TRUNCATION),
-    "token TIS": RolloutCorrection.decoupled_token_is(),  # min(rho_t, 2)
-    "seq TIS": RolloutCorrection.decoupled_seq_is(),  # min(prod rho, 2)
-    "seq MIS": RolloutCorrection.decoupled_seq_is_rs(),  # seq TIS + reject prod rho outside [0.5, 2] (seq_sum_k1)
-    "geo RS": RolloutCorrection.decoupled_geo_rs(),  # reject exp(mean log rho) outside [0.999, 1.001] (seq_mean_k1)
-    "geo RS + token TIS": RolloutCorrection.decoupled_geo_rs_token_tis(),
-    "K3 RS": RolloutCorrection.decoupled_k3_rs(),  # reject mean_t (rho - log rho - 1) > 0.01 (seq_mean_k3)
-    "IcePop": RolloutCorrection.decoupled_token_icepop(),  # token weights zeroed outside [0.5, 5]
+    "token TIS": RolloutCorrection.from_name("decoupled_token_is"),  # min(rho_t, 2)
+    "seq TIS": RolloutCorrection.from_name("decoupled_seq_is"),  # min(prod rho, 2)
+    "seq MIS": RolloutCorrection.from_name("decoupled_seq_is_rs"),  # seq TIS + reject prod rho outside [0.5, 2]
+    "geo RS": RolloutCorrection.from_name("decoupled_geo_rs"),  # reject exp(mean log rho) outside [0.999, 1.001]
+    "geo RS + token TIS": RolloutCorrection.from_name("decoupled_geo_rs_token_tis"),
+    "K3 RS": RolloutCorrection.from_name("decoupled_k3_rs"),  # reject mean_t (rho - log rho - 1) > 0.01 (seq_mean_k3)
+    "IcePop": RolloutCorrection.from_name("decoupled_token_icepop"),  # token weights zeroed outside [0.5, 5]
     "veto": RolloutCorrection(rollout_token_veto_threshold=1e-4),  # naive + drop sequences with any rho_t < 1e-4
-    "bypass PPO-clip": RolloutCorrection.bypass_ppo_clip(),  # ratio pi_theta / pi_rollout, clipped to [0.8, 1.2]
-    "bypass PG-IS": RolloutCorrection.bypass_pg_is(),  # REINFORCE, seq TIS from pi_theta / pi_rollout
+    "bypass PPO-clip": RolloutCorrection.from_name("bypass_ppo_clip"),  # pi_theta / pi_rollout clipped to [0.8, 1.2]
+    "bypass PG-IS": RolloutCorrection.from_name("bypass_pg_is"),  # REINFORCE, seq TIS from pi_theta / pi_rollout
 }
 COLORS = {"naive": "tab:red", "seq IS (vanilla)": "black", "token IS (vanilla)": "tab:gray", "token TIS": "tab:blue",
           "seq TIS": "tab:olive", "seq MIS": "tab:green", "geo RS": "tab:purple", "geo RS + token TIS": "tab:pink",

@@ -202,7 +202,7 @@ def test_infinite_is_threshold_is_vanilla_is_and_matches_verl(level, threshold):
     theirs, theirs_m = VERL["compute_rollout_correction_weights"](train - rollout, mask, level, threshold)
     assert torch.allclose(ours, theirs, rtol=1e-6)
     assert_metrics_match(ours_m, theirs_m)
-    assert C.RolloutCorrection.decoupled_token_vanilla_is().rollout_is_threshold == math.inf
+    assert C.RolloutCorrection.from_name("decoupled_token_vanilla_is").rollout_is_threshold == math.inf
 
 
 @pytest.mark.parametrize("threshold", ["nan", "-inf", "inf_inf", 0.0])
@@ -442,12 +442,12 @@ def test_every_preset_runs_and_gives_finite_gradients(name):
 
 def test_presets_match_verl_definitions():
     p = C.RolloutCorrection
-    assert p.decoupled_seq_is_rs() == p(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_sum_k1",
-                                        rollout_rs_threshold="0.5_2.0")
-    assert p.bypass_pg_geo_rs_token_tis() == p(rollout_is="token", rollout_rs="seq_mean_k1",
+    assert p.from_name("decoupled_seq_is_rs") == p(rollout_is="sequence", rollout_is_threshold=2.0,
+                                                   rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0")
+    assert p.from_name("bypass_pg_geo_rs_token_tis") == p(rollout_is="token", rollout_rs="seq_mean_k1",
                                                rollout_rs_threshold="0.999_1.001", bypass_mode=True,
                                                loss_type="reinforce")
-    assert p.decoupled_token_icepop().rollout_is_threshold == "0.5_5.0"
+    assert p.from_name("decoupled_token_icepop").rollout_is_threshold == "0.5_5.0"
 
 
 def test_older_document_presets_keep_their_definitions():
@@ -460,17 +460,18 @@ def test_older_document_presets_keep_their_definitions():
     assert p.from_name("decoupled_geo_rs_veto") == p(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
                                                      rollout_token_veto_threshold=1e-4)
     assert p.from_name("ppo_is_bypass") == p(rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True)
-    assert p.from_name("pg_is") == p.bypass_pg_is()
-    assert p.from_name("bypass_pg_rs") == p.bypass_pg_geo_rs()
-    assert p.from_name("geo_rs_seq_tis") == p.decoupled_geo_rs_seq_tis()
+    assert p.from_name("pg_is") == p.from_name("bypass_pg_is")
+    assert p.from_name("bypass_pg_rs") == p.from_name("bypass_pg_geo_rs")
+    assert p.from_name("geo_rs_seq_tis") == p.from_name("decoupled_geo_rs_seq_tis")
     for name in ("decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
                  "pg_rs", "pg_is", "disabled", "bypass_pg_rs", "geo_rs_seq_tis"):  # every name in the two documents
         p.from_name(name)
     # pg_rs's bounds really are 1/1.001 .. 1.001 (geometric mean) and its veto drops a sequence with rho_t < 1e-4
     log_ratio = torch.log(torch.tensor([[1.0009, 1.0009], [0.9990005, 0.9990005], [1e-5, 1e5]]))
-    _, mask, metrics = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.pg_rs())
+    _, mask, metrics = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.from_name("pg_rs"))
     assert mask.tolist() == [[1, 1], [0, 0], [0, 0]]  # 0.9990005 < 1/1.001 = 0.999000999; row 3: vetoed
-    _, mask, _ = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.bypass_pg_geo_rs())
+    bypass_pg_geo_rs = p.from_name("bypass_pg_geo_rs")
+    _, mask, _ = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), bypass_pg_geo_rs)
     assert mask.tolist() == [[1, 1], [1, 1], [1, 1]]  # the newer preset: 0.999 <= rho_geo, no veto (row 3: 1)
     assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 / 3)
 
@@ -494,11 +495,11 @@ def test_decoupled_vs_bypass_use_the_right_anchor():
     rollout = torch.full((1, 2), -1.0)  # pi_theta / pi_rollout = e: clipped
     adv, mask = torch.ones(1, 2), torch.ones(1, 2)
     lp = old.clone().requires_grad_()
-    loss, _ = C.policy_loss(C.RolloutCorrection.bypass_ppo_clip(), lp, old, rollout, adv, mask)
+    loss, _ = C.policy_loss(C.RolloutCorrection.from_name("bypass_ppo_clip"), lp, old, rollout, adv, mask)
     loss.backward()
     assert loss.item() == pytest.approx(-1.2) and torch.all(lp.grad == 0)
     lp.grad = None
-    loss, _ = C.policy_loss(C.RolloutCorrection.disabled(), lp, old, rollout, adv, mask)
+    loss, _ = C.policy_loss(C.RolloutCorrection.from_name("disabled"), lp, old, rollout, adv, mask)
     loss.backward()
     assert loss.item() == pytest.approx(-1.0) and torch.all(lp.grad != 0)
 

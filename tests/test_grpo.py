@@ -410,13 +410,14 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
         for p in ref.parameters():
             p.add_(0.02 * torch.randn_like(p))
     batch = dict(batch)
-    grpo.compute_pi_old_and_ref(model, ref, batch, args, corrections.RolloutCorrection.disabled())
+    grpo.compute_pi_old_and_ref(model, ref, batch, args, corrections.RolloutCorrection.from_name("disabled"))
     corrected = batch["response_mask"].clone()
     corrected[::2] = 0  # as if RS had rejected every other sequence
     corrected[1::4, 0] = 0  # and some single tokens
     batch["loss_mask"] = corrected
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, corrections.RolloutCorrection.disabled())
+    disabled = corrections.RolloutCorrection.from_name("disabled")
+    metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, disabled)
     logprobs, entropy = grpo.compute_logprobs(model.eval(), batch, args.temperature, args.logprob_chunk_size)
     kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
     _, mini = grpo.local_batch_sizes(args, 1)  # the logged terms are whole-minibatch losses (global normalisation)
