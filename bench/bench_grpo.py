@@ -65,7 +65,7 @@ def bench_memory(vocab=32000, batch_size=16, prompt_len=16, response_len=128, ch
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len - (i % 4),), generator=g).tolist() for i in range(batch_size)]
     responses = [torch.randint(3, vocab, (response_len - (i % 7),), generator=g).tolist() for i in range(batch_size)]
-    batch = grpo.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], 0, response_len,
+    batch = rollout.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], 0, response_len,
                             torch.device("cpu"))
     mask = batch["response_mask"]
     logits_bytes = batch_size * response_len * vocab * 4

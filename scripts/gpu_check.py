@@ -65,7 +65,7 @@ def grpo_step(tmp, precision, device):
     tiny = plan_memory.preset_args("grpo", "tiny")  # PRESETS entries: (description, Args or a function making it)
     args = dataclasses.replace(tiny, output_dir=os.path.join(tmp, f"grpo_{precision}"),
                                total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
-                               val_every=0, save_every=0, auto_resume=False)
+                               val_every=0, save_every=0)
     if device == "cuda":
         if not hasattr(args, "bf16"):  # the trainer precision flag (issue 11 item 2); a GPU run without it is bf16
             if precision == "fp32":
@@ -119,7 +119,7 @@ def train_peak(grpo_args):
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size - 1, (micro, P), generator=g).tolist()
     responses = torch.randint(0, config.vocab_size - 1, (micro, R), generator=g).tolist()
-    batch = grpo.make_batch(prompts, responses, [[0.0] * R] * micro, 0, R, torch.device("cuda"))
+    batch = rollout.make_batch(prompts, responses, [[0.0] * R] * micro, 0, R, torch.device("cuda"))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         if ref is not None:
             with torch.no_grad():
@@ -166,7 +166,7 @@ def vllm_parity(tmp, device):
                             p.add_(0.01 * torch.randn_like(p))
                 backend.sync_weights(model)
                 responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
-                batch = grpo.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
+                batch = rollout.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
                                         tokenizer.pad_token_id, 6, torch.device(device))
                 autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and dtype == "bfloat16"
                             else contextlib.nullcontext())
@@ -187,7 +187,7 @@ def vllm_parity(tmp, device):
             row("vllm sleep mode", "float32, asleep after start", f"engine holds {held:.2f} GiB", "< 1 GiB", held < 1)
             backend.sync_weights(model)
             responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
-            batch = grpo.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
+            batch = rollout.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
                                     tokenizer.pad_token_id, 6, torch.device(device))
             with torch.no_grad():
                 train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)

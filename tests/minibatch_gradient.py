@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 import corrections  # noqa: E402
 import grpo  # noqa: E402
 import rewards  # noqa: E402
+import rollout  # noqa: E402
 
 PROMPTS, N, R = 8, 8, 8
 
@@ -43,7 +44,7 @@ def fixed_batch(model, tokenizer):
     prompts = [torch.randint(3, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 6, (PROMPTS,), generator=g)]
     responses = [torch.randint(3, 40, (int(k),), generator=g).tolist()
                  for k in torch.randint(1, R + 1, (PROMPTS * N,), generator=g)]
-    batch = grpo.make_batch([p for p in prompts for _ in range(N)], responses, [[0.0] * len(r) for r in responses],
+    batch = rollout.make_batch([p for p in prompts for _ in range(N)], responses, [[0.0] * len(r) for r in responses],
                             tokenizer.pad_token_id, R, torch.device("cpu"))
     with torch.no_grad():
         logprobs, _ = grpo.compute_logprobs(model, batch, 1.0)

@@ -148,7 +148,7 @@ def grpo_keys(tmp_path_factory):
     from test_grpo import _small_args
 
     out = tmp_path_factory.mktemp("grpo_docs")
-    args = _small_args(output_dir=str(out), total_steps=2, val_every=1, copy_train_size=64, copy_val_size=8,
+    args = _small_args(output_dir=str(out), total_steps=2, val_every=1, train_size=64, val_size=8,
                        correction="decoupled_token_is")
     grpo.train(args)
     return logged_keys(out / "metrics.jsonl")

@@ -1,7 +1,7 @@
 """The real-model code paths on SmolLM2-135M-Instruct (Q4_1-de-quantised to fp32 by scripts/get_smollm2.py): a 49k
 BPE vocabulary, GQA (9 query / 3 KV heads), RoPE, tied embeddings, a chat template, pad = eos, 30 layers.
 
-    padded vs unpadded forward      grpo.make_batch + grpo.compute_logprobs (left-padded prompts, right-padded
+    padded vs unpadded forward      rollout.make_batch + grpo.compute_logprobs (left-padded prompts, right-padded
                                     responses, position ids from the attention mask) == one unpadded forward per row
     generate() vs the trainer       HFBackend's recorded logprobs == the trainer's recompute of the same tokens
     reward model                    rewards.RewardModel on a left-padded real-tokenizer batch == each row alone
@@ -62,7 +62,7 @@ def unpadded_logprobs(model, prompt_ids, response_ids, temperature):
 
 def trainer_logprobs(model, prompts, responses, temperature, response_length):
     """grpo's trainer path: a [left-padded prompt | right-padded response] batch, positions from the mask."""
-    batch = grpo.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=2,
+    batch = rollout.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_id=2,
                             response_length=response_length, device=torch.device("cpu"))
     with torch.no_grad():
         logprobs, _ = grpo.compute_logprobs(model, batch, temperature)
@@ -208,12 +208,12 @@ def test_make_arith_task_answers_and_seeding():
 def test_arith_task_held_out_split_and_reward():
     args = grpo.PRESETS["smol_arith"][1]
     train, val, reward_fn = grpo.load_task(args)
-    assert len(train) == args.arith_train_size and len(val) == args.arith_val_size
+    assert len(train) == args.train_size and len(val) == args.val_size
     assert not {ex["prompt"] for ex in val} & {ex["prompt"] for ex in train}  # held out
     # the pool the training set is drawn from does contain validation questions (so the filter does something)
     import rewards
 
-    pool = rewards.make_arith_task(4 * args.arith_train_size, seed=args.seed, max_steps=args.arith_max_steps,
+    pool = rewards.make_arith_task(4 * args.train_size, seed=args.seed, max_steps=args.arith_max_steps,
                                    max_number=args.arith_max_number)
     assert {q for q, _ in pool} & {ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION) for ex in val}
     ex = val[0]
