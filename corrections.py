@@ -296,11 +296,8 @@ def compute_is_weights(log_ratio, mask, level="token", threshold=2.0, batch_norm
     When to use: token-TIS when the rollout policy stays close to the trainer (lower variance, O(T^2) bias);
     seq-TIS when the mismatch is larger (unbiased before truncation, higher variance); typical C: 1.5-5 (token),
     2-10 (sequence). The weight is a constant: IS changes the measure, not the objective (verl math doc 3.2.2), so
-    the gradient is w * grad log pi and never log pi * grad w.
-
-    Metrics (verl 0.9.1 names, without the rollout_corr/ prefix) describe the truncated weights, except the
-    fractions above/below the bounds, which count the raw ratios.
-    Returns (weights (B, T), metrics dict of scalar tensors).
+    the gradient is w * grad log pi and never log pi * grad w. Returns (weights (B, T), metrics): verl 0.9.1's
+    names without the rollout_corr/ prefix, of the truncated weights (the fractions out of bounds: raw ratios).
     """
     if level not in ("token", "sequence"):
         raise ValueError(f"rollout_is must be 'token' or 'sequence', got {level!r}")
@@ -401,20 +398,15 @@ def rejection_mask(log_ratio, mask, option, threshold):
         seq_mean_k2/k3 keep sequence if mean_t k_t <= upper                             (K3-RS)
         seq_max_k2/k3 keep sequence if  max_t k_t <= upper     (isolates single-token spikes)
 
-    `threshold`: see parse_rs_thresholds ("0.5_2.0", 2.0, or "0.999_1.001,0.01" for two options).
-    Note on k1: the acceptance set follows the math document, C_lower <= rho <= C_upper, i.e. the k1 statistic
-    -log rho must lie in [-log upper, -log lower]. verl's code compares -log rho with [log lower, log upper], which
-    accepts rho in [1/upper, 1/lower]. The two agree for symmetric bounds (lower = 1/upper, the default); for
-    asymmetric bounds such as "0.5_3.0" they reject different tokens.
-    Legacy names "token", "sequence", "geometric" mean token_k1, seq_sum_k1, seq_mean_k1.
+    `threshold`: see parse_rs_thresholds ("0.5_2.0", 2.0, or "0.999_1.001,0.01" for two options). On k1 the
+    acceptance set is the math document's, lower <= rho <= upper; verl's code compares -log rho with [log lower,
+    log upper], i.e. accepts rho in [1/upper, 1/lower]: the same for symmetric bounds (the default), not for "0.5_3.0".
 
-    Metrics: verl 0.9.1's compute_rs_metrics set, names and values (for symmetric bounds), per option
-    `rollout_rs_<option>_`: mean (token-weighted, a sequence option's value counted once per token), max, min,
-    fraction_high, fraction_low (k1 only; else 0), std (of the statistic clamped to its bounds, token-weighted),
-    seq_mean, seq_std (unbiased), seq_max, seq_min, seq_max_deviation (max |value|), seq_fraction_high,
-    seq_fraction_low (k1 only), masked_fraction, seq_masked_fraction; plus rollout_rs_masked_fraction and
-    rollout_rs_seq_masked_fraction over all options. "high"/"low" refer to the statistic (for k1, -log rho: high
-    means rho below its lower bound). The seq_* values are per-sequence means of a token option's statistic.
+    Metrics: verl 0.9.1's compute_rs_metrics (names and values, for symmetric bounds) per option
+    `rollout_rs_<option>_`: mean, max, min, fraction_high, fraction_low (k1 only), std (of the statistic clamped to
+    its bounds), seq_mean/std/max/min/max_deviation/fraction_high/fraction_low, masked_fraction, seq_masked_fraction
+    (token-weighted unless seq_*; "high" is about the statistic: for k1 = -log rho, rho below its lower bound); and
+    rollout_rs_masked_fraction, rollout_rs_seq_masked_fraction over all options.
 
     When to use: seq_mean_k1 (Geo-RS) or seq_mean_k3 for long sequences (length-invariant: no "length trap");
     seq_sum_k1 to drop whole sequences whose product ratio explodes (toxic tails); seq_max_k* against single
@@ -517,10 +509,8 @@ def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token
 
 
 def veto_mask(log_ratio, mask, threshold=1e-4):
-    """Reject a whole sequence if any valid token has rho_t < C_veto (the 2025-11-04 version of
-    verl's rollout-correction math doc, section 3.5):
-
-        keep sequence  iff  min_{t in T} rho_t >= C_veto
+    """Reject a whole sequence if any valid token has rho_t < C_veto (verl's rollout-correction math doc, the
+    2025-11-04 version, section 3.5):   keep sequence  iff  min_{t in T} rho_t >= C_veto
 
     A token the rollout engine found likely but the trainer finds nearly impossible (rho ~ 0) signals a broken
     sample (e.g. a kernel bug); IS can't repair it, since the weight ~0 silences one token while the rest of the
@@ -554,13 +544,11 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
         rollout_corr/ppl_ratio      mean over sequences of training_ppl / rollout_ppl
         rollout_corr/chi2_token     E_t[rho_t^2] - 1
         rollout_corr/chi2_seq       E_seq[(prod_t rho_t)^2] - 1
-        training/rollout_probs_diff_max   max over valid tokens of |p_rollout - p_train| (= the max over responses
-                                          of the per-response max of Yao et al. 2025)
-        training/rollout_probs_diff_mean  mean over valid tokens of |p_rollout - p_train|; also _std (unbiased,
-                                          as torch.std in verl's utils/debug/metrics.py)
+        training/rollout_probs_diff_max   max over valid tokens of |p_rollout - p_train| (Yao et al. 2025's mismatch)
+        training/rollout_probs_diff_mean  its mean over valid tokens; also _std (unbiased, torch.std as in verl's
+                                          utils/debug/metrics.py)
         training/rollout_actor_probs_pearson_corr  Pearson correlation of p_train and p_rollout over valid tokens
-                                          (verl; arXiv:2506.13585); NaN when undefined (fewer than 2 tokens or a
-                                          constant), as torch.corrcoef gives in verl
+                                          (verl; arXiv:2506.13585); NaN when undefined, as torch.corrcoef gives
         training/rollout_probs_diff_valid 1 if the batch has a valid token, else 0 (verl)
     Returns a dict of Python floats. An empty batch gives zeros where verl gives NaN.
     """
@@ -634,17 +622,12 @@ def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None, dp_size=1, b
                                                                        length: keep it fixed during training)
         token-sum                sum_{i,t} l
 
-    Called on one whole batch (the defaults), #valid tokens and #sequences (those with a valid token) are counted
-    in this batch. Called on one micro-batch of a minibatch that is spread over micro-batches and dp_size ranks
-    (verl's global_batch_info), the counts are the minibatch's, over all micro-batches and ranks:
-        batch_num_tokens   valid tokens of the whole minibatch, all ranks (token-mean)
-        global_batch_size  sequences of the whole minibatch, all ranks (the seq-mean modes; verl passes
-                           ppo_mini_batch_size * n, so a fully masked sequence counts here but adds nothing)
-    and the result is multiplied by dp_size, because DDP averages the ranks' gradients (divides by dp_size): then
-    the micro-batch losses simply add up (no 1 / gradient-accumulation factor) and the averaged gradient is the
-    gradient of the minibatch's loss, whatever the micro-batch size or the number of ranks. token-sum is the local
-    sum times dp_size for the same reason. Rejected or padded tokens contribute nothing; an all-rejected batch
-    gives exactly 0.
+    With the defaults the counts are this batch's. For one micro-batch of a minibatch spread over micro-batches and
+    dp_size ranks (verl's global_batch_info) they are the whole minibatch's: batch_num_tokens (valid tokens, all
+    ranks; token-mean) and global_batch_size (sequences, all ranks; verl passes ppo_mini_batch_size * n), and the
+    result is multiplied by dp_size (the ranks' gradients are averaged): the micro-batch losses then simply add up
+    and give the gradient of the minibatch's loss whatever the micro-batch size or number of ranks (token-sum: the
+    local sum times dp_size). Rejected or padded tokens contribute nothing; an all-rejected batch gives exactly 0.
     """
     valid = mask.bool()
     if mode == "token-mean":
@@ -676,12 +659,10 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
                   agg_mode="token-mean", is_weights=None, global_batch_info=None):
     """The PPO clipped surrogate with clip-higher and dual-clip, times IS weights after clipping (decoupled PPO):
 
-        r_t  = pi_theta / pi_old = exp(logprobs - old_logprobs)       (log-ratio clamped to +-20)
-        l_t  = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))            (Schulman et al. 2017; DAPO's
-                                                                                       clip-higher: clip_high > low)
-        l_t  = min(l_t, -A_t * clip_c)  where A_t < 0, if clip_c is set              (dual-clip, Ye et al. 2020:
-                                                                                       bounds the loss of a huge
-                                                                                       ratio on a bad action)
+        r_t  = pi_theta / pi_old = exp(logprobs - old_logprobs)              (log-ratio clamped to +-20)
+        l_t  = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))   (Schulman et al. 2017; DAPO: high > low)
+        l_t  = min(l_t, -A_t * clip_c)  where A_t < 0, if clip_c is set     (dual-clip, Ye et al. 2020: bounds the
+                                                                              loss of a huge ratio on a bad action)
         loss = agg(w_t * l_t)           with w_t the IS weights (stop-gradient) from compute_is_weights
 
     `advantages` is (B, T): broadcast a per-sequence advantage with adv[:, None]. Returns (loss, metrics) with
@@ -891,10 +872,8 @@ def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
         weights   = compute_is_weights(log_ratio, ...)          if config.rollout_is else None
         mask      = rejection_mask(log_ratio, mask, ...)        if config.rollout_rs
         mask      = veto_mask(log_ratio, mask, ...)             if config.rollout_token_veto_threshold
-    IS weights and RS are computed on the original mask (independent filters), then combined.
-
-    Decoupled mode: call once per batch before the update epochs, with old_logprobs = the trainer's recompute.
-    Bypass mode: policy_loss calls it per microbatch with the current (detached) logprobs.
+    IS weights and RS are computed on the original mask (independent filters), then combined. Decoupled mode: once
+    per batch with the trainer's recompute (prepare_pi_old); bypass: per microbatch with the current logprobs.
     Returns (weights or None, new_mask, metrics with the rollout_corr/ prefix as floats).
     """
     if old_logprobs.shape != rollout_logprobs.shape or old_logprobs.shape != mask.shape:
@@ -922,12 +901,11 @@ def prepare_pi_old(config, rollout_logprobs, mask, recompute_old):
     """Once per rollout batch: what policy_loss needs, in either mode. The decoupled/bypass choice (verl math doc,
     section 3.1) is made here and in policy_loss, nowhere in the trainers.
 
-        decoupled (every preset without bypass, "disabled" included): old_logprobs = recompute_old(), the trainer's
-            no-grad forward before the update epochs; apply_rollout_correction(old, rollout) gives the IS weights,
-            the RS/veto-corrected loss mask and the rollout_corr/* and training/* metrics, once per batch.
-        bypass: old_logprobs = rollout_logprobs (pi_old = pi_rollout; recompute_old is never called, so that forward
-            is saved); no IS weights, the plain mask; policy_loss corrects each micro-batch itself, and the trainer
-            reports the first micro-batch's metrics (verl does the same).
+        decoupled ("disabled" included): old_logprobs = recompute_old(), the trainer's no-grad forward before the
+            update epochs; apply_rollout_correction(old, rollout) gives the IS weights, the RS/veto-corrected loss
+            mask and the rollout_corr/* and training/* metrics, once per batch.
+        bypass: old_logprobs = rollout_logprobs (recompute_old is never called: that forward is saved), no IS
+            weights, the plain mask; policy_loss corrects each micro-batch, and the trainer reports the first's.
     Returns (old_logprobs, is_weights or None, loss_mask, metrics).
     """
     if config.bypass_mode:
@@ -942,16 +920,13 @@ def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, ma
     """The policy loss for one microbatch, decoupled or bypass, in one place (grpo.py and ppo_rlhf.py call it).
 
     Pass what prepare_pi_old returned for this batch (old_logprobs, is_weights, loss mask), sliced to the micro-batch.
-    Decoupled (config.bypass_mode False):  loss = agg(w * ppo_clip(pi_theta / pi_old)).
-    Bypass (old_logprobs = rollout_logprobs, the plain mask): the correction is computed here from the current
-    (detached) logprobs against rollout_logprobs, per microbatch as in verl:
-        loss_type "ppo_clip":  agg(ppo_clip(pi_theta / pi_rollout)) on the RS/veto mask (no IS weights: the ratio
-                               already is the IS ratio)
+    Decoupled:  loss = agg(w * ppo_clip(pi_theta / pi_old)).
+    Bypass (old_logprobs = rollout_logprobs): the correction is computed here, per microbatch as in verl, from the
+    current (detached) logprobs against rollout_logprobs:
+        loss_type "ppo_clip":  agg(ppo_clip(pi_theta / pi_rollout)) on the RS/veto mask (the ratio is the IS ratio)
         loss_type "reinforce": agg(-stopgrad(w) * log pi_theta * A) with w from compute_is_weights
-    global_batch_info: agg_loss's dp_size / batch_num_tokens / global_batch_size (verl's name) when this
-    microbatch is part of a minibatch over several microbatches or ranks; counted on the mask passed here.
-    Returns (loss, metrics); metrics hold floats (pg_clipfrac, ppo_kl, pg_clipfrac_lower, and in bypass mode the
-    rollout_corr/* values of this microbatch).
+    global_batch_info: agg_loss's dp_size / batch_num_tokens / global_batch_size (verl's name). Returns (loss,
+    metrics): pg_clipfrac, ppo_kl, pg_clipfrac_lower (floats), and in bypass mode this microbatch's rollout_corr/*.
     """
     if not config.bypass_mode:
         return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_c, agg_mode,

@@ -729,8 +729,7 @@ def restart_metrics_file(path, step):
 
 def rank_checksum_spread(model, world_size):
     """The largest difference between ranks of float64 checksums (sum, sum of squares) of every parameter: 0.0 when
-    the averaged gradients kept every rank's parameters identical (logged as debug/rank_param_checksum_max_diff, the
-    name rewards.py and ppo_rlhf.py log it under)."""
+    the averaged gradients kept every rank's parameters identical (debug/rank_param_checksum_max_diff, as rewards.py)."""
     params = [p.detach().double() for p in model.parameters()]
     checksum = torch.stack([sum(p.sum() for p in params), sum(p.square().sum() for p in params)])
     gathered = [checksum.clone() for _ in range(world_size)]
