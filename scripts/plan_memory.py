@@ -201,6 +201,8 @@ def plan_grpo(args, config, world_size, gpu_bytes):
     if args.rollout_staleness:  # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
         resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
             4 * n * (args.rollout_staleness + 2))
+    # asleep the engine holds ~0: level 1 offloads its weights, drops its KV cache, and (rollout.VLLMBackend passes
+    # sleep_mode_offload_cudagraph) offloads its CUDA-graph pool too, which vLLM otherwise keeps on the GPU
     awake = {"vLLM share, awake": share} if share and not args.vllm_sleep_mode else {}
     train_rows = {**resident, "gradients (fp32)": 4 * n}
     step_rows = {**train_rows, **optimizer_step_rows("AdamW", n, shape), **awake}
