@@ -166,7 +166,8 @@ def trl_rows(device, tiny):
     import bench_smollm2
 
     with tempfile.TemporaryDirectory() as tmp:
-        results = {"TRL GRPOTrainer": bench_smollm2.trl(3, tmp), "grpo.py --backend hf": bench_smollm2.ours("hf", 3, tmp)}
+        results = {"TRL GRPOTrainer": bench_smollm2.trl(3, tmp),
+                   "grpo.py --backend hf": bench_smollm2.ours("hf", 3, tmp)}
     base = results["TRL GRPOTrainer"]["step_s"]
     for label, r in results.items():
         row("grpo vs TRL", f"SmolLM2-135M, {bench_smollm2.PROMPTS} x {bench_smollm2.N} x <= {bench_smollm2.MAX_NEW} "

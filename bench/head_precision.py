@@ -102,7 +102,8 @@ def main():
     bf16_max, bf16_mean = errors["bf16 logits"]
     print(f"SmolLM2-135M-Instruct (Q4_1-de-quantised), {len(tokens)} tokens, max |logit| "
           f"{(hidden @ weight.T).abs().max().item():.1f}; torch {torch.__version__}\n")
-    print("| head product | max abs logprob error | mean abs logprob error | max / bf16 logits' | mean / bf16 logits' |")
+    print("| head product | max abs logprob error | mean abs logprob error | max / bf16 logits' "
+          "| mean / bf16 logits' |")
     print("| --- | --- | --- | --- | --- |")
     for name, (mx, mean) in errors.items():
         print(f"| {name} | {mx:.2e} | {mean:.2e} | {mx / bf16_max:.3f} | {mean / bf16_mean:.3f} |")
