@@ -114,12 +114,13 @@ class _TF32Linear(torch.autograd.Function):
     """hidden @ weight.T in TF32, and its two backward products (which autograd runs later, outside any scope)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # float32 inputs, autocast off inside
     def forward(ctx, hidden, weight):
         ctx.save_for_backward(hidden, weight)
         return _tf32_mm(hidden, weight.T)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")  # autocast as in the forward (off), even if backward() runs under it
     def backward(ctx, grad):
         hidden, weight = ctx.saved_tensors
         return _tf32_mm(grad, weight), _tf32_mm(grad.T, hidden)
