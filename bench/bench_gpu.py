@@ -10,10 +10,11 @@ micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch 8, 512 prompt + 1024 res
 as the gsm8k presets. Rows:
   update      one training micro-batch, forward + backward, of grpo.compute_logprobs (the chunked logprob head: TF32
               under bf16 autocast on CUDA), of the same with the IEEE fp32 head (corrections.LM_HEAD_TF32 = False:
-              the head before issue 20), and of the plain-loss baseline: HF's causal-LM loss (labels=input_ids, bf16
-              logits) under the same bf16 autocast on the same tokens. Seconds (median of 3 after a warm-up),
-              tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence) x tokens / seconds /
-              989 TFLOP/s (H100 SXM dense bf16), peak memory above the weights, and each / the plain loss.
+              the head's precision before issue 20), and of the plain-loss baseline: HF's causal-LM loss
+              (labels=input_ids, bf16 logits) under the same bf16 autocast on the same tokens. Seconds (median of 3
+              after a warm-up), tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence)
+              x tokens / seconds / 989 TFLOP/s (H100 SXM dense bf16), peak memory above the weights, and each as a
+              multiple of the plain loss's.
   rollout     HF generate (rollout.HFBackend) tokens/s: 64 prompts of 512 tokens, 256 new tokens, bf16 autocast.
   grpo vs TRL the GRPO step of bench/bench_smollm2.py (SmolLM2-135M-Instruct) against TRL's GRPOTrainer on the
               same work, when trl is importable (GPU only).
@@ -133,7 +134,7 @@ def update_rows(name, config, micro, prompt, response, device):
 
     results = {label: measure(fn, device) for label, fn in
                (("plain HF loss", plain_loss), ("ours (TF32 head on CUDA)", ours),
-                ("ours, IEEE fp32 head (before)", fp32_head))}
+                ("ours, IEEE fp32 head", fp32_head))}
     base_s, base_peak = results["plain HF loss"]
     for label, (seconds, peak) in results.items():
         mfu = f"{flops / seconds / PEAK_FLOPS:.1%}" if device.type == "cuda" else "-"
