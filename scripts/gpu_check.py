@@ -235,7 +235,7 @@ def torchrun_rank(out_dir):
     rollout.make_backend = reporting_make_backend
     args = dataclasses.replace(plan_memory.preset_args("grpo", "tiny"), backend="vllm", output_dir=out_dir,
                                total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
-                               val_every=0, save_every=0, auto_resume=False, vllm_gpu_memory_utilization=0.2)
+                               val_every=0, save_every=0, vllm_gpu_memory_utilization=0.2)  # a fresh output dir
     grpo.train(args)
 
 
