@@ -17,7 +17,7 @@ Notation (verl, "Mathematical Formulations of Rollout Correction Methods", Nov 2
 Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or float) unless said otherwise.
 Padding is sacred: values at padded positions (which may be NaN or inf) never reach a result or a gradient.
 
-Reading order: masked reductions -> token logprobs/entropy (fp32 heads, bf16 frozen copies) -> divergences and KL
+Reading order: masked reductions -> token logprobs/entropy (fp32/TF32 heads) -> divergences and KL
 penalties -> IS weights -> rejection masks -> veto -> diagnostics -> policy losses and aggregation -> the TIS paper's
 estimators side by side -> RolloutCorrection presets -> apply_rollout_correction / prepare_pi_old / policy_loss (what
 grpo.py and ppo_rlhf.py call). GPU memory planning is scripts/plan_memory.py.
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
+LM_HEAD_TF32 = True  # bf16 autocast on CUDA: the LM head's product in TF32 (docs/corrections.md#lm-head-precision)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,14 +81,12 @@ def masked_whiten(x, mask, shift_mean=True, unbiased=False, eps=1e-8):
 
 
 def fp32_project(project, hidden):
-    """project(hidden) in float32 with autocast off (float64 stays float64).
-
-    Under bf16 autocast an LM head returns bf16 logits: for logits of magnitude 30-130 that rounds each one by up to
-    0.25 and the logprobs by ~0.1 nats (tests/test_corrections.py measures it), so the head, the log-softmax and the
-    entropy are computed in float32 here, the way TRL's GRPOConfig.cast_lm_head_to_fp32 keeps lm_head in float32
-    (there by casting the module and its input; under autocast that is not enough, so autocast is switched off).
-    A module with a weight (nn.Linear, a value/reward head) is applied as F.linear on float32 copies of its weight
-    and bias, so a bf16 module works too; any other callable gets the float32 hidden states."""
+    """project(hidden) in float32 with autocast off (float64 stays float64). Under bf16 autocast an LM head returns
+    bf16 logits: for logits of magnitude 30-130 that rounds each one by up to 0.25 and the logprobs by ~0.1 nats
+    (tests/test_grpo.py measures it), so heads run in float32 here, as TRL's GRPOConfig.cast_lm_head_to_fp32 keeps
+    lm_head in float32 (by casting the module and its input; under autocast that is not enough). A module with a
+    weight (nn.Linear, a value/reward head) is applied as F.linear on float32 copies of its weight and bias, so a
+    bf16 module works too; any other callable gets the float32 hidden states."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
         hidden = hidden.to(dtype)
@@ -100,23 +99,44 @@ def fp32_project(project, hidden):
     return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
-def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy_grad):
-    # (n, V): the only vocab-sized tensor, one chunk at a time; LM head + log-softmax in float32, autocast off
-    logits = fp32_project(project, hidden) / temperature
+def _tf32_mm(a, b):
+    """a @ b on TF32 tensor cores (CUDA), then the previous setting back: scoped, as vLLM's in-process worker resets
+    torch's float32 matmul precision to "highest" when it starts (fp32_precision: torch >= 2.9's API)."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        return a @ b
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+class _TF32Linear(torch.autograd.Function):
+    """hidden @ weight.T in TF32, and its two backward products (which autograd runs later, outside any scope)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # float32 inputs, autocast off inside
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return _tf32_mm(hidden, weight.T)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")  # autocast as in the forward (off), even if backward() runs under it
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        return _tf32_mm(grad, weight), _tf32_mm(grad.T, hidden)
+
+
+def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy_grad, tf32):
+    # (n, V) tensors, one chunk at a time: the LM head, then one float32 log-softmax for the logprob and the entropy
+    logits = (_TF32Linear.apply(hidden, project.weight) if tf32 else fp32_project(project, hidden)) / temperature
     if banned is not None:
         logits = logits.masked_fill(banned, -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, tokens[:, None])[:, 0] - lse
-    z = logits if entropy_grad else logits.detach()
-    p = torch.softmax(z, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    z = logp if entropy_grad else logp.detach()
+    p = z.exp()
     if banned is not None:
         z = z.masked_fill(banned, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
-    entropy = (lse if entropy_grad else lse.detach()) - (p * z).sum(-1)
-    return logprobs, entropy
-
-
-def _identity(x):
-    return x
+    return logp.gather(-1, tokens[:, None])[:, 0], -(p * z).sum(-1)
 
 
 def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_size=512, banned=None,
@@ -124,20 +144,22 @@ def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_
     """Log-probability of each sampled token and the entropy of its distribution, for N positions:
 
         z_t       = project(hidden_t) / T          (the LM head on hidden states, or logits when project is None)
-        logprob_t = z_t[token_t] - logsumexp(z_t)
-        entropy_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v
+        logprob_t = log_softmax(z_t)[token_t]
+        entropy_t = -sum_v p_t,v log p_t,v        (p_t = softmax(z_t); one log_softmax per chunk serves both)
 
     Dividing by the sampling temperature wherever a logprob is computed matches the distribution that was sampled
     (RLHF blog detail policy 1; verl does the same). `banned` (V,) bool removes tokens the sampler can never emit.
     Work goes chunk by chunk over N, so the largest float32 tensor is (chunk_size, V); under autograd each chunk is
     checkpointed, so backward recomputes its logits instead of keeping all N x V of them. The entropy is a constant
     (no gradient) unless entropy_grad. Returns (logprobs (N,), entropy (N,)) in float32 (float64 stays float64).
-    """
-    project = project if project is not None else _identity
+    Under bf16 autocast on CUDA an LM head's product (forward and backward) runs in TF32 (LM_HEAD_TF32)."""
+    project = project if project is not None else torch.nn.Identity()
+    tf32 = (LM_HEAD_TF32 and hidden.is_cuda and torch.is_autocast_enabled("cuda")  # the bf16 path: an LM head's
+            and isinstance(project, torch.nn.Linear) and project.bias is None)    # product (the heads have no bias)
     logprob_parts, entropy_parts = [], []
     for start in range(0, tokens.shape[0], chunk_size):
         args = (project, hidden[start: start + chunk_size], tokens[start: start + chunk_size], temperature, banned,
-                entropy_grad)
+                entropy_grad, tf32)
         if torch.is_grad_enabled() and hidden.requires_grad:
             lp, ent = torch.utils.checkpoint.checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
         else:
@@ -147,26 +169,6 @@ def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(logprob_parts), torch.cat(entropy_parts)
-
-
-def bf16_frozen_linears_(model):
-    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output embedding (the LM
-    head; with tied embeddings it is the embedding matrix) and everything that is not a Linear (embeddings, norms).
-    Under bf16 autocast a Linear casts its fp32 weight to bf16 before the matmul anyway, so the forward is bit-for-bit
-    the one of the fp32 model (tests/test_corrections.py checks it) at about half the memory; verl keeps its
-    reference model in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
-    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in bf16."""
-    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    n = 0
-    for module in model.modules():
-        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"  # gpt2's Conv1D: addmm
-        if is_linear and module is not output_embedding:
-            for name in ("weight", "bias"):
-                p = getattr(module, name)
-                if p is not None and p.dtype == torch.float32:
-                    p.data = p.data.to(torch.bfloat16)
-                    n += p.numel()
-    return n
 
 
 # ---------------------------------------------------------------------------------------------------------------

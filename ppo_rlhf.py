@@ -779,7 +779,7 @@ def train(args: Args):
     reward_model = rewards.disable_dropout(rewards.load_reward_model(rm_path, device=str(device))).to(device).eval()
     ref_policy = load_policy(policy_path, device).eval()
     if device.type == "cuda" and args.bf16:  # under bf16 autocast: the same logprobs at ~half the memory (verl)
-        corrections.bf16_frozen_linears_(ref_policy)
+        rollout.bf16_frozen_linears_(ref_policy)
     resume = find_checkpoint(args)
     model = PolicyAndValue(load_policy(resume or policy_path, device)).to(device).eval()  # dropout is 0 already
     reward_model.requires_grad_(False), ref_policy.requires_grad_(False)

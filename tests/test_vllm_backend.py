@@ -210,6 +210,46 @@ def test_sync_applies_weight_transform(setup):
         backend.sync_weights(model)
 
 
+def test_engine_options_are_vllm_engine_args_with_gpu_settings(monkeypatch):
+    """What VLLMBackend passes to vllm.LLM on a GPU (a stand-in LLM records it; the platform is told it is CUDA with
+    sleep mode): every option is a field of this vLLM's EngineArgs (a misspelt one would be refused there), sleep mode
+    also offloads the CUDA-graph pool (sleep_mode_offload_cudagraph, else a sleeping engine keeps it while
+    scripts/plan_memory.py counts 0), and --vllm-async-scheduling reaches the engine (vLLM's default: None)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    recorded = []
+
+    class RecordingLLM:
+        def __init__(self, **options):
+            recorded.append(options)
+            self.llm_engine = None
+
+        def sleep(self, level):
+            pass
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_sleep_mode_available", lambda: True)
+    VLLMBackend = _import_backend()
+    VLLMBackend("some/model", eos_token_id=1, sleep_mode=True, async_scheduling=False)
+    VLLMBackend("some/model", eos_token_id=1)
+    import grpo
+    import rollout
+    from rewards import build_tiny_model
+
+    model, tokenizer = build_tiny_model(None, arch="qwen2")
+    args = dataclasses.replace(grpo.PRESETS["tiny"][1], backend="vllm", vllm_async_scheduling=False)
+    rollout.make_backend("vllm", "some/model", model, args, tokenizer)  # grpo's flag reaches the engine
+    engine_args = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    for options in recorded:
+        assert set(options) <= engine_args, set(options) - engine_args
+    assert recorded[0]["enable_sleep_mode"] and recorded[0]["sleep_mode_offload_cudagraph"]
+    assert recorded[0]["async_scheduling"] is False and recorded[1]["async_scheduling"] is None
+    assert recorded[2]["async_scheduling"] is False and grpo.Args().vllm_async_scheduling  # on unless turned off
+    assert not recorded[1]["sleep_mode_offload_cudagraph"] and not recorded[1]["enforce_eager"]  # CUDA graphs on
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # grpo.train with the shared engine (train() pushes its own model's weights into it before the first rollout)
 # ---------------------------------------------------------------------------------------------------------------
