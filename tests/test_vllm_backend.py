@@ -392,8 +392,8 @@ def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0  # the ranks hold identical parameters
-    assert [r["step"] for r in rows] == [1, 2, 3] and "val/accuracy" in rows[-1]
-    assert max(r["training/rollout_probs_diff_max"] for r in rows) <= 1e-3
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val/accuracy" in rows[-1]  # step 0: val_before_train
+    assert max(r["training/rollout_probs_diff_max"] for r in rows[1:]) <= 1e-3
 
 
 if __name__ == "__main__":
