@@ -10,8 +10,7 @@ normalisation, labels, queries, check_args, and train(), whose numbered steps ar
   4. models: the frozen policy and the reward model (same pretrained weights), the optimizer
   5. normalise before training: reward mean 0, std 1 on frozen-policy samples
   6. one epoch over the labels: 4-way softmax loss, lr annealed to 0, gradients averaged over ranks, evaluation
-  7. normalise after training
-  8. check that every rank holds the same parameters
+  7. normalise after training; 8. check that every rank holds the same parameters
   9. save the reward model (rank 0)
 
 Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4 labels):
@@ -135,9 +134,8 @@ def copy_reward(response, target):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style questions with a
-# whole-number answer >= 0, generated from a seed, so a real model can be trained with GRPO and scored by
-# gsm8k_reward with no download.
+# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style questions with a whole-
+# number answer >= 0, generated from a seed, so a real model can be trained with GRPO and scored by gsm8k_reward.
 # ---------------------------------------------------------------------------------------------------------------
 
 ARITH_NAMES = ("Tom", "Anna", "Ben", "Maria", "Sam", "Lucy", "Omar", "Mia", "Leo", "Sara", "Jack", "Nina")
@@ -690,10 +688,9 @@ def left_pad(ids, pad_token_id):
 
 @torch.no_grad()
 def sample_query_responses(policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy, as the RLHF blog
-    ([general 4], the generation note of [general 3]): padding ids set to 0 with an attention mask, NO position_ids
-    (generate() derives them), top_k=0, top_p=1, fixed length (min_new_tokens = max_new_tokens masks EOS). A pad id
-    inside the vocabulary (the tiny tokenizer's [PAD] = 0) is suppressed, so a response never contains padding."""
+    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy ([general 4], the note
+    of [general 3]): pads set to 0 with an attention mask, NO position_ids (generate() derives them), top_k=0, top_p=1,
+    fixed length (min_new_tokens = max_new_tokens masks EOS); a pad id inside the vocabulary (tiny: 0) is suppressed."""
     from transformers import GenerationConfig
 
     vocab_size = policy.get_output_embeddings().weight.shape[0]
@@ -736,13 +733,11 @@ def normalize_reward_model(reward_model, query_responses, pad_token_id, target_m
     lm_human_preferences/train_reward.py#L211, #L232-L234, #L252-L254): gain = 1, bias = 0; mu, sigma =
     reward_stats(...) (global over ranks, so all ranks set the same values); gain = target_std / sigma, bias =
     target_mean - gain * mu. Returns {"mean_before", "std_before", "gain", "bias"}."""
-    reward_model.reward_gain.fill_(1.0)
-    reward_model.reward_bias.fill_(0.0)
+    reward_model.reward_gain.fill_(1.0), reward_model.reward_bias.fill_(0.0)
     mean, std = reward_stats(reward_model, query_responses, pad_token_id, batch_size)
     gain = target_std / max(std, 1e-8)  # a constant reward model would give inf; 1e-8 keeps it finite
     bias = target_mean - gain * mean
-    reward_model.reward_gain.fill_(gain)
-    reward_model.reward_bias.fill_(bias)
+    reward_model.reward_gain.fill_(gain), reward_model.reward_bias.fill_(bias)
     return {"mean_before": mean, "std_before": std, "gain": gain, "bias": bias}
 
 
@@ -756,8 +751,7 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
         sample holds the best score): a tie (about half, most often all four at 0) trains towards an arbitrary one."""
     texts = tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
     round_size = n if labeller == "tiny" else batch_size
-    rng = random.Random(seed)
-    labels, drawn = [], 0
+    labels, drawn, rng = [], 0, random.Random(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         while len(labels) < n:
@@ -971,9 +965,8 @@ def load_query_dataset(name):
 
 def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
     """An endless iterator of query strings. "tiny" / "openers": tiny_queries / sentiment_queries seeded from the
-    per-rank `local_seed`, offset so they never repeat the label queries. A dataset: shuffled ONCE with the shared
-    `seed` and sharded by rank (rank r reads rows r, r + W, ...), as the original (datasets.py: one shuffle, then
-    tf_dataset.shard); ppo_rlhf.py reads the same stream, so normalisation starts from the first PPO batch's queries."""
+    per-rank `local_seed`. A dataset: shuffled ONCE with the shared `seed` and sharded by rank (rank r reads rows r,
+    r + W, ...), as the original (datasets.py: one shuffle, then tf_dataset.shard); ppo_rlhf.py reads it too."""
     if query_dataset in ("tiny", "openers"):
         make_queries = tiny_queries if query_dataset == "tiny" else sentiment_queries
         chunk = 0
@@ -1075,8 +1068,7 @@ def train(args: Args) -> str:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     local_seed = args.seed + rank * 100003  # different sampling noise per rank ([general 6])
-    random.seed(local_seed)
-    torch.manual_seed(local_seed)
+    random.seed(local_seed), torch.manual_seed(local_seed)
 
     # 2. Logging: rank 0 writes args.json and metrics.jsonl (one flushed JSON line per logged step).
     metrics_file, wandb_run = None, None
@@ -1192,16 +1184,14 @@ def train(args: Args) -> str:
         local_indices = permutation[start:start + args.batch_size][rank::world_size]
         logits, best = best_of_4_logits(reward_model, labels, local_indices, pad, device)
         loss = F.cross_entropy(logits, best)  # 4-way softmax over the samples' rewards
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        optimizer.zero_grad(set_to_none=True), loss.backward()
         stats = torch.stack([loss.detach(), (logits.argmax(1) == best).float().mean()]).double()
         if world_size > 1:
             for p in params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad.div_(world_size)
-            dist.all_reduce(stats)
-            stats /= world_size
+            dist.all_reduce(stats), stats.div_(world_size)
         optimizer.step()
         metrics = {"train/loss": stats[0].item(), "train/accuracy": stats[1].item(), "train/lr": lr,
                    "time/elapsed_s": time.time() - start_time}

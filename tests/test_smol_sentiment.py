@@ -91,11 +91,11 @@ def test_smol_presets_batch_arithmetic_validates(tmp_path):
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     sizes = ppo_rlhf.batch_sizes(args, 1)
     # 2 minibatches of 16 per epoch (8 Adam steps per update), each one forward/backward
-    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 16)
+    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 24)
     assert ppo_rlhf.batch_sizes(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
     rm = dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=str(tmp_path))
     rewards.check_args(rm, 1)
-    assert rm.num_train // rm.batch_size == 32 and rm.num_test == 64
+    assert rm.num_train // rm.batch_size == 112 and rm.num_test == 128 and rm.label_backend == "vllm"
     # the two halves must agree on the task shape: the reward model reads what the policy writes
     assert (rm.query_length, rm.response_length, rm.base_model) == (
         args.query_length, args.response_length, args.base_model)
@@ -148,3 +148,25 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
         rewards.check_args(dataclasses.replace(rewards.PRESETS["smol_sentiment"][1], base_model=missing,
                                                output_dir=str(tmp_path / "out")), 1)
+
+
+# Measured on 2 CPU cores (docs/rewards.md, "the CI check"): see the numbers quoted in the test's docstring.
+CI_LABELS = dict(num_train=SHORT_TRAIN, num_test=SHORT_TEST, response_length=SHORT_RESPONSE)
+
+
+def test_shortened_smol_reward_model_learns_the_lexicon_labeller(tmp_path, monkeypatch):
+    """The smol_sentiment reward model on SmolLM2, shortened to fit CI: fresh decisive lexicon labels sampled with HF
+    generate (the label cache pointed at tmp_path, so nothing is reused), one epoch of the preset's training, no
+    normalisation or train/kl (they do not change the accuracy); the held-out best-of-4 accuracy must clear chance
+    (0.25) by the margin the measured runs support."""
+    if not os.path.isfile(os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
+        pytest.fail(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
+    monkeypatch.setattr(rewards, "LABEL_CACHE", str(tmp_path / "label_cache"))
+    args = dataclasses.replace(rewards.PRESETS["smol_sentiment"][1], output_dir=str(tmp_path / "rm"),
+                               label_backend="hf", normalize_before=False, normalize_after=False, kl_samples=0,
+                               save_model=False, eval_every=10**6, **CI_LABELS)
+    rewards.train(args)
+    rows = [json.loads(line) for line in open(tmp_path / "rm" / "metrics.jsonl")]
+    accuracy = [r["test/accuracy"] for r in rows if "test/accuracy" in r]
+    assert len(accuracy) == 1 and accuracy[0] >= CI_MIN_ACCURACY, accuracy
+    assert len(os.listdir(tmp_path / "label_cache")) == 1  # the labels were made (and cached) by this run
