@@ -423,16 +423,13 @@ class VLLMBackend:
                 raise RuntimeError("vLLM could not reset its prefix cache after waking up")
 
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed, fixed_length=False):
-        """n samples per prompt (prompt i's at i*n .. i*n+n-1); temperature 0 = greedy. Returns
-        (response_token_ids, response_logprobs, finish_reasons); logprobs[t] = log_softmax(logits / T)[token_t].
-        fixed_length: exactly max_new_tokens tokens, EOS masked out (min_tokens = max_tokens), as sample_fixed_length
-        (RLHF blog detail general 4; rewards.make_labels samples its label candidates this way)."""
+        """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: EOS masked (as sample_fixed_length).
+        Returns (response_ids, response_logprobs, finish_reasons); logprobs[t] = log_softmax(logits / T)[token_t]."""
         params = [
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # top_k=0: disabled
                 presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                max_tokens=max_new_tokens, min_tokens=max_new_tokens if fixed_length else 0,  # min: EOS masked until
-                logprobs=0,  # logprobs=0: the sampled token's only
+                max_tokens=max_new_tokens, min_tokens=max_new_tokens if fixed_length else 0, logprobs=0,  # sampled tok
                 seed=seed + i * n,  # per prompt: identical prompts still differ; independent of scheduling
                 ignore_eos=False, stop_token_ids=[self.eos_token_id], skip_special_tokens=False, detokenize=False,
             )
