@@ -55,8 +55,9 @@ def build_tiny_tokenizer(path=None):
     """A character-level `PreTrainedTokenizerFast`: one token per character of TINY_CHARS plus [PAD], [EOS], [UNK].
 
     A byte-level BPE with no merges, which is exactly a character vocabulary. Byte-level because transformers 5 (and
-    vLLM) load a saved tokenizer with the class of the model next to it (Qwen2Tokenizer, GPT2Tokenizer), which imposes
-    its own byte-level pre-tokenizer: with the byte-level alphabet both split text into the same characters."""
+    vLLM) load a saved tokenizer with the class of the model next to it (Qwen2Tokenizer, GPT2Tokenizer), which
+    imposes its own byte-level pre-tokenizer: with the byte-level alphabet both split text into the same characters.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -134,8 +135,9 @@ def copy_reward(response, target):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style questions with a whole-
-# number answer >= 0, generated from a seed, so a real model can be trained with GRPO and scored by gsm8k_reward.
+# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style questions with a
+# whole-number answer >= 0, generated from a seed, so a real model can be trained with GRPO and scored by
+# gsm8k_reward with no download.
 # ---------------------------------------------------------------------------------------------------------------
 
 ARITH_NAMES = ("Tom", "Anna", "Ben", "Maria", "Sam", "Lucy", "Omar", "Mia", "Leo", "Sara", "Jack", "Nina")
@@ -755,8 +757,7 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         while len(labels) < n:
-            batch = texts[drawn:drawn + round_size]
-            drawn += round_size
+            batch, drawn = texts[drawn:drawn + round_size], drawn + round_size
             queries = query_token_batch(iter(batch), tokenizer, len(batch), query_length)
             if backend is None:
                 samples = [sample_query_responses(policy, queries, tokenizer.pad_token_id, response_length, temperature,
@@ -1078,7 +1079,6 @@ def train(args: Args) -> str:
         metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
         if args.track:
             import wandb
-
             wandb_run = wandb.init(project=args.wandb_project, config=asdict(args),
                                    name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
