@@ -457,7 +457,8 @@ class VLLMBackend:
             self._vllm.SamplingParams(
                 n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # top_k=0: disabled
                 presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                max_tokens=max_new_tokens, min_tokens=max_new_tokens if fixed_length else 0, logprobs=0,  # sampled tok
+                max_tokens=max_new_tokens, logprobs=0,  # logprobs=0: the sampled token's only
+                min_tokens=max_new_tokens if fixed_length else 0,  # fixed_length: EOS masked until the last token
                 seed=seed + i * n,  # per prompt: identical prompts still differ; independent of scheduling
                 ignore_eos=False, stop_token_ids=[self.eos_token_id], skip_special_tokens=False, detokenize=False,
             )
