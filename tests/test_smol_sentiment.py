@@ -151,11 +151,32 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
 
 
 
-# 128 + 64 of the preset's own labels (made by `ppo_rlhf.py smol_sentiment` with label seed 1 and cached; the first
-# 128 and the preset's held-out 896..959), committed so CI trains without sampling 4 x 20 tokens per opener first.
-SMOL_CI_LABELS = os.path.join(ROOT, "tests", "data", "smol_sentiment_labels.json")
 # Measured: 0.42 held-out (27 of 64) with peak lr 2e-4; 0.34 = 22 of 64, 6 above the 16 that chance expects.
 CI_LR, CI_MIN_ACCURACY = 2e-4, 0.34
+
+
+def preset_label_path():
+    args = rewards.PRESETS["smol_sentiment"][1]
+    return rewards.lexicon_label_path(args, args.base_model)
+
+
+def test_smol_sentiment_labels_ship_with_the_repo_and_are_the_lexicon_labellers_choices():
+    """The preset's 1024 labels are the file in data/ (so `ppo_rlhf.py smol_sentiment` does not sample them first),
+    and each is what make_labels writes: a decisive lexicon best-of-4 over 4 fixed-length SmolLM2 samples."""
+    path = preset_label_path()
+    assert path == os.path.join(ROOT, "data", os.path.basename(path)) and path.endswith(".json.gz")
+    labels = rewards.load_labels(path)
+    assert len(labels) == 1024
+    if not os.path.isfile(os.path.join(rewards.SMOLLM2_PATH, "tokenizer.json")):
+        pytest.fail(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(rewards.SMOLLM2_PATH)
+    for label in labels:
+        texts = [tokenizer.decode(label[f"sample{k}"], skip_special_tokens=True) for k in range(rewards.NUM_SAMPLES)]
+        scores = [rewards.lexicon_sentiment_score(t) for t in texts]
+        assert all(len(label[f"sample{k}"]) == 20 for k in range(rewards.NUM_SAMPLES)) and len(label["query"]) == 14
+        assert scores.count(max(scores)) == 1 and label["best"] == rewards.lexicon_best_of_4(texts), (texts, label)
 
 
 def test_shortened_smol_reward_model_beats_chance_on_smollm2(tmp_path):
@@ -165,8 +186,11 @@ def test_shortened_smol_reward_model_beats_chance_on_smollm2(tmp_path):
     docs/rewards.md, "the CI check")."""
     if not os.path.isfile(os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
         pytest.fail(f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}")
+    labels = rewards.load_labels(preset_label_path())  # its first 128 and 64 of its held-out 128 (896..1023)
+    with open(tmp_path / "labels.json", "w") as f:
+        json.dump(labels[:128] + labels[896:960], f)
     args = dataclasses.replace(rewards.PRESETS["smol_sentiment"][1], output_dir=str(tmp_path),
-                               label_source=SMOL_CI_LABELS, num_train=128, num_test=64, lr=CI_LR,
+                               label_source=str(tmp_path / "labels.json"), num_train=128, num_test=64, lr=CI_LR,
                                normalize_before=False, normalize_after=False, kl_samples=0, save_model=False,
                                eval_every=10**6)
     rewards.train(args)
