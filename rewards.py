@@ -782,7 +782,7 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
 
 def lexicon_label_path(args, policy_path):
     """One lexicon label file per settings, for every run seed (as OpenAI's runs read one offline_5k.json): in data/
-    if it ships with the repository (smol_sentiment's: making them takes ~25 min on 2 cores), else in LABEL_CACHE."""
+    if it ships with the repository (smol_sentiment's: sampling them took ~32 min on 2 cores), else in LABEL_CACHE."""
     key = (os.path.basename(os.path.normpath(policy_path)), args.num_train + args.num_test, args.label_seed,
            args.query_length, args.response_length, args.temperature, args.label_backend)
     name = "lexicon_" + "_".join(map(str, key)) + ".json"
@@ -792,8 +792,7 @@ def lexicon_label_path(args, policy_path):
 
 def load_labels(source):
     """The label records (a list of dicts with query, sample0..3, best) from a local JSON file (gzipped if its name
-    ends in .gz) or a URL. OpenAI's:
-    OPENAI_LABELS_URL/<task>/offline_5k.json (gpt2 token ids, padded with OPENAI_PAD_TOKEN_ID)."""
+    ends in .gz) or a URL; OpenAI's: OPENAI_LABELS_URL/<task>/offline_5k.json (gpt2 ids, OPENAI_PAD_TOKEN_ID pads)."""
     if os.path.exists(source):
         with (gzip.open(source, "rt") if source.endswith(".gz") else open(source)) as f:
             return json.load(f)
