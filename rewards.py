@@ -438,8 +438,7 @@ SENTIMENT_PREDICATES = ["was", "turned out to be", "made me feel", "seemed", "fe
 def sentiment_queries(n, seed):
     """n seeded sentence openers "<prefix><subject> <predicate>", e.g. "Looking back, the hotel room seemed".
     Deterministic in (n, seed); the first n of a larger n are the same strings."""
-    rng = random.Random(seed)
-    out = []
+    rng, out = random.Random(seed), []
     for _ in range(n):
         prefix, subject, predicate = (rng.choice(SENTIMENT_PREFIXES), rng.choice(SENTIMENT_SUBJECTS),
                                       rng.choice(SENTIMENT_PREDICATES))
@@ -582,8 +581,7 @@ PRESETS = {
     "gpt2_tldr": ("gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)", Args(
         exp_name="rewards_gpt2_tldr", output_dir="runs/reward_gpt2_tldr", query_dataset="tldr",
         label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json", query_length=500, response_length=75,
-        query_suffix="\n\nTL;DR:", temperature=0.7, num_train=46_000, batch_size=16, lr=2.5e-5,
-        rollout_batch_size=128,
+        query_suffix="\n\nTL;DR:", temperature=0.7, num_train=46_000, batch_size=16, lr=2.5e-5, rollout_batch_size=128,
     )),
     # Ours, offline CPU: gpt2_sentiment on SmolLM2-135M-Instruct (Q4_1 de-quantised), template openers, the lexicon
     # labeller, 896 + 128 decisive labels, lr 1e-4 (the paper's 5e-5 is for 4992 labels; docs/rewards.md).
@@ -591,7 +589,7 @@ PRESETS = {
         exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
         label_source="lexicon", label_backend="vllm", query_dataset="openers", query_length=14, response_length=20,
         num_train=896, num_test=128, batch_size=8, lr=1e-4, normalize_samples=128, debug_normalize=0,
-        rollout_batch_size=128, eval_every=56,
+        rollout_batch_size=128, eval_every=112,
     )),
 }
 
@@ -1010,6 +1008,9 @@ def check_args(args, world_size):
         raise ValueError(f"--base-model, --label-source and --query-dataset must all be 'tiny' or none, got {tiny}")
     if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
         raise ValueError("--start-text, --end-text, --query-prefix and --query-suffix must be empty for the tiny task")
+    if (args.label_source == "lexicon" and args.label_backend == "vllm" and world_size > 1  # rank 0 alone would start
+            and not os.path.exists(lexicon_label_path(args, args.base_model))):  # vLLM, which joins every rank's world
+        raise ValueError("--label-backend vllm samples new labels in one process: run it once without torchrun first")
     if args.label_source in ("tiny", "lexicon") and args.num_test is None:
         raise ValueError(f"--num-test must be set with --label-source {args.label_source} (the labels to make)")
     if args.label_source not in ("tiny", "lexicon") and "://" not in args.label_source:

@@ -91,7 +91,7 @@ def test_smol_presets_batch_arithmetic_validates(tmp_path):
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     sizes = ppo_rlhf.batch_sizes(args, 1)
     # 2 minibatches of 16 per epoch (8 Adam steps per update), each one forward/backward
-    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 20)
+    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 16)
     assert ppo_rlhf.batch_sizes(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
     rm = dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=str(tmp_path))
     rewards.check_args(rm, 1)
@@ -106,6 +106,15 @@ def test_smol_presets_batch_arithmetic_validates(tmp_path):
         rewards.check_args(dataclasses.replace(rm, base_model="tiny"), 1)
     with pytest.raises(ValueError, match="needs a real --base-model"):
         ppo_rlhf.check_args(dataclasses.replace(args, base_model="", output_dir=str(tmp_path / "p")), 1)
+    # torchrun: the shipped labels are read by every rank; new ones (here another label seed, nothing cached) would be
+    # sampled by rank 0 alone, and a vLLM engine must start on every rank at once, so it is refused before any load
+    rewards.check_args(rm, 2)
+    other_labels = dataclasses.replace(rm, label_seed=12345)
+    assert not os.path.exists(rewards.lexicon_label_path(other_labels, rm.base_model))
+    rewards.check_args(other_labels, 1)
+    with pytest.raises(ValueError, match="^--label-backend vllm samples new labels in one process"):
+        rewards.check_args(other_labels, 2)
+    rewards.check_args(dataclasses.replace(other_labels, label_backend="hf"), 2)
 
 
 def test_smollm2_pad_token_is_distinct_from_eos_and_never_sampled():
