@@ -159,10 +159,10 @@ def activation_bytes(shape, tokens, gradient_checkpointing, logprob_rows):
 
 def optimizer_step_rows(name, n, shape):
     """The step's temporaries: torch's foreach Adam/AdamW (CUDA's default) takes sqrt(v) of all n parameters in one
-    fp32 list before dividing (torch/optim/adam.py, _multi_tensor_adam); adam_tf.AdamTF loops over the parameters,
-    so one tensor's sqrt at a time, the largest being the embedding."""
+    fp32 list before dividing (torch/optim/adam.py, _multi_tensor_adam); adam_tf.AdamTF runs torch's fused kernel,
+    which updates theta, m and v in place element by element: no temporaries."""
     if name == "adam_tf":
-        return {"AdamTF step temporaries (one tensor, fp32)": 4 * shape["vocab"] * shape["hidden"]}
+        return {"AdamTF step temporaries (fused kernel: none)": 0}
     return {f"{name} step temporaries (foreach sqrt(v), fp32)": 4 * n}
 
 

@@ -1,0 +1,111 @@
+"""Two pieces of a smol_sentiment PPO update on SmolLM2-135M-Instruct, each against the way it ran before, in one process.
+
+    .venv/bin/python bench/bench_ppo_cpu.py [--repeats 5]
+
+1. The optimizer step: adam_tf.AdamTF (torch's fused Adam kernel with eps_hat / sqrt(1 - b2^t)) against the explicit
+   TF1 formula in six tensor ops per parameter (lerp, mul, addcmul, sqrt, add, addcdiv; AdamTF.step until Nov 2026),
+   on the policy's 135M parameters + value head with the same gradients. Also the largest relative difference of the
+   parameters after `repeats` steps of each (float rounding only).
+2. One PPO micro-step of the preset (16 rollouts x (14 + 20) tokens: ppo_rlhf.PolicyAndValue forward, the LM head's
+   logprobs of the 320 response tokens, a loss, backward): the LM-head chunk as corrections.token_logprobs_and_entropy
+   runs it now for a single chunk (not checkpointed) against the same chunk under torch.utils.checkpoint (as it ran
+   for any chunk count until Nov 2026: backward recomputes the LM-head product and log-softmax).
+
+Reported: the median seconds of `repeats` timed calls after one warm-up, and the ratio. Run it on idle cores; times
+on a shared 2-core machine vary by tens of percent between hours, the ratios much less.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import corrections  # noqa: E402
+import ppo_rlhf  # noqa: E402
+import rewards  # noqa: E402
+from adam_tf import AdamTF  # noqa: E402
+
+
+@torch.no_grad()
+def explicit_adam_tf_step(params, state, lr, beta1=0.9, beta2=0.999, eps=1e-5):
+    """TF1's update in six ops per parameter: the baseline AdamTF replaced."""
+    t = state["t"] = state.get("t", 0) + 1
+    for p in params:
+        m, v = state.setdefault(p, (torch.zeros_like(p), torch.zeros_like(p)))
+        m.lerp_(p.grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        lr_t = lr * (1 - beta2**t) ** 0.5 / (1 - beta1**t)
+        p.addcdiv_(m, v.sqrt().add_(eps), value=-lr_t)
+
+
+def timed(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    repeats = parser.parse_args().repeats
+    torch.manual_seed(0)
+    args = ppo_rlhf.PRESETS["smol_sentiment"][1]
+    model = ppo_rlhf.PolicyAndValue(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
+    lm = model.lm
+
+    # 1. the optimizer step on two copies of the parameters with the same gradients
+    params = list(model.parameters())
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    for p, c in zip(params, copies):
+        p.grad = torch.randn_like(p) * 1e-3
+        c.grad = p.grad.clone()
+    optimizer, state = AdamTF(params, lr=args.lr), {}
+    fused_s = timed(optimizer.step, repeats)
+    explicit_s = timed(lambda: explicit_adam_tf_step(copies, state, args.lr), repeats)
+    rel = max(((p - c).abs().max() / c.abs().max().clamp_min(1e-12)).item() for p, c in zip(params, copies))
+    model.zero_grad(set_to_none=True)
+
+    # 2. one PPO micro-step of the preset
+    micro, context = args.rollout_batch_size // args.nminibatches, args.query_length
+    query_responses = torch.randint(100, lm.config.vocab_size, (micro, context + args.response_length))
+    responses = query_responses[:, context:]
+    pad = ppo_rlhf.load_tokenizer(rewards.SMOLLM2_PATH).pad_token_id  # a new [PAD] outside the vocabulary
+    banned = ppo_rlhf.banned_vocab_mask(lm.config.vocab_size, pad, "cpu")  # so None, as in the preset
+
+    def micro_step(checkpointed):
+        hidden, values = model(query_responses, context, pad)
+        flat, tokens = hidden.reshape(-1, hidden.shape[-1]), responses.reshape(-1)
+        chunk_args = (lm.get_output_embeddings(), flat, tokens, args.temperature, banned, False, False)
+        if checkpointed:
+            logprobs, _ = torch.utils.checkpoint.checkpoint(
+                corrections._logprob_entropy_chunk, *chunk_args, use_reentrant=False)
+        else:
+            logprobs, _ = corrections.token_logprobs_and_entropy(
+                flat, tokens, args.temperature, project=chunk_args[0], chunk_size=args.logprob_chunk_rows,
+                banned=banned)
+        (logprobs.mean() + values.square().mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+    single_s = timed(lambda: micro_step(False), repeats)
+    checkpointed_s = timed(lambda: micro_step(True), repeats)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} after a warm-up\n")
+    print("| piece | now (s) | before (s) | before / now |")
+    print("| --- | --- | --- | --- |")
+    print(f"| AdamTF step, {sum(p.numel() for p in params) / 1e6:.1f}M parameters: fused kernel vs six ops | "
+          f"{fused_s:.3f} | {explicit_s:.3f} | {explicit_s / fused_s:.2f} |")
+    print(f"| PPO micro-step, {micro} x {query_responses.shape[1]} tokens: single LM-head chunk vs checkpointed | "
+          f"{single_s:.3f} | {checkpointed_s:.3f} | {checkpointed_s / single_s:.2f} |")
+    print(f"\nAdamTF fused vs six ops after {repeats + 1} steps: largest relative parameter difference {rel:.1e}")
+
+
+if __name__ == "__main__":
+    main()
