@@ -91,7 +91,7 @@ def test_smol_presets_batch_arithmetic_validates(tmp_path):
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     sizes = ppo_rlhf.batch_sizes(args, 1)
     # 2 minibatches of 16 per epoch (8 Adam steps per update), each one forward/backward
-    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 16)
+    assert (sizes["local_batch"], sizes["micro"], sizes["grad_accum"], sizes["num_updates"]) == (32, 16, 1, 20)
     assert ppo_rlhf.batch_sizes(args, 2)["local_batch"] == 16  # same experiment on 2 ranks
     rm = dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=str(tmp_path))
     rewards.check_args(rm, 1)
