@@ -10,8 +10,7 @@ normalisation, labels, queries, check_args, and train(), whose numbered steps ar
   4. models: the frozen policy and the reward model (same pretrained weights), the optimizer
   5. normalise before training: reward mean 0, std 1 on frozen-policy samples
   6. one epoch over the labels: 4-way softmax loss, lr annealed to 0, gradients averaged over ranks, evaluation
-  7. normalise after training; 8. check that every rank holds the same parameters
-  9. save the reward model (rank 0)
+  7. normalise after training; 8. check that every rank holds the same parameters; 9. save the reward model (rank 0)
 
 Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4 labels):
     python rewards.py tiny --output-dir runs/reward_tiny                      # offline CPU, about a minute
@@ -88,8 +87,7 @@ def build_tiny_model(path=None, arch="qwen2", hidden_size=128, num_layers=2, num
             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=1,
             head_dim=hidden_size // num_heads, max_position_embeddings=max_positions, tie_word_embeddings=True,
             bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, attention_dropout=0.0,
-        )
+            pad_token_id=tokenizer.pad_token_id, attention_dropout=0.0)
     elif arch == "gpt2":
         config = GPT2Config(
             vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions,
@@ -507,8 +505,7 @@ class Args:
     label_backend: Literal["hf", "vllm"] = "hf"
     """what samples the "lexicon" label candidates: HF generate, or rollout.VLLMBackend (same fixed-length sampling)"""
     query_dataset: str = "bookcorpus"
-    """normalisation queries (query_texts): "bookcorpus", "tldr", a path/URL/glob of .parquet/.json/.jsonl files
-    (load_query_dataset), "tiny" (tiny_queries) or "openers" (sentiment_queries)"""
+    """normalisation queries (query_texts): bookcorpus, tldr, .parquet/.json/.jsonl path/URL/glob, tiny or openers"""
     query_length: int = 64
     """query tokens (left-padded); 64 for the books tasks (lm-human-preferences launch.py)"""
     response_length: int = 24
@@ -521,8 +518,7 @@ class Args:
     end_text: str | None = None
     """OpenAI's query trimming: cut the query after the LAST occurrence of this one-token text, skip texts without it"""
     query_prefix: str = ""
-    """text put before every query the POLICY sees (lm_tasks.py query_formatter); the reward model scores the raw
-    query + response, without prefix or suffix, as the original's score_fn and label files"""
+    """text before every query the POLICY sees (lm_tasks.py query_formatter); the reward model scores the raw query"""
     query_suffix: str = ""
     """text put after every query the policy sees; "\\n\\nTL;DR:" for the summarisation task (launch.py)"""
 
@@ -546,8 +542,7 @@ class Args:
     normalize_samples: int = 256
     """policy samples (global) whose reward mean/std set gain and bias (launch.py normalize_samples 256)"""
     debug_normalize: int = 256
-    """fresh samples (global) that measure mean/std after each normalisation (logged as normalize_*/mean_after);
-    0 skips the check (the original's default)"""
+    """fresh samples (global) measuring mean/std after each normalisation (normalize_*/mean_after); 0 = skip, as OAI"""
     rollout_batch_size: int = 512
     """samples generated per generate() call, global (launch.py rollout_batch_size 512)"""
     eval_every: int = 10
@@ -647,6 +642,26 @@ class RewardModel(nn.Module):
         """(B,) normalised reward reward_gain * raw + reward_bias of LEFT-padded (B, T) query+response ids."""
         return self.reward_gain * self.raw_reward(input_ids, attention_mask) + self.reward_bias
 
+    def shared_query_forward(self, query, responses, pad_token_id):
+        """(b, n) rewards of n responses to each of b queries: forward() of each LEFT-padded query + response, with
+        the query's keys and values computed once for its n responses (a KV cache, under autograd), so a smol_sentiment
+        label is 14 + 4 x 20 tokens, not 4 x (14 + 20). query (b, Lq), responses (b, n, Lr), pads anywhere (OpenAI's
+        samples end in pads): positions count real tokens; the reward is read at the last real token ([reward 1])."""
+        b, n, _ = responses.shape
+        inputs = forward_inputs(query, query != pad_token_id)  # the query's
+        query_out = self.backbone.base_model(**inputs, use_cache=True)
+        cache = query_out.past_key_values
+        cache.batch_repeat_interleave(n)  # row i * n + k: query i, then its response k
+        responses = responses.flatten(0, 1)  # (b n, Lr)
+        mask = torch.cat([inputs["attention_mask"].repeat_interleave(n, 0), responses.ne(pad_token_id).long()], dim=1)
+        hidden = self.backbone.base_model(
+            input_ids=responses.masked_fill(responses == pad_token_id, 0), attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, query.shape[1]:], past_key_values=cache).last_hidden_state
+        hidden = torch.cat([query_out.last_hidden_state.repeat_interleave(n, 0), hidden], 1)  # (b n, Lq + Lr, d)
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last real token (in the query if all pads)
+        raw = corrections.fp32_project(self.scalar_head, hidden[torch.arange(b * n), last]).squeeze(-1)
+        return (self.reward_gain * raw + self.reward_bias).view(b, n)
+
 
 def save_reward_model(model, path, tokenizer=None):
     """Save to `path`: the backbone (+ tokenizer) via save_pretrained; head, gain and bias in REWARD_HEAD_FILE."""
@@ -720,13 +735,11 @@ def reward_stats(reward_model, query_responses, pad_token_id, batch_size=64):
 
 
 @torch.no_grad()
-def normalize_reward_model(reward_model, query_responses, pad_token_id, target_mean=0.0, target_std=1.0,
-                           batch_size=64):
+def normalize_reward_model(reward_model, query_responses, pad_token_id, target_mean=0.0, target_std=1.0, batch_size=64):
     """Set reward_gain and reward_bias so that the reward on `query_responses` ((N, T) left-padded, responses of the
-    FROZEN pretrained policy: y ~ rho(.|x)) has mean target_mean and std target_std ([reward 3],
-    lm_human_preferences/train_reward.py#L211, #L232-L234, #L252-L254): gain = 1, bias = 0; mu, sigma =
-    reward_stats(...) (global over ranks, so all ranks set the same values); gain = target_std / sigma, bias =
-    target_mean - gain * mu. Returns {"mean_before", "std_before", "gain", "bias"}."""
+    FROZEN pretrained policy: y ~ rho(.|x)) has mean target_mean and std target_std ([reward 3]; train_reward.py
+    #L211, #L232-L234, #L252-L254): gain = 1, bias = 0; mu, sigma = reward_stats(...) over all ranks (all set the same
+    values); gain = target_std / sigma, bias = target_mean - gain * mu. Returns {mean_before, std_before, gain, bias}"""
     reward_model.reward_gain.fill_(1.0), reward_model.reward_bias.fill_(0.0)
     mean, std = reward_stats(reward_model, query_responses, pad_token_id, batch_size)
     gain = target_std / max(std, 1e-8)  # a constant reward model would give inf; 1e-8 keeps it finite
@@ -738,11 +751,11 @@ def normalize_reward_model(reward_model, query_responses, pad_token_id, target_m
 def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, response_length, temperature, batch_size,
                 backend=None):
     """Write n synthetic best-of-4 labels to `path` in OpenAI's format (query, sample0..3 token ids, best) and return
-    them: 4 fixed-length responses per query from the frozen policy (as OpenAI's label candidates), or from `backend`
-    (a rollout.VLLMBackend, the same sampling), seeded by `seed` alone (not the rank; the caller's RNG is untouched).
+    them: 4 fixed-length responses per query from the frozen policy (as OpenAI's label candidates) or `backend` (a
+    rollout.VLLMBackend, the same sampling), seeded by `seed` alone (not the rank; the caller's RNG is untouched).
       "tiny": tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an indifferent labeller.
-      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4, DECISIVE openers only (one
-        sample holds the best score): a tie (about half, most often all four at 0) trains towards an arbitrary one."""
+      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4 of DECISIVE openers only (one
+        best score): a tie (about half, most often all four at 0) would train towards an arbitrary sample."""
     texts = tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
     round_size = n if labeller == "tiny" else batch_size
     labels, drawn, rng = [], 0, random.Random(seed)
@@ -800,25 +813,20 @@ def load_labels(source):
 
 
 def label_batch(labels, indices, pad_token_id):
-    """(NUM_SAMPLES * b, Lq + Lr) left-padded query+sample ids, sample-major (rows k*b .. k*b+b-1 are sample k),
-    and (b,) best indices for the label records at `indices`."""
+    """(b, Lq) queries, (b, NUM_SAMPLES, Lr) samples, (b,) best of the labels at `indices`; OpenAI's pads -> ours."""
     def ids(key):
         t = torch.tensor([labels[i][key] for i in indices], dtype=torch.long)
         return t.masked_fill(t == OPENAI_PAD_TOKEN_ID, pad_token_id)  # OpenAI's pad id -> ours
 
-    query = ids("query")
-    query_responses = torch.cat([torch.cat([query, ids(f"sample{k}")], 1) for k in range(NUM_SAMPLES)])
-    best = torch.tensor([int(labels[i]["best"]) for i in indices], dtype=torch.long)
-    return left_pad(query_responses, pad_token_id), best
+    samples = torch.stack([ids(f"sample{k}") for k in range(NUM_SAMPLES)], dim=1)
+    return ids("query"), samples, torch.tensor([int(labels[i]["best"]) for i in indices], dtype=torch.long)
 
 
 def best_of_4_logits(reward_model, labels, indices, pad_token_id, device):
-    """(b, 4) rewards of each label's four samples: the logits of the 4-way softmax (lm_human_preferences
-    label_types.py best_of_4: cross-entropy of the rewards against the index the labeller picked), and (b,) best."""
-    query_responses, best = label_batch(labels, indices, pad_token_id)
-    query_responses = query_responses.to(device)
-    rewards = reward_model(query_responses, query_responses != pad_token_id)
-    return rewards.view(NUM_SAMPLES, len(indices)).T, best.to(device)
+    """(b, 4) rewards of each label's four samples (one shared forward of their query): the logits of the 4-way
+    softmax (lm_human_preferences label_types.py best_of_4: cross-entropy against the labeller's pick); (b,) best."""
+    query, samples, best = label_batch(labels, indices, pad_token_id)
+    return reward_model.shared_query_forward(query.to(device), samples.to(device), pad_token_id), best.to(device)
 
 
 @torch.no_grad()
@@ -913,11 +921,9 @@ def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, te
     """train/kl, as [repro]'s train_reward_accelerate.py (the original logs none): how far training moved the backbone's
     LM head from the policy. Mean over samples and ranks of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / T,
     pad excluded from both softmaxes), y sampled from the backbone for this rank's (n, Lq) LEFT-padded `queries`."""
-    pad, context_length = pad_token_id, queries.shape[1]
+    pad, context_length, device = pad_token_id, queries.shape[1], reward_model.reward_gain.device
     query_responses = sample_query_responses(reward_model.backbone, queries, pad, response_length, temperature,
-                                             batch_size)
-    device = reward_model.reward_gain.device
-    query_responses = query_responses.to(device)
+                                             batch_size).to(device)
     responses = query_responses[:, context_length:]
     inputs = forward_inputs(query_responses, query_responses != pad)
 
@@ -1039,8 +1045,7 @@ def check_args(args, world_size):
 
 
 def fail_fast_excepthook(kind, value, tb):
-    """Under torchrun an uncaught error ends this rank at once, so torchrun stops the other ranks instead of leaving
-    them in a collective until NCCL's timeout."""
+    """Under torchrun an uncaught error ends this rank at once; torchrun then stops the ranks left in a collective."""
     traceback.print_exception(kind, value, tb)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(1)
@@ -1187,17 +1192,15 @@ def train(args: Args) -> str:
         optimizer.zero_grad(set_to_none=True), loss.backward()
         stats = torch.stack([loss.detach(), (logits.argmax(1) == best).float().mean()]).double()
         if world_size > 1:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(world_size)
+            for p in (p for p in params if p.grad is not None):  # the same order on every rank
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
             dist.all_reduce(stats), stats.div_(world_size)
         optimizer.step()
         metrics = {"train/loss": stats[0].item(), "train/accuracy": stats[1].item(), "train/lr": lr,
                    "time/elapsed_s": time.time() - start_time}
         if (step % args.eval_every == 0 or step == num_steps) and num_test > 0:
-            metrics.update(evaluate(reward_model, labels, test_indices, pad, device, args.batch_size, rank,
-                                    world_size))
+            metrics.update(evaluate(reward_model, labels, test_indices, pad, device, args.batch_size, rank, world_size))
             if args.kl_samples:  # drift of the backbone's LM head from the pretrained policy ([repro] train/kl)
                 queries = fresh_queries(args.kl_samples // world_size)[1]
                 metrics["train/kl"] = backbone_kl(reward_model, policy, queries, pad, args.response_length,

@@ -1,4 +1,4 @@
-"""Two pieces of a smol_sentiment PPO update on SmolLM2-135M-Instruct, each against the way it ran before, in one process.
+"""Three pieces of the smol_sentiment pipeline on SmolLM2-135M-Instruct, each against the way it ran before, in one process.
 
     .venv/bin/python bench/bench_ppo_cpu.py [--repeats 5]
 
@@ -10,6 +10,10 @@
    logprobs of the 320 response tokens, a loss, backward): the LM-head chunk as corrections.token_logprobs_and_entropy
    runs it now for a single chunk (not checkpointed) against the same chunk under torch.utils.checkpoint (as it ran
    for any chunk count until Nov 2026: backward recomputes the LM-head product and log-softmax).
+3. One reward-model step of rewards.py smol_sentiment (8 labels x 4 samples of the shipped labels, 4-way softmax loss,
+   backward, AdamTF step): each query's forward shared by its 4 samples (RewardModel.shared_query_forward, 14 + 4 x 20
+   tokens a label) against one forward per left-padded query + sample (4 x 34 tokens a label; until Nov 2026). Also
+   the largest difference of the 4-way logits between the two (float rounding only).
 
 Reported: the median seconds of `repeats` timed calls after one warm-up, and the ratio. Run it on idle cores; times
 on a shared 2-core machine vary by tens of percent between hours, the ratios much less.
@@ -96,15 +100,45 @@ def main():
 
     single_s = timed(lambda: micro_step(False), repeats)
     checkpointed_s = timed(lambda: micro_step(True), repeats)
+    n_params = sum(p.numel() for p in params)
+    del model, lm, optimizer, params, copies  # one SmolLM2 at a time in memory
+
+    # 3. one reward-model step of the preset on the shipped labels
+    rm_args = rewards.PRESETS["smol_sentiment"][1]
+    labels = rewards.load_labels(rewards.lexicon_label_path(rm_args, rm_args.base_model))
+    reward_model = rewards.RewardModel(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
+    rm_optimizer = AdamTF([p for p in reward_model.parameters() if p.requires_grad], lr=rm_args.lr)
+    indices = list(range(rm_args.batch_size))
+
+    def per_row_logits():  # the rows best_of_4_logits ran until Nov 2026: [pads, query, sample k] for every k
+        query, samples, _ = rewards.label_batch(labels, indices, pad)
+        rows = rewards.left_pad(torch.cat([query.repeat_interleave(4, 0), samples.flatten(0, 1)], 1), pad)
+        return reward_model(rows, rows != pad).view(-1, 4)
+
+    def reward_step(shared):
+        logits = rewards.best_of_4_logits(reward_model, labels, indices, pad, "cpu")[0] if shared else per_row_logits()
+        best = rewards.label_batch(labels, indices, pad)[2]
+        torch.nn.functional.cross_entropy(logits, best).backward()
+        rm_optimizer.step()
+        rm_optimizer.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        logit_diff = (rewards.best_of_4_logits(reward_model, labels, indices, pad, "cpu")[0] - per_row_logits())
+        logit_diff = logit_diff.abs().max().item()
+    shared_s = timed(lambda: reward_step(True), repeats)
+    per_row_s = timed(lambda: reward_step(False), repeats)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} after a warm-up\n")
     print("| piece | now (s) | before (s) | before / now |")
     print("| --- | --- | --- | --- |")
-    print(f"| AdamTF step, {sum(p.numel() for p in params) / 1e6:.1f}M parameters: fused kernel vs six ops | "
+    print(f"| AdamTF step, {n_params / 1e6:.1f}M parameters: fused kernel vs six ops | "
           f"{fused_s:.3f} | {explicit_s:.3f} | {explicit_s / fused_s:.2f} |")
     print(f"| PPO micro-step, {micro} x {query_responses.shape[1]} tokens: single LM-head chunk vs checkpointed | "
           f"{single_s:.3f} | {checkpointed_s:.3f} | {checkpointed_s / single_s:.2f} |")
+    print(f"| reward-model step, 8 labels x 4 samples: shared query forward vs one forward per row | {shared_s:.3f} | "
+          f"{per_row_s:.3f} | {per_row_s / shared_s:.2f} |")
     print(f"\nAdamTF fused vs six ops after {repeats + 1} steps: largest relative parameter difference {rel:.1e}")
+    print(f"reward-model logits, shared query vs one forward per row: largest difference {logit_diff:.1e}")
 
 
 if __name__ == "__main__":

@@ -129,9 +129,38 @@ def test_left_pad_and_label_batch_replace_openai_padding():
     assert rewards.left_pad(ids, pad).tolist() == [[0, 0, 5, 6, 7], [0, 8, 9, 10, 11]]
     labels = [{"query": [P, 5, 6], "sample0": [7, P], "sample1": [8, 9], "sample2": [P, P], "sample3": [3, 3],
                "best": 1}]
-    query_responses, best = rewards.label_batch(labels, [0], pad)
-    assert query_responses.tolist() == [[0, 0, 5, 6, 7], [0, 5, 6, 8, 9], [0, 0, 0, 5, 6], [0, 5, 6, 3, 3]]
+    query, samples, best = rewards.label_batch(labels, [0], pad)
+    assert query.tolist() == [[0, 5, 6]] and samples.tolist() == [[[7, 0], [8, 9], [0, 0], [3, 3]]]
     assert best.tolist() == [1]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_shared_query_forward_equals_a_forward_per_left_padded_row(arch):
+    """The best-of-4 path computes each query once and shares its keys/values with the 4 samples: its rewards AND
+    its gradients equal one forward per left-padded query + sample (rewards.left_pad, the reward at the last token),
+    with OpenAI-style pads: left-padded queries, samples ending in pads, a sample that is all pads."""
+    backbone, _ = rewards.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
+    model = rewards.RewardModel(backbone)
+    with torch.no_grad():
+        model.reward_gain.fill_(1.7), model.reward_bias.fill_(-0.3)
+    pad = backbone.config.vocab_size + 5  # outside the vocabulary, as gpt2's [PAD]
+    torch.manual_seed(0)
+    b, n, query_length, response_length = 3, 4, 6, 5
+    query = torch.randint(3, 50, (b, query_length))
+    query[0, :2], query[2, :4] = pad, pad
+    samples = torch.randint(3, 50, (b, n, response_length))
+    samples[0, 1, 3:], samples[1, 2, :], samples[2, 3, 1] = pad, pad, pad  # trailing pads, all pads, a pad inside
+    shared = model.shared_query_forward(query, samples, pad)
+    rows = rewards.left_pad(torch.cat([query.repeat_interleave(n, 0), samples.reshape(b * n, -1)], 1), pad)
+    per_row = model(rows, rows != pad).view(b, n)
+    torch.testing.assert_close(shared, per_row, atol=1e-5, rtol=0)
+    params = list(model.parameters())
+    for got, want in zip(torch.autograd.grad(shared.square().sum(), params),
+                         torch.autograd.grad(per_row.square().sum(), params)):
+        torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item() + 1e-7, rtol=1e-4)
+    # reading the last position of the unshifted rows instead (a sample's trailing pad) gives other numbers
+    unshifted = torch.cat([query.repeat_interleave(n, 0), samples.reshape(b * n, -1)], 1)
+    assert (model(unshifted, unshifted != pad).view(b, n) - per_row).abs().max().item() > 0.1
 
 
 @pytest.fixture(scope="module")
@@ -475,12 +504,13 @@ def test_train_tiny_learns_and_checkpoint_reloads(trained_tiny):
     assert model.reward_bias.item() == pytest.approx(after["normalize_after/bias"])
     with open(os.path.join(out, "tiny_labels.json")) as f:
         labels = json.load(f)
-    batch, best = rewards.label_batch(labels, list(range(512, 576)), pad)
     reloaded = rewards.load_reward_model(path)
     with torch.no_grad():
-        torch.testing.assert_close(model(batch, batch != pad), reloaded(batch, batch != pad), atol=0, rtol=0)
+        logits, best = rewards.best_of_4_logits(model, labels, list(range(512, 576)), pad, "cpu")
+        torch.testing.assert_close(logits, rewards.best_of_4_logits(reloaded, labels, list(range(512, 576)), pad,
+                                                                    "cpu")[0], atol=0, rtol=0)
         # and it ranks held-out samples like the hidden rule far above chance
-        accuracy = (model(batch, batch != pad).view(4, -1).T.argmax(1) == best).float().mean().item()
+        accuracy = (logits.argmax(1) == best).float().mean().item()
     assert accuracy >= 0.5
 
 
