@@ -215,14 +215,14 @@ PRESETS = {
     # The sentiment pipeline on a real model, offline: SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32) continuing raw
     # template openers (no chat template, as the original task); reward model: rewards.py smol_sentiment (lexicon
     # best-of-4 labels). Every detail is the original's, scaled: query 14 / response 20 / truncate after 10 (books: 64 /
-    # 24 / 16), 20 updates of 32, KL target 6 (books': 6), horizon 128 so beta moves within 20 updates (books: 10000);
-    # lr 3e-5, 2 minibatches (books: 1e-5, 1) so 640 episodes move the policy. Why: docs/ppo_rlhf.md.
+    # 24 / 16), 20 updates of 32, KL target 6 (books': 6), horizon 256 so beta moves within 20 updates (books: 10000);
+    # lr 2.5e-5, 2 minibatches (books: 1e-5, 1) so 640 episodes move the policy. Why: docs/ppo_rlhf.md.
     "smol_sentiment": (
         "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon labeller (sized for 30 min)",
         Args(exp_name="ppo_rlhf_smol_sentiment", output_dir="runs/ppo_smol_sentiment", base_model=rewards.SMOLLM2_PATH,
              reward_preset="smol_sentiment", query_dataset="openers", query_length=14, response_length=20,
              truncate_after=10, temperature=0.7, total_episodes=32 * 20, rollout_batch_size=32, nminibatches=2,
-             local_micro_batch_size=32, noptepochs=4, lr=3e-5, kl_coef=0.15, kl_target=6.0, kl_horizon=128,
+             local_micro_batch_size=32, noptepochs=4, lr=2.5e-5, kl_coef=0.15, kl_target=6.0, kl_horizon=256,
              log_samples_every=4, save_every=0, bf16=False),
     ),
 }

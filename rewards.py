@@ -663,12 +663,11 @@ class RewardModel(nn.Module):
         return (self.reward_gain * raw + self.reward_bias).view(b, n)
 
 
-def save_reward_model(model, path, tokenizer=None):
-    """Save to `path`: the backbone (+ tokenizer) via save_pretrained; head, gain and bias in REWARD_HEAD_FILE."""
+def save_reward_model(model, path, tokenizer):
+    """Save to `path`: the backbone and tokenizer via save_pretrained; head, gain and bias in REWARD_HEAD_FILE."""
     os.makedirs(path, exist_ok=True)
     model.backbone.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     head = {f"scalar_head.{k}": v.detach().cpu() for k, v in model.scalar_head.state_dict().items()}
     head.update(reward_gain=model.reward_gain.detach().cpu(), reward_bias=model.reward_bias.detach().cpu())
     torch.save(head, os.path.join(path, REWARD_HEAD_FILE))
@@ -680,11 +679,9 @@ def load_reward_model(path, device="cpu"):
 
     model = RewardModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     head = torch.load(os.path.join(path, REWARD_HEAD_FILE), map_location="cpu", weights_only=True)
-    model.scalar_head.load_state_dict({k.removeprefix("scalar_head."): v for k, v in head.items()
-                                      if k.startswith("scalar_head.")})
-    with torch.no_grad():  # they are parameters: copy without recording an in-place op for autograd
-        model.reward_gain.copy_(head["reward_gain"])
-        model.reward_bias.copy_(head["reward_bias"])
+    keys = model.load_state_dict(head, strict=False)  # the head, gain and bias (the backbone was loaded above)
+    if bad := keys.unexpected_keys + [k for k in keys.missing_keys if not k.startswith("backbone.")]:
+        raise ValueError(f"{path}: {REWARD_HEAD_FILE} does not match a RewardModel: {bad}")
     return model.to(device).eval()
 
 

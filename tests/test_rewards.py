@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -512,6 +513,19 @@ def test_train_tiny_learns_and_checkpoint_reloads(trained_tiny):
         # and it ranks held-out samples like the hidden rule far above chance
         accuracy = (logits.argmax(1) == best).float().mean().item()
     assert accuracy >= 0.5
+
+
+def test_a_reward_head_file_that_does_not_match_is_refused(trained_tiny, tmp_path):
+    """load_reward_model loads the head, gain and bias by name: a file that lacks one or holds another is refused,
+    rather than leaving a freshly initialised parameter in a model that looks loaded."""
+    path = str(tmp_path / "reward_model")
+    shutil.copytree(trained_tiny[0], path)
+    head_file = os.path.join(path, rewards.REWARD_HEAD_FILE)
+    head = torch.load(head_file, weights_only=True)
+    del head["reward_bias"]
+    torch.save({**head, "value_head.weight": torch.zeros(1)}, head_file)
+    with pytest.raises(ValueError, match=r"\['value_head.weight', 'reward_bias'\]"):
+        rewards.load_reward_model(path)
 
 
 def test_torchrun_two_processes(tmp_path):
