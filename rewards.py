@@ -647,18 +647,17 @@ class RewardModel(nn.Module):
         the query's keys and values computed once for its n responses (a KV cache, under autograd), so a smol_sentiment
         label is 14 + 4 x 20 tokens, not 4 x (14 + 20). query (b, Lq), responses (b, n, Lr), pads anywhere (OpenAI's
         samples end in pads): positions count real tokens; the reward is read at the last real token ([reward 1])."""
-        b, n, _ = responses.shape
-        inputs = forward_inputs(query, query != pad_token_id)  # the query's
-        query_out = self.backbone.base_model(**inputs, use_cache=True)
+        (b, n, _), lq = responses.shape, query.shape[1]
+        rows = torch.cat([query.repeat_interleave(n, 0), responses.flatten(0, 1)], 1)  # (b n, Lq + Lr): i, then k
+        inputs = forward_inputs(rows, rows != pad_token_id)  # positions count real tokens, pads -> id 0 ([general 3])
+        query_out = self.backbone.base_model(**{k: v[::n, :lq] for k, v in inputs.items()}, use_cache=True)  # once each
         cache = query_out.past_key_values
-        cache.batch_repeat_interleave(n)  # row i * n + k: query i, then its response k
-        responses = responses.flatten(0, 1)  # (b n, Lr)
-        mask = torch.cat([inputs["attention_mask"].repeat_interleave(n, 0), responses.ne(pad_token_id).long()], dim=1)
-        hidden = self.backbone.base_model(
-            input_ids=responses.masked_fill(responses == pad_token_id, 0), attention_mask=mask,
-            position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, query.shape[1]:], past_key_values=cache).last_hidden_state
+        cache.batch_repeat_interleave(n)  # row i * n + k of the cache: query i, for its sample k
+        ids, positions, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
+        hidden = self.backbone.base_model(input_ids=ids[:, lq:], position_ids=positions[:, lq:], attention_mask=mask,
+                                          past_key_values=cache).last_hidden_state  # (b n, Lr, d); mask: the whole row
         hidden = torch.cat([query_out.last_hidden_state.repeat_interleave(n, 0), hidden], 1)  # (b n, Lq + Lr, d)
-        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last real token (in the query if all pads)
+        last = rows.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last real token (the query's if no sample)
         raw = corrections.fp32_project(self.scalar_head, hidden[torch.arange(b * n), last]).squeeze(-1)
         return (self.reward_gain * raw + self.reward_bias).view(b, n)
 

@@ -1,4 +1,4 @@
-"""Three pieces of the smol_sentiment pipeline on SmolLM2-135M-Instruct, each against the way it ran before, in one process.
+"""Three pieces of the smol_sentiment pipeline on SmolLM2-135M-Instruct, each against how it ran before, in one process.
 
     .venv/bin/python bench/bench_ppo_cpu.py [--repeats 5]
 
@@ -109,22 +109,20 @@ def main():
     reward_model = rewards.RewardModel(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
     rm_optimizer = AdamTF([p for p in reward_model.parameters() if p.requires_grad], lr=rm_args.lr)
     indices = list(range(rm_args.batch_size))
+    query, samples, best = rewards.label_batch(labels, indices, pad)
 
     def per_row_logits():  # the rows best_of_4_logits ran until Nov 2026: [pads, query, sample k] for every k
-        query, samples, _ = rewards.label_batch(labels, indices, pad)
         rows = rewards.left_pad(torch.cat([query.repeat_interleave(4, 0), samples.flatten(0, 1)], 1), pad)
         return reward_model(rows, rows != pad).view(-1, 4)
 
     def reward_step(shared):
-        logits = rewards.best_of_4_logits(reward_model, labels, indices, pad, "cpu")[0] if shared else per_row_logits()
-        best = rewards.label_batch(labels, indices, pad)[2]
+        logits = reward_model.shared_query_forward(query, samples, pad) if shared else per_row_logits()
         torch.nn.functional.cross_entropy(logits, best).backward()
         rm_optimizer.step()
         rm_optimizer.zero_grad(set_to_none=True)
 
     with torch.no_grad():
-        logit_diff = (rewards.best_of_4_logits(reward_model, labels, indices, pad, "cpu")[0] - per_row_logits())
-        logit_diff = logit_diff.abs().max().item()
+        logit_diff = (reward_model.shared_query_forward(query, samples, pad) - per_row_logits()).abs().max().item()
     shared_s = timed(lambda: reward_step(True), repeats)
     per_row_s = timed(lambda: reward_step(False), repeats)
 
