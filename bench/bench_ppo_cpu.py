@@ -56,12 +56,8 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
-    repeats = parser.parse_args().repeats
-    torch.manual_seed(0)
-    args = ppo_rlhf.PRESETS["smol_sentiment"][1]
+def policy_pieces(args, repeats):
+    """Pieces 1 and 2 on the policy (its SmolLM2 is freed when this returns)."""
     model = ppo_rlhf.PolicyAndValue(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
     lm = model.lm
 
@@ -74,36 +70,67 @@ def main():
     optimizer, state = AdamTF(params, lr=args.lr), {}
     fused_s = timed(optimizer.step, repeats)
     explicit_s = timed(lambda: explicit_adam_tf_step(copies, state, args.lr), repeats)
-    rel = max(((p - c).abs().max() / c.abs().max().clamp_min(1e-12)).item() for p, c in zip(params, copies))
+    rel = max(
+        ((p - c).abs().max() / c.abs().max().clamp_min(1e-12)).item()
+        for p, c in zip(params, copies)
+    )
     model.zero_grad(set_to_none=True)
 
     # 2. one PPO micro-step of the preset
     micro, context = args.rollout_batch_size // args.nminibatches, args.query_length
-    query_responses = torch.randint(100, lm.config.vocab_size, (micro, context + args.response_length))
+    query_responses = torch.randint(
+        100, lm.config.vocab_size, (micro, context + args.response_length)
+    )
     responses = query_responses[:, context:]
-    pad = ppo_rlhf.load_tokenizer(rewards.SMOLLM2_PATH).pad_token_id  # a new [PAD] outside the vocabulary
-    banned = ppo_rlhf.banned_vocab_mask(lm.config.vocab_size, pad, "cpu")  # so None, as in the preset
+    # a new [PAD] outside the vocabulary, so nothing is banned, as in the preset
+    pad = ppo_rlhf.load_tokenizer(rewards.SMOLLM2_PATH).pad_token_id
+    banned = ppo_rlhf.banned_vocab_mask(lm.config.vocab_size, pad, "cpu")
 
     def micro_step(checkpointed):
         hidden, values = model(query_responses, context, pad)
         flat, tokens = hidden.reshape(-1, hidden.shape[-1]), responses.reshape(-1)
-        chunk_args = (lm.get_output_embeddings(), flat, tokens, args.temperature, banned, False, False)
+        chunk_args = (
+            lm.get_output_embeddings(),
+            flat,
+            tokens,
+            args.temperature,
+            banned,
+            False,
+            False,
+        )
         if checkpointed:
             logprobs, _ = torch.utils.checkpoint.checkpoint(
-                corrections._logprob_entropy_chunk, *chunk_args, use_reentrant=False)
+                corrections._logprob_entropy_chunk, *chunk_args, use_reentrant=False
+            )
         else:
             logprobs, _ = corrections.token_logprobs_and_entropy(
-                flat, tokens, args.temperature, project=chunk_args[0], chunk_size=args.logprob_chunk_rows,
-                banned=banned)
+                flat,
+                tokens,
+                args.temperature,
+                project=chunk_args[0],
+                chunk_size=args.logprob_chunk_rows,
+                banned=banned,
+            )
         (logprobs.mean() + values.square().mean()).backward()
         model.zero_grad(set_to_none=True)
 
     single_s = timed(lambda: micro_step(False), repeats)
     checkpointed_s = timed(lambda: micro_step(True), repeats)
-    n_params = sum(p.numel() for p in params)
-    del model, lm, optimizer, params, copies  # one SmolLM2 at a time in memory
+    return dict(
+        fused_s=fused_s,
+        explicit_s=explicit_s,
+        rel=rel,
+        single_s=single_s,
+        checkpointed_s=checkpointed_s,
+        n_params=sum(p.numel() for p in params),
+        micro=micro,
+        tokens=query_responses.shape[1],
+        pad=pad,
+    )
 
-    # 3. one reward-model step of the preset on the shipped labels
+
+def reward_model_piece(repeats, pad):
+    """Piece 3: one reward-model step of the preset on the shipped labels."""
     rm_args = rewards.PRESETS["smol_sentiment"][1]
     labels = rewards.load_labels(rewards.lexicon_label_path(rm_args, rm_args.base_model))
     reward_model = rewards.RewardModel(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
@@ -112,31 +139,62 @@ def main():
     query, samples, best = rewards.label_batch(labels, indices, pad)
 
     def per_row_logits():  # the rows best_of_4_logits ran until Nov 2026: [pads, query, sample k] for every k
-        rows = rewards.left_pad(torch.cat([query.repeat_interleave(4, 0), samples.flatten(0, 1)], 1), pad)
+        rows = rewards.left_pad(
+            torch.cat([query.repeat_interleave(4, 0), samples.flatten(0, 1)], 1), pad
+        )
         return reward_model(rows, rows != pad).view(-1, 4)
 
     def reward_step(shared):
-        logits = reward_model.shared_query_forward(query, samples, pad) if shared else per_row_logits()
+        logits = (
+            reward_model.shared_query_forward(query, samples, pad) if shared else per_row_logits()
+        )
         torch.nn.functional.cross_entropy(logits, best).backward()
         rm_optimizer.step()
         rm_optimizer.zero_grad(set_to_none=True)
 
     with torch.no_grad():
-        logit_diff = (reward_model.shared_query_forward(query, samples, pad) - per_row_logits()).abs().max().item()
+        shared_logits = reward_model.shared_query_forward(query, samples, pad)
+        logit_diff = (shared_logits - per_row_logits()).abs().max().item()
     shared_s = timed(lambda: reward_step(True), repeats)
     per_row_s = timed(lambda: reward_step(False), repeats)
+    return shared_s, per_row_s, logit_diff
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} after a warm-up\n")
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    repeats = parser.parse_args().repeats
+    torch.manual_seed(0)
+    args = ppo_rlhf.PRESETS["smol_sentiment"][1]
+    policy = policy_pieces(args, repeats)  # one SmolLM2 at a time in memory
+    shared_s, per_row_s, logit_diff = reward_model_piece(repeats, policy["pad"])
+
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats} after a warm-up\n"
+    )
     print("| piece | now (s) | before (s) | before / now |")
     print("| --- | --- | --- | --- |")
-    print(f"| AdamTF step, {n_params / 1e6:.1f}M parameters: fused kernel vs six ops | "
-          f"{fused_s:.3f} | {explicit_s:.3f} | {explicit_s / fused_s:.2f} |")
-    print(f"| PPO micro-step, {micro} x {query_responses.shape[1]} tokens: single LM-head chunk vs checkpointed | "
-          f"{single_s:.3f} | {checkpointed_s:.3f} | {checkpointed_s / single_s:.2f} |")
-    print(f"| reward-model step, 8 labels x 4 samples: shared query forward vs one forward per row | {shared_s:.3f} | "
-          f"{per_row_s:.3f} | {per_row_s / shared_s:.2f} |")
-    print(f"\nAdamTF fused vs six ops after {repeats + 1} steps: largest relative parameter difference {rel:.1e}")
-    print(f"reward-model logits, shared query vs one forward per row: largest difference {logit_diff:.1e}")
+    print(
+        f"| AdamTF step, {policy['n_params'] / 1e6:.1f}M parameters: fused kernel vs six ops | "
+        f"{policy['fused_s']:.3f} | {policy['explicit_s']:.3f} | "
+        f"{policy['explicit_s'] / policy['fused_s']:.2f} |"
+    )
+    print(
+        f"| PPO micro-step, {policy['micro']} x {policy['tokens']} tokens: single LM-head chunk vs "
+        f"checkpointed | {policy['single_s']:.3f} | {policy['checkpointed_s']:.3f} | "
+        f"{policy['checkpointed_s'] / policy['single_s']:.2f} |"
+    )
+    print(
+        f"| reward-model step, 8 labels x 4 samples: shared query forward vs one forward per row | {shared_s:.3f} | "
+        f"{per_row_s:.3f} | {per_row_s / shared_s:.2f} |"
+    )
+    print(
+        f"\nAdamTF fused vs six ops after {repeats + 1} steps: largest relative parameter difference "
+        f"{policy['rel']:.1e}"
+    )
+    print(
+        f"reward-model logits, shared query vs one forward per row: largest difference {logit_diff:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
-"""The LM head's precision, measured: how far each way of computing the head's product moves the logprobs, against a
-float64 product, on SmolLM2-135M-Instruct's real weights (Q4_1-de-quantised) and a real forward's hidden states.
+"""The LM head's precision, measured: how far each way of computing the head's product moves the
+logprobs, against a float64 product, on SmolLM2-135M-Instruct's real weights (Q4_1-de-quantised) and
+a real forward's hidden states.
 
     .venv/bin/python bench/head_precision.py         # CPU: TF32 and bf16 emulated (below); prints the table
     .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also the real TF32 path of corrections.py
 
-Emulated on CPU, with the rounding applied to the fp32 bit pattern (round to nearest, ties to even) and the sums in
-fp32, as tensor cores accumulate:
+Emulated on CPU, with the rounding applied to the fp32 bit pattern (round to nearest, ties to even)
+and the sums in fp32, as tensor cores accumulate:
     fp32 (IEEE)                 the float32 product: corrections.py's head on CPU and with --no-bf16
     TF32                        both inputs rounded to TF32 (10 explicit mantissa bits), float32 matmul
     bf16 inputs, fp32 output    both inputs rounded to bfloat16, float32 matmul (torch.mm(..., out_dtype=float32))
     bf16 logits                 the float32 logits rounded to bfloat16: a head under bf16 autocast (verl, TRL)
-The logprob is log_softmax(logits)[token] of the text's own next tokens; the error is |logprob - float64 logprob|.
-tests/test_corrections.py runs this on every CI run; the table is in docs/corrections.md#lm-head-precision.
+The logprob is log_softmax(logits)[token] of the text's own next tokens; the error is |logprob -
+float64 logprob|. tests/test_corrections.py runs this on every CI run; the table is in
+docs/corrections.md#lm-head-precision.
 """
 
 import argparse
@@ -27,15 +29,20 @@ import corrections  # noqa: E402
 
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 CHATS = [  # (question, answer): the kind of text grpo.py's smol_arith preset trains SmolLM2 on
-    ("Tom has 3 apples and buys 5 more. How many apples does he have?",
-     "Tom starts with 3 apples. He buys 5 more, so he has 3 + 5 = 8 apples.\n#### 8"),
-    ("A box holds 12 pens. Sara gives 4 pens to Ali. How many pens are left?",
-     "12 - 4 = 8, so 8 pens are left in the box.\n#### 8"),
+    (
+        "Tom has 3 apples and buys 5 more. How many apples does he have?",
+        "Tom starts with 3 apples. He buys 5 more, so he has 3 + 5 = 8 apples.\n#### 8",
+    ),
+    (
+        "A box holds 12 pens. Sara gives 4 pens to Ali. How many pens are left?",
+        "12 - 4 = 8, so 8 pens are left in the box.\n#### 8",
+    ),
 ]
 
 
 def round_mantissa(x, bits):
-    """float32 x rounded to `bits` explicit mantissa bits (round to nearest, ties to even), as float32."""
+    """float32 x rounded to `bits` explicit mantissa bits (round to nearest, ties to even), as
+    float32."""
     drop = 23 - bits
     b = x.float().contiguous().view(torch.int32)
     b = (b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & ~((1 << drop) - 1)
@@ -43,7 +50,8 @@ def round_mantissa(x, bits):
 
 
 def smollm2_hidden(path=SMOLLM2):
-    """(hidden (N, H) float32, head weight (V, H) float32, next tokens (N,)) from one fp32 forward of CHATS."""
+    """(hidden (N, H) float32, head weight (V, H) float32, next tokens (N,)) from one fp32 forward
+    of CHATS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -51,10 +59,13 @@ def smollm2_hidden(path=SMOLLM2):
     hidden, tokens = [], []
     with torch.no_grad():
         for question, answer in CHATS:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question},
-                                                  {"role": "assistant", "content": answer}], tokenize=False)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                tokenize=False,
+            )
             ids = tokenizer(text, return_tensors="pt").input_ids
-            hidden.append(model.model(input_ids=ids).last_hidden_state[0, :-1])  # position t predicts token t+1
+            # position t predicts token t+1
+            hidden.append(model.model(input_ids=ids).last_hidden_state[0, :-1])
             tokens.append(ids[0, 1:])
     return torch.cat(hidden), model.get_output_embeddings().weight.detach(), torch.cat(tokens)
 
@@ -63,47 +74,67 @@ def emulated_logits(hidden, weight):
     """{name: (N, V) logits} of the four products above, on CPU."""
     with torch.no_grad():
         fp32 = hidden @ weight.T
-        return {"fp32 (IEEE)": fp32,
-                "TF32": round_mantissa(hidden, 10) @ round_mantissa(weight, 10).T,
-                "bf16 inputs, fp32 output": round_mantissa(hidden, 7) @ round_mantissa(weight, 7).T,
-                "bf16 logits": fp32.to(torch.bfloat16).float()}
+        return {
+            "fp32 (IEEE)": fp32,
+            "TF32": round_mantissa(hidden, 10) @ round_mantissa(weight, 10).T,
+            "bf16 inputs, fp32 output": round_mantissa(hidden, 7) @ round_mantissa(weight, 7).T,
+            "bf16 logits": fp32.to(torch.bfloat16).float(),
+        }
 
 
 def logprob_errors(logits, hidden, weight, tokens):
     """{name: (max, mean) |logprob - float64 logprob|} over the tokens."""
     with torch.no_grad():
-        exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[:, 0]
+        exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(
+            -1, tokens[:, None]
+        )[:, 0]
         out = {}
         for name, z in logits.items():
-            err = (torch.log_softmax(z.float(), -1).gather(-1, tokens[:, None])[:, 0].double() - exact).abs()
+            err = (
+                torch.log_softmax(z.float(), -1).gather(-1, tokens[:, None])[:, 0].double() - exact
+            ).abs()
             out[name] = (err.max().item(), err.mean().item())
     return out
 
 
 def cuda_tf32_logprobs(hidden, weight, tokens):
-    """The trainer's own path on a GPU: corrections.token_logprobs_and_entropy under bf16 autocast (TF32 head)."""
+    """The trainer's own path on a GPU: corrections.token_logprobs_and_entropy under bf16 autocast
+    (TF32 head)."""
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).cuda()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         head.weight.copy_(weight)
-        logprobs, _ = corrections.token_logprobs_and_entropy(hidden.cuda(), tokens.cuda(), 1.0, project=head)
+        logprobs, _ = corrections.token_logprobs_and_entropy(
+            hidden.cuda(), tokens.cuda(), 1.0, project=head
+        )
     return logprobs.cpu()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cuda", action="store_true", help="also measure the real TF32 path on this GPU")
+    parser.add_argument(
+        "--cuda", action="store_true", help="also measure the real TF32 path on this GPU"
+    )
     opts = parser.parse_args()
     hidden, weight, tokens = smollm2_hidden()
     errors = logprob_errors(emulated_logits(hidden, weight), hidden, weight, tokens)
     if opts.cuda:
-        exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[:, 0]
+        exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(
+            -1, tokens[:, None]
+        )[:, 0]
         err = (cuda_tf32_logprobs(hidden, weight, tokens).double() - exact).abs()
-        errors[f"TF32 on {torch.cuda.get_device_name()} (corrections.py)"] = (err.max().item(), err.mean().item())
+        errors[f"TF32 on {torch.cuda.get_device_name()} (corrections.py)"] = (
+            err.max().item(),
+            err.mean().item(),
+        )
     bf16_max, bf16_mean = errors["bf16 logits"]
-    print(f"SmolLM2-135M-Instruct (Q4_1-de-quantised), {len(tokens)} tokens, max |logit| "
-          f"{(hidden @ weight.T).abs().max().item():.1f}; torch {torch.__version__}\n")
-    print("| head product | max abs logprob error | mean abs logprob error | max / bf16 logits' "
-          "| mean / bf16 logits' |")
+    print(
+        f"SmolLM2-135M-Instruct (Q4_1-de-quantised), {len(tokens)} tokens, max |logit| "
+        f"{(hidden @ weight.T).abs().max().item():.1f}; torch {torch.__version__}\n"
+    )
+    print(
+        "| head product | max abs logprob error | mean abs logprob error | max / bf16 logits' "
+        "| mean / bf16 logits' |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for name, (mx, mean) in errors.items():
         print(f"| {name} | {mx:.2e} | {mean:.2e} | {mx / bf16_max:.3f} | {mean / bf16_mean:.3f} |")

@@ -7,23 +7,25 @@
     python scripts/compare.py runs/ppo_s1 --baseline adam_table      # a table, not a curve: printed, not plotted
     python scripts/compare.py runs/tiny_s1 runs/tiny_s2 --baseline none --metrics objective/scores objective/kl
 
-It writes `<output_dir>/compare_<baseline>.png` (one panel per metric: each seed faint, the seed mean bold, a min-max
-or mean±std band, the published curve in black, published final values as dotted lines, healthy ranges as green
-bands) and `<output_dir>/compare_<baseline>.md` (a table of final values), and prints the table.
+It writes `<output_dir>/compare_<baseline>.png` (one panel per metric: each seed faint, the seed
+mean bold, a min-max or mean±std band, the published curve in black, published final values as
+dotted lines, healthy ranges as green bands) and `<output_dir>/compare_<baseline>.md` (a table of
+final values), and prints the table.
 
 Inputs
 ------
 RUN_DIR/metrics.jsonl: one JSON object per line, each with an integer `step` and flat metric keys
-(`objective/scores`, `rollout_corr/kl`, ...). A line may lack keys other lines have (e.g. `val/accuracy` every N
-steps): a metric's curve is made of the lines that have it (a null value counts as absent). Blank lines are
-skipped. If a step appears twice (a
-resumed run), the later line wins. RUN_DIR/args.json is optional (see "x-axis kinds").
+(`objective/scores`, `rollout_corr/kl`, ...). A line may lack keys other lines have (e.g.
+`val/accuracy` every N steps): a metric's curve is made of the lines that have it (a null value
+counts as absent). Blank lines are skipped. If a step appears twice (a resumed run), the later line
+wins. RUN_DIR/args.json is optional (see "x-axis kinds").
 
 Baseline CSV (baselines/NAME.csv, or a path to any .csv)
 --------------------------------------------------------
-Lines starting with `#` are header comments: `# x: KIND` (required: the x-axis kind, see below), optionally
-`# episodes_per_x: 512` (lets `--x episode` convert the baseline's x), and free text (`# source: ...`, `# note: ...`)
-that is copied under the markdown table. Then a CSV header `x,metric,value,low,high,label` and one row per point:
+Lines starting with `#` are header comments: `# x: KIND` (required: the x-axis kind, see below),
+optionally `# episodes_per_x: 512` (lets `--x episode` convert the baseline's x), and free text (`#
+source: ...`, `# note: ...`) that is copied under the markdown table. Then a CSV header
+`x,metric,value,low,high,label` and one row per point:
 
     x      the baseline's x (e.g. PPO update). Empty: the row is not a point of a curve (see below).
     metric our metric name, so the curve lands on the panel of the same metric.
@@ -35,19 +37,22 @@ Per (metric, label), the rows are one of three shapes:
     reference  one row, no x, a value     -> a final value only (x unknown): a dotted horizontal line
     band       one row, no x, no value    -> a healthy range [low, high] (one side may be empty = unbounded): a
                                              shaded band, not a curve
-The first curve/reference label of a metric in the file is the "main" baseline whose final value (the curve's
-point with the largest x) goes in the table; other labels are listed under the table. `# x: table` marks a file
-that is a table of numbers and not a curve (adam_table.csv): compare.py prints it and plots nothing.
+The first curve/reference label of a metric in the file is the "main" baseline whose final value
+(the curve's point with the largest x) goes in the table; other labels are listed under the table.
+`# x: table` marks a file that is a table of numbers and not a curve (adam_table.csv): compare.py
+prints it and plots nothing.
 
-`--baseline none`: no published curve exists (the offline `tiny` presets): only our seeds, their mean and band are
-drawn, `--metrics` is required, the x kind is not checked against anything (the runs must still agree with each
-other), and the table gives our final values with "no published baseline" in the baseline column.
+`--baseline none`: no published curve exists (the offline `tiny` presets): only our seeds, their
+mean and band are drawn, `--metrics` is required, the x kind is not checked against anything (the
+runs must still agree with each other), and the table gives our final values with "no published
+baseline" in the baseline column.
 
 x-axis kinds
 ------------
-Each trainer counts its own step: ppo_rlhf.py -> `ppo_update`, grpo.py -> `grpo_step` (verl's "training step" is
-the same unit: one rollout batch, then the policy updates on it), rewards.py -> `rm_step` (reward-model training
-step). `# x: any` (health ranges) matches every kind. The kind of a run is decided by, in order:
+Each trainer counts its own step: ppo_rlhf.py -> `ppo_update`, grpo.py -> `grpo_step` (verl's
+"training step" is the same unit: one rollout batch, then the policy updates on it), rewards.py ->
+`rm_step` (reward-model training step). `# x: any` (health ranges) matches every kind. The kind of a
+run is decided by, in order:
     1. args.json, if it has a `script` or `exp_name` field naming ppo_rlhf / grpo / rewards;
     2. else the metrics it logs: any `objective/*` or `ppo/*` key -> ppo_update; else `reward/mean` or
        `response_length/mean` -> grpo_step; else `test/accuracy` or `train/loss` -> rm_step;
@@ -55,16 +60,18 @@ step). `# x: any` (health ranges) matches every kind. The kind of a run is decid
 
 Several seeds
 -------------
-Seeds are aligned on the steps every run logged the metric at (the intersection of steps): runs of different
-lengths are compared only where all of them have a value, so the mean never mixes 3 seeds at one step and 1 at the
-next. On those steps: mean, min and max over seeds, and std over seeds (population std, ddof=0: one run has std 0).
-Each run is also drawn faintly over all its own steps. The "final value" of a metric is the value at the last
-common step; the table gives mean ± std of it over seeds. With `--x episode`, x is the `ppo/episode` value the run
-logged at that step (the first run's, for the mean curve: seeds of one config see the same number of episodes).
+Seeds are aligned on the steps every run logged the metric at (the intersection of steps): runs of
+different lengths are compared only where all of them have a value, so the mean never mixes 3 seeds
+at one step and 1 at the next. On those steps: mean, min and max over seeds, and std over seeds
+(population std, ddof=0: one run has std 0). Each run is also drawn faintly over all its own steps.
+The "final value" of a metric is the value at the last common step; the table gives mean ± std of it
+over seeds. With `--x episode`, x is the `ppo/episode` value the run logged at that step (the first
+run's, for the mean curve: seeds of one config see the same number of episodes).
 
-Refusals (exit status 1, a one-line reason on stderr, nothing written): a missing or malformed metrics.jsonl (the
-file and line are named), a requested metric that some run never logs or that the baseline does not have, runs
-whose x kind differs from the baseline's (or from each other's), seeds that share no step, an unknown baseline.
+Refusals (exit status 1, a one-line reason on stderr, nothing written): a missing or malformed
+metrics.jsonl (the file and line are named), a requested metric that some run never logs or that the
+baseline does not have, runs whose x kind differs from the baseline's (or from each other's), seeds
+that share no step, an unknown baseline.
 """
 
 import csv
@@ -81,32 +88,45 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-BASELINES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "baselines")
+BASELINES_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "baselines"
+)
 X_KINDS = ("ppo_update", "grpo_step", "rm_step", "any", "table")
-X_LABELS = {"ppo_update": "PPO update", "grpo_step": "GRPO step", "rm_step": "reward-model training step"}
-SCRIPT_X_KIND = {"ppo_rlhf": "ppo_update", "grpo": "grpo_step", "rewards": "rm_step"}  # args.json script -> kind
+X_LABELS = {
+    "ppo_update": "PPO update",
+    "grpo_step": "GRPO step",
+    "rm_step": "reward-model training step",
+}
+# args.json script -> kind
+SCRIPT_X_KIND = {"ppo_rlhf": "ppo_update", "grpo": "grpo_step", "rewards": "rm_step"}
 
 
 @dataclass
 class Args:
-    run_dirs: tyro.conf.Positional[Annotated[list[str], tyro.conf.arg(metavar="RUN_DIR [RUN_DIR ...]")]]
+    run_dirs: tyro.conf.Positional[
+        Annotated[list[str], tyro.conf.arg(metavar="RUN_DIR [RUN_DIR ...]")]
+    ]
     """run directories (each with a metrics.jsonl): several seeds of one config"""
     baseline: str
-    """a baseline name under baselines/ (e.g. gpt2_sentiment), a path to a .csv file, or `none` (our seeds only)"""
+    """a baseline name under baselines/ (e.g. gpt2_sentiment), a path to a .csv file, or `none` (our
+    seeds only)"""
     metrics: tuple[str, ...] = ()
     """metrics to plot; default: every metric the baseline has"""
     output_dir: str = "runs/compare"
     """where compare_<baseline>.png and compare_<baseline>.md are written"""
     x: Literal["step", "episode"] = "step"
-    """x-axis: the trainer's step, or episodes seen (`ppo/episode`; the baseline needs `# episodes_per_x`)"""
+    """x-axis: the trainer's step, or episodes seen (`ppo/episode`; the baseline needs `#
+    episodes_per_x`)"""
     band: Literal["minmax", "std"] = "minmax"
     """the band around the seed mean: min-max over seeds, or mean ± one std"""
     title: str | None = None
-    """the figure's title (default: "ours vs <baseline>"), e.g. to name the runs or to mark synthetic data"""
+    """the figure's title (default: "ours vs <baseline>"), e.g. to name the runs or to mark
+    synthetic data"""
 
 
 def fail(reason: str):
-    """Refuse: exit status 1 with a one-line reason on stderr (SystemExit with a string does exactly that)."""
+    """Refuse: exit status 1 with a one-line reason on stderr (SystemExit with a string does exactly
+    that)."""
     raise SystemExit(f"compare.py: error: {reason}")
 
 
@@ -114,7 +134,8 @@ def fail(reason: str):
 # 1. Reading our runs
 # ---------------------------------------------------------------------------------------------------------------
 def load_metrics(path: str) -> list[dict]:
-    """Parse a metrics.jsonl into a list of records (dicts with an int `step`); each remembers its line number."""
+    """Parse a metrics.jsonl into a list of records (dicts with an int `step`); each remembers its
+    line number."""
     if not os.path.isfile(path):
         fail(f"{path}: no such file (a run directory needs a metrics.jsonl)")
     records = []
@@ -128,7 +149,8 @@ def load_metrics(path: str) -> list[dict]:
                 fail(f"{path}:{line_number}: malformed JSON ({e.msg})")
             if not isinstance(record, dict):
                 fail(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
-            record = {key: value for key, value in record.items() if value is not None}  # null = not logged here
+            # null = not logged here
+            record = {key: value for key, value in record.items() if value is not None}
             step = record.get("step")
             if isinstance(step, float) and step.is_integer():
                 step = int(step)  # 3.0 is step 3 (some loggers write floats)
@@ -156,7 +178,8 @@ def metric_series(records: list[dict], metric: str, path: str) -> dict[int, floa
 
 
 def run_x_kind(run_dir: str, records: list[dict]) -> str | None:
-    """Which step a run counts (see "x-axis kinds" in the module docstring); None if we cannot tell."""
+    """Which step a run counts (see "x-axis kinds" in the module docstring); None if we cannot
+    tell."""
     args_path = os.path.join(run_dir, "args.json")
     if os.path.isfile(args_path):
         with open(args_path) as f:
@@ -196,7 +219,8 @@ def baseline_path(name: str) -> str:
 
 
 def load_baseline(name: str) -> dict:
-    """Read a baseline CSV: {"name", "path", "x_kind", "episodes_per_x", "notes", "rows"} (format: module docstring)."""
+    """Read a baseline CSV: {"name", "path", "x_kind", "episodes_per_x", "notes", "rows"} (format:
+    module docstring)."""
     path = baseline_path(name)
     x_kind, episodes_per_x, notes, data_lines = None, None, [], []
     with open(path) as f:
@@ -228,23 +252,38 @@ def load_baseline(name: str) -> dict:
         fail(f"{path}: the CSV header must have at least x,metric,value (got {reader.fieldnames})")
     rows = []
     for (line_number, _), row in zip(data_lines[1:], reader):
-        rows.append({
-            "x": number(row["x"], line_number, "x"),
-            "metric": row["metric"].strip(),
-            "value": number(row["value"], line_number, "value"),
-            "low": number(row.get("low"), line_number, "low"),
-            "high": number(row.get("high"), line_number, "high"),
-            "label": (row.get("label") or "").strip() or "baseline",
-        })
+        rows.append(
+            {
+                "x": number(row["x"], line_number, "x"),
+                "metric": row["metric"].strip(),
+                "value": number(row["value"], line_number, "value"),
+                "low": number(row.get("low"), line_number, "low"),
+                "high": number(row.get("high"), line_number, "high"),
+                "label": (row.get("label") or "").strip() or "baseline",
+            }
+        )
     base = os.path.splitext(os.path.basename(path))[0]
-    return {"name": base, "path": path, "x_kind": x_kind, "episodes_per_x": episodes_per_x, "notes": notes,
-            "rows": rows}
+    return {
+        "name": base,
+        "path": path,
+        "x_kind": x_kind,
+        "episodes_per_x": episodes_per_x,
+        "notes": notes,
+        "rows": rows,
+    }
 
 
 def no_baseline() -> dict:
-    """`--baseline none`: an empty baseline that matches every x kind (the tiny presets have no published curve)."""
-    return {"name": "none", "path": None, "x_kind": "any", "episodes_per_x": None, "rows": [],
-            "notes": ["no published baseline: only our seeds are shown (e.g. a tiny offline preset)"]}
+    """`--baseline none`: an empty baseline that matches every x kind (the tiny presets have no
+    published curve)."""
+    return {
+        "name": "none",
+        "path": None,
+        "x_kind": "any",
+        "episodes_per_x": None,
+        "rows": [],
+        "notes": ["no published baseline: only our seeds are shown (e.g. a tiny offline preset)"],
+    }
 
 
 def baseline_metrics(baseline: dict) -> list[str]:
@@ -253,7 +292,8 @@ def baseline_metrics(baseline: dict) -> list[str]:
 
 
 def baseline_groups(baseline: dict, metric: str) -> list[dict]:
-    """The published series of one metric: [{"label", "shape": curve|reference|band, "rows"}] in file order."""
+    """The published series of one metric: [{"label", "shape": curve|reference|band, "rows"}] in
+    file order."""
     groups = {}
     for row in baseline["rows"]:
         if row["metric"] == metric:
@@ -268,7 +308,9 @@ def baseline_groups(baseline: dict, metric: str) -> list[dict]:
         elif len(rows) == 1 and (rows[0]["low"] is not None or rows[0]["high"] is not None):
             shape = "band"
         else:
-            fail(f"{baseline['path']}: '{metric}' / '{label}' mixes rows with and without x, or has no value/range")
+            fail(
+                f"{baseline['path']}: '{metric}' / '{label}' mixes rows with and without x, or has no value/range"
+            )
         out.append({"label": label, "shape": shape, "rows": rows})
     return out
 
@@ -287,7 +329,8 @@ def align_seeds(series_per_run: list[dict[int, float]]) -> tuple[np.ndarray, np.
 
 
 def seed_band(values: np.ndarray, band: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """values (n_runs, S) -> mean, low, high (each (S,)): min-max over seeds, or mean ± population std."""
+    """values (n_runs, S) -> mean, low, high (each (S,)): min-max over seeds, or mean ± population
+    std."""
     mean = values.mean(axis=0)
     if band == "minmax":
         return mean, values.min(axis=0), values.max(axis=0)
@@ -296,12 +339,15 @@ def seed_band(values: np.ndarray, band: str) -> tuple[np.ndarray, np.ndarray, np
 
 
 def steps_to_x(steps, episode_of_step: dict[int, float] | None, run_dir: str) -> np.ndarray:
-    """Our x values: the steps themselves, or (--x episode) the `ppo/episode` the run logged at those steps."""
+    """Our x values: the steps themselves, or (--x episode) the `ppo/episode` the run logged at
+    those steps."""
     if episode_of_step is None:
         return np.asarray(steps, dtype=np.float64)
     missing = [int(s) for s in steps if int(s) not in episode_of_step]
     if missing:
-        fail(f"{run_dir}: --x episode needs 'ppo/episode' at every step; missing at step {missing[0]}")
+        fail(
+            f"{run_dir}: --x episode needs 'ppo/episode' at every step; missing at step {missing[0]}"
+        )
     return np.array([episode_of_step[int(s)] for s in steps], dtype=np.float64)
 
 
@@ -322,8 +368,14 @@ def draw_band_rows(ax, row: dict, label: str):
     ax.set_ylim(lo_view, hi_view)
 
 
-def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band: str, png_path: str,
-                    title: str | None = None):
+def plot_comparison(
+    panels: list[dict],
+    baseline: dict,
+    x_axis_label: str,
+    band: str,
+    png_path: str,
+    title: str | None = None,
+):
     n = len(panels)
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
@@ -331,12 +383,25 @@ def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band:
     for ax, panel in zip(axes.flat, panels):
         # each seed, faintly, over all of its own steps
         for i, (x, y) in enumerate(panel["runs"]):
-            ax.plot(x, y, color="tab:blue", alpha=0.25, linewidth=0.8, label="each seed" if i == 0 else None)
+            ax.plot(
+                x,
+                y,
+                color="tab:blue",
+                alpha=0.25,
+                linewidth=0.8,
+                label="each seed" if i == 0 else None,
+            )
         # seed mean and band on the common steps
         n_runs = len(panel["runs"])
         band_name = "min-max" if band == "minmax" else "±1 std"
-        ax.fill_between(panel["x"], panel["low"], panel["high"], color="tab:blue", alpha=0.2,
-                        label=f"ours {band_name} ({n_runs} seed{'s' if n_runs > 1 else ''})")
+        ax.fill_between(
+            panel["x"],
+            panel["low"],
+            panel["high"],
+            color="tab:blue",
+            alpha=0.2,
+            label=f"ours {band_name} ({n_runs} seed{'s' if n_runs > 1 else ''})",
+        )
         ax.plot(panel["x"], panel["mean"], color="tab:blue", linewidth=2, label="ours, seed mean")
         # the published series
         other_colors = iter(["tab:orange", "tab:purple", "tab:brown", "tab:gray", "tab:olive"])
@@ -348,11 +413,27 @@ def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band:
                 by = np.array([r["value"] for r in rows])
                 lows = np.array([r["low"] if r["low"] is not None else r["value"] for r in rows])
                 highs = np.array([r["high"] if r["high"] is not None else r["value"] for r in rows])
-                ax.errorbar(bx, by, yerr=[by - lows, highs - by], color="black", marker="o", markersize=4,
-                            linestyle="--", linewidth=1.2, capsize=3, label=label, zorder=5)
+                ax.errorbar(
+                    bx,
+                    by,
+                    yerr=[by - lows, highs - by],
+                    color="black",
+                    marker="o",
+                    markersize=4,
+                    linestyle="--",
+                    linewidth=1.2,
+                    capsize=3,
+                    label=label,
+                    zorder=5,
+                )
             elif group["shape"] == "reference":
-                ax.axhline(rows[0]["value"], color=next(other_colors, "tab:gray"), linestyle=":", linewidth=1.5,
-                           label=f"{label}: {rows[0]['value']:g} (final)")
+                ax.axhline(
+                    rows[0]["value"],
+                    color=next(other_colors, "tab:gray"),
+                    linestyle=":",
+                    linewidth=1.5,
+                    label=f"{label}: {rows[0]['value']:g} (final)",
+                )
             else:
                 bands.append(group)
         for group in bands:  # after the data, so an unbounded side knows where the panel ends
@@ -367,7 +448,11 @@ def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band:
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     if title is None:
-        title = "ours (no published baseline)" if baseline["name"] == "none" else f"ours vs {baseline['name']}"
+        title = (
+            "ours (no published baseline)"
+            if baseline["name"] == "none"
+            else f"ours vs {baseline['name']}"
+        )
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
@@ -375,11 +460,15 @@ def plot_comparison(panels: list[dict], baseline: dict, x_axis_label: str, band:
 
 
 def final_table(panels: list[dict], baseline: dict) -> str:
-    """Markdown: per metric, our final value (mean ± std over seeds) / the baseline's final value / ratio."""
+    """Markdown: per metric, our final value (mean ± std over seeds) / the baseline's final value /
+    ratio."""
     lines = [
-        "# ours (no published baseline)" if baseline["name"] == "none" else f"# ours vs `{baseline['name']}`",
+        "# ours (no published baseline)"
+        if baseline["name"] == "none"
+        else f"# ours vs `{baseline['name']}`",
         "",
-        "| metric | ours: final value, mean ± std over seeds (step) | baseline final (x) | ours / baseline |",
+        "| metric | ours: final value, mean ± std over seeds (step) | baseline final (x) | ours / "
+        "baseline |",
         "| --- | --- | --- | --- |",
     ]
     others = []
@@ -398,15 +487,21 @@ def final_table(panels: list[dict], baseline: dict) -> str:
         for group in panel["baseline"]:
             if group["shape"] == "band":
                 row = group["rows"][0]
-                inside = (row["low"] is None or mean >= row["low"]) and (row["high"] is None or mean <= row["high"])
+                inside = (row["low"] is None or mean >= row["low"]) and (
+                    row["high"] is None or mean <= row["high"]
+                )
                 low = f"{row['low']:g}" if row["low"] is not None else "-inf"
                 high = f"{row['high']:g}" if row["high"] is not None else "+inf"
                 if main is None:
-                    lines.append(f"| {panel['metric']} | {ours} | healthy [{low}, {high}] | "
-                                 f"{'inside' if inside else 'OUTSIDE'} |")
+                    lines.append(
+                        f"| {panel['metric']} | {ours} | healthy [{low}, {high}] | "
+                        f"{'inside' if inside else 'OUTSIDE'} |"
+                    )
                 else:
-                    others.append(f"- {panel['metric']}: {group['label']} [{low}, {high}]: "
-                                  f"ours {'inside' if inside else 'OUTSIDE'}")
+                    others.append(
+                        f"- {panel['metric']}: {group['label']} [{low}, {high}]: "
+                        f"ours {'inside' if inside else 'OUTSIDE'}"
+                    )
             elif group is not main:
                 last = group["rows"][-1]
                 where = f"x={last['x']:g}" if last["x"] is not None else "final"
@@ -418,12 +513,19 @@ def final_table(panels: list[dict], baseline: dict) -> str:
 
 
 def table_baseline_markdown(baseline: dict) -> str:
-    """A `# x: table` baseline (e.g. adam_table.csv) as markdown: one row per metric, one column per label."""
+    """A `# x: table` baseline (e.g. adam_table.csv) as markdown: one row per metric, one column per
+    label."""
     labels = list(dict.fromkeys(row["label"] for row in baseline["rows"]))
-    lines = [f"# `{baseline['name']}` (a published table, not a curve: nothing to plot)", "",
-             "| metric | " + " | ".join(labels) + " |", "| --- |" + " --- |" * len(labels)]
+    lines = [
+        f"# `{baseline['name']}` (a published table, not a curve: nothing to plot)",
+        "",
+        "| metric | " + " | ".join(labels) + " |",
+        "| --- |" + " --- |" * len(labels),
+    ]
     for metric in baseline_metrics(baseline):
-        cells = {row["label"]: f"{row['value']:g}" for row in baseline["rows"] if row["metric"] == metric}
+        cells = {
+            row["label"]: f"{row['value']:g}" for row in baseline["rows"] if row["metric"] == metric
+        }
         lines.append(f"| {metric} | " + " | ".join(cells.get(label, "") for label in labels) + " |")
     lines += ["", "Baseline notes:", *[f"- {note}" for note in baseline["notes"]]]
     return "\n".join(lines) + "\n"
@@ -442,7 +544,14 @@ def compare(args: Args) -> dict:
     for run_dir in args.run_dirs:
         path = os.path.join(run_dir, "metrics.jsonl")
         records = load_metrics(path)
-        runs.append({"dir": run_dir, "path": path, "records": records, "x_kind": run_x_kind(run_dir, records)})
+        runs.append(
+            {
+                "dir": run_dir,
+                "path": path,
+                "records": records,
+                "x_kind": run_x_kind(run_dir, records),
+            }
+        )
 
     # 2. load the baseline (`none`: our seeds only); a table baseline is printed, not plotted
     if args.baseline == "none" and not args.metrics:
@@ -460,21 +569,27 @@ def compare(args: Args) -> dict:
     # 3. the x axes must count the same thing (a GRPO step is not a PPO update)
     for run in runs:
         if run["x_kind"] is None:
-            fail(f"{run['dir']}: cannot tell which script wrote it (add args.json with \"script\": "
-                 f"\"ppo_rlhf\" | \"grpo\" | \"rewards\")")
+            fail(
+                f'{run["dir"]}: cannot tell which script wrote it (add args.json with "script": '
+                f'"ppo_rlhf" | "grpo" | "rewards")'
+            )
     kinds = sorted({run["x_kind"] for run in runs})
     if len(kinds) > 1:
         fail(f"the runs count different steps ({', '.join(kinds)}): compare seeds of one config")
     if baseline["x_kind"] != "any" and kinds[0] != baseline["x_kind"]:
-        fail(f"x-axis mismatch: the runs count {kinds[0]} but baseline {baseline['name']} counts "
-             f"{baseline['x_kind']}")
+        fail(
+            f"x-axis mismatch: the runs count {kinds[0]} but baseline {baseline['name']} counts "
+            f"{baseline['x_kind']}"
+        )
 
     # 4. every requested metric must be in the baseline and in every run
     metrics = list(args.metrics) or baseline_metrics(baseline)
     for metric in metrics:
         if baseline["name"] != "none" and metric not in baseline_metrics(baseline):
-            fail(f"metric '{metric}' is not in baseline {baseline['name']} (it has: "
-                 f"{', '.join(baseline_metrics(baseline))})")
+            fail(
+                f"metric '{metric}' is not in baseline {baseline['name']} (it has: "
+                f"{', '.join(baseline_metrics(baseline))})"
+            )
         for run in runs:
             if not any(metric in record for record in run["records"]):
                 fail(f"metric '{metric}' is missing from {run['path']} (no line logs it)")
@@ -500,17 +615,23 @@ def compare(args: Args) -> dict:
         if len(steps) == 0:
             fail(f"metric '{metric}': the runs share no step (seeds are aligned on common steps)")
         mean, low, high = seed_band(values, args.band)
-        panels.append({
-            "metric": metric,
-            "steps": steps,
-            "values": values,
-            "x": steps_to_x(steps, episodes[0], runs[0]["dir"]),
-            "mean": mean, "low": low, "high": high,
-            "runs": [(steps_to_x(sorted(s), episodes[i], runs[i]["dir"]), [s[k] for k in sorted(s)])
-                     for i, s in enumerate(series)],
-            "baseline": baseline_groups(baseline, metric),
-            "baseline_x_scale": baseline_x_scale,
-        })
+        panels.append(
+            {
+                "metric": metric,
+                "steps": steps,
+                "values": values,
+                "x": steps_to_x(steps, episodes[0], runs[0]["dir"]),
+                "mean": mean,
+                "low": low,
+                "high": high,
+                "runs": [
+                    (steps_to_x(sorted(s), episodes[i], runs[i]["dir"]), [s[k] for k in sorted(s)])
+                    for i, s in enumerate(series)
+                ],
+                "baseline": baseline_groups(baseline, metric),
+                "baseline_x_scale": baseline_x_scale,
+            }
+        )
 
     # 7. outputs (only now: a refusal above leaves nothing behind)
     os.makedirs(args.output_dir, exist_ok=True)

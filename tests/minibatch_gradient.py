@@ -3,9 +3,10 @@
     python tests/minibatch_gradient.py OUT.pt MICRO MODE [MODE ...]                  # one process: all 64 rows
     torchrun --nproc_per_node 2 tests/minibatch_gradient.py OUT.pt MICRO MODE ...   # rank r takes rows r*32..
 
-A fixed tiny model and a fixed batch of 64 sequences (8 prompts x n = 8, responses of 1..8 tokens) make one
-minibatch; grpo.update_policy runs it with an optimizer stand-in that records the (averaged, unclipped) gradient at
-step(). Rank 0 saves {mode: flat gradient}. Not a test file itself (no test_ prefix).
+A fixed tiny model and a fixed batch of 64 sequences (8 prompts x n = 8, responses of 1..8 tokens)
+make one minibatch; grpo.update_policy runs it with an optimizer stand-in that records the
+(averaged, unclipped) gradient at step(). Rank 0 saves {mode: flat gradient}. Not a test file itself
+(no test_ prefix).
 """
 
 import dataclasses
@@ -41,27 +42,49 @@ class GradientRecorder:
 
 def fixed_batch(model, tokenizer):
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 40, (int(k),), generator=g).tolist() for k in torch.randint(2, 6, (PROMPTS,), generator=g)]
-    responses = [torch.randint(3, 40, (int(k),), generator=g).tolist()
-                 for k in torch.randint(1, R + 1, (PROMPTS * N,), generator=g)]
-    batch = rollout.make_batch([p for p in prompts for _ in range(N)], responses, [[0.0] * len(r) for r in responses],
-                            tokenizer.pad_token_id, R, torch.device("cpu"))
+    prompts = [
+        torch.randint(3, 40, (int(k),), generator=g).tolist()
+        for k in torch.randint(2, 6, (PROMPTS,), generator=g)
+    ]
+    responses = [
+        torch.randint(3, 40, (int(k),), generator=g).tolist()
+        for k in torch.randint(1, R + 1, (PROMPTS * N,), generator=g)
+    ]
+    batch = rollout.make_batch(
+        [p for p in prompts for _ in range(N)],
+        responses,
+        [[0.0] * len(r) for r in responses],
+        tokenizer.pad_token_id,
+        R,
+        torch.device("cpu"),
+    )
     with torch.no_grad():
         logprobs, _ = grpo.compute_logprobs(model, batch, 1.0)
-    batch["rollout_logprobs"] = (logprobs + 0.05 * torch.randn(logprobs.shape, generator=g)) * batch["response_mask"]
+    batch["rollout_logprobs"] = (
+        logprobs + 0.05 * torch.randn(logprobs.shape, generator=g)
+    ) * batch["response_mask"]
     batch["advantages"] = torch.randn(PROMPTS * N, generator=g)
     return batch
 
 
 def minibatch_gradient(micro, mode, rank=0, world_size=1):
-    """The gradient of the one minibatch (all 64 sequences over all ranks) with micro-batch size `micro`."""
+    """The gradient of the one minibatch (all 64 sequences over all ranks) with micro-batch size
+    `micro`."""
     model, tokenizer = rewards.build_tiny_model(None, arch="qwen2")
     batch = fixed_batch(model, tokenizer)
     rows = slice(rank * PROMPTS * N // world_size, (rank + 1) * PROMPTS * N // world_size)
     batch = {k: v[rows] for k, v in batch.items()}
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1], train_batch_size=PROMPTS, ppo_mini_batch_size=PROMPTS,
-                               rollout_n=N, max_response_length=R, ppo_micro_batch_size_per_gpu=micro,
-                               max_grad_norm=1e30, loss_agg_mode=mode, entropy_coeff=0.01)
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny"][1],
+        train_batch_size=PROMPTS,
+        ppo_mini_batch_size=PROMPTS,
+        rollout_n=N,
+        max_response_length=R,
+        ppo_micro_batch_size_per_gpu=micro,
+        max_grad_norm=1e30,
+        loss_agg_mode=mode,
+        entropy_coeff=0.01,
+    )
     correction = corrections.RolloutCorrection.from_name("decoupled_token_is")
     grpo.compute_pi_old_and_ref(model, None, batch, args, correction)
     recorder = GradientRecorder(model.parameters())

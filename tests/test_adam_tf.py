@@ -1,4 +1,5 @@
-"""AdamTF against the TF1 update written out by hand, and against torch.optim.Adam with a rescaled eps."""
+"""AdamTF against the TF1 update written out by hand, and against torch.optim.Adam with a rescaled
+eps."""
 
 import importlib.util
 import io
@@ -14,14 +15,17 @@ LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-5
 
 
 def random_grads(shapes, n_steps, grad_scale, dtype, seed=0):
-    """n_steps lists of gradients; magnitudes spread over ~2 decades around grad_scale, some exact zeros."""
+    """n_steps lists of gradients; magnitudes spread over ~2 decades around grad_scale, some exact
+    zeros."""
     g = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(n_steps):
         grads = []
         for shape in shapes:
             sign = torch.randn(shape, generator=g, dtype=torch.float64).sign()
-            magnitude = grad_scale * 10 ** (2 * torch.rand(shape, generator=g, dtype=torch.float64) - 1)
+            magnitude = grad_scale * 10 ** (
+                2 * torch.rand(shape, generator=g, dtype=torch.float64) - 1
+            )
             zero = torch.rand(shape, generator=g, dtype=torch.float64) < 0.05
             grads.append((sign * magnitude).masked_fill(zero, 0.0).to(dtype))
         steps.append(grads)
@@ -47,8 +51,8 @@ SHAPES = [(7,), (3, 4)]
 
 @pytest.mark.parametrize("grad_scale", [1.0, 1e-4, 1e-6])
 def test_matches_tf1_formula_float64(grad_scale):
-    """300 steps vs the TF1 formula in plain float64 tensor math (no optimizer code). |g| ~ 1e-6..1e-4 is where the
-    TF and PyTorch epsilons differ most."""
+    """300 steps vs the TF1 formula in plain float64 tensor math (no optimizer code). |g| ~
+    1e-6..1e-4 is where the TF and PyTorch epsilons differ most."""
     grad_steps = random_grads(SHAPES, 300, grad_scale, torch.float64)
     params = make_params(SHAPES, torch.float64)
     start = [p.detach().clone() for p in params]
@@ -73,15 +77,17 @@ def test_matches_tf1_formula_float64(grad_scale):
         torch.testing.assert_close(state["exp_avg"], m[i], rtol=1e-12, atol=0)
         torch.testing.assert_close(state["exp_avg_sq"], v[i], rtol=1e-12, atol=0)
         torch.testing.assert_close(p.detach(), theta[i], rtol=1e-12, atol=1e-15)
-        # the parameters really moved (by far more than the tolerance), so the comparison is not vacuous
+        # the parameters really moved (by far more than the tolerance), so the comparison is not
+        # vacuous
         assert (p.detach() - start[i]).abs().max() > 1e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("grad_scale", [1.0, 1e-5])
 def test_matches_torch_adam_with_rescaled_eps(dtype, tol, grad_scale):
-    """torch.optim.Adam == AdamTF when torch's eps at step t is eps_hat / sqrt(1 - b2^t): torch's effective epsilon in
-    TF's parameterisation is eps * sqrt(1 - b2^t), which then equals eps_hat (the blog's derivation)."""
+    """torch.optim.Adam == AdamTF when torch's eps at step t is eps_hat / sqrt(1 - b2^t): torch's
+    effective epsilon in TF's parameterisation is eps * sqrt(1 - b2^t), which then equals eps_hat
+    (the blog's derivation)."""
     grad_steps = random_grads(SHAPES, 300, grad_scale, dtype)
     params_tf = make_params(SHAPES, dtype)
     params_pt = [p.detach().clone().requires_grad_() for p in params_tf]
@@ -108,9 +114,9 @@ def test_matches_torch_adam_with_rescaled_eps(dtype, tol, grad_scale):
 
 @pytest.mark.parametrize("grad_abs", [1e-7, 1e-6, 1e-5])
 def test_torch_adam_first_step_larger_with_same_eps(grad_abs):
-    """Same eps, tiny |g|: torch.optim.Adam's first step is (c|g| + eps) / (c (|g| + eps)) times AdamTF's,
-    c = sqrt(1 - b2) = 0.0316. At t=1: m = (1-b1) g, sqrt(v) = c |g|, so
-    TF step = lr c |g| / (c |g| + eps) and torch step = lr |g| / (|g| + eps)."""
+    """Same eps, tiny |g|: torch.optim.Adam's first step is (c|g| + eps) / (c (|g| + eps)) times
+    AdamTF's, c = sqrt(1 - b2) = 0.0316. At t=1: m = (1-b1) g, sqrt(v) = c |g|, so TF step = lr c
+    |g| / (c |g| + eps) and torch step = lr |g| / (|g| + eps)."""
     g = torch.Generator().manual_seed(0)
     grad = grad_abs * torch.randn(64, generator=g, dtype=torch.float64).sign()
     p_tf = torch.zeros(64, dtype=torch.float64, requires_grad=True)
@@ -128,8 +134,8 @@ def test_torch_adam_first_step_larger_with_same_eps(grad_abs):
 
 
 def test_same_eps_steps_nearly_equal_for_large_gradients():
-    """|g| >> eps: both first steps are ~lr, ratio (c|g| + eps) / (c (|g| + eps)) = 1.003 at |g| = 0.1: the
-    difference is a small-|g| effect."""
+    """|g| >> eps: both first steps are ~lr, ratio (c|g| + eps) / (c (|g| + eps)) = 1.003 at |g| =
+    0.1: the difference is a small-|g| effect."""
     grad = torch.full((8,), 0.1, dtype=torch.float64)
     p_tf = torch.zeros(8, dtype=torch.float64, requires_grad=True)
     p_pt = torch.zeros(8, dtype=torch.float64, requires_grad=True)
@@ -172,7 +178,8 @@ def test_param_groups_and_none_grads():
     b = torch.zeros(5, dtype=torch.float64, requires_grad=True)
     frozen = torch.ones(3, dtype=torch.float64, requires_grad=True)
     opt = AdamTF([{"params": [a]}, {"params": [b, frozen], "lr": 10 * LR}], lr=LR, eps=EPS)
-    assert opt.param_groups[1]["betas"] == BETAS and opt.param_groups[1]["eps"] == EPS  # defaults filled in
+    # defaults filled in
+    assert opt.param_groups[1]["betas"] == BETAS and opt.param_groups[1]["eps"] == EPS
     for grads in random_grads([(5,)], 50, 1e-4, torch.float64):
         a.grad, b.grad = grads[0].clone(), grads[0].clone()
         opt.step()
@@ -221,15 +228,19 @@ def test_sparse_gradient_raises():
 
 
 def test_experiment_torch_adam_moves_policy_further(tmp_path):
-    """scripts/adam_experiment.py on a very small config: with the same eps and lr, torch.optim.Adam's PPO update
-    moves the policy further than AdamTF's (approxkl 1.06-1.10x larger on seeds 1-10 when this test was written)."""
+    """scripts/adam_experiment.py on a very small config: with the same eps and lr,
+    torch.optim.Adam's PPO update moves the policy further than AdamTF's (approxkl 1.06-1.10x larger
+    on seeds 1-10 when this test was written)."""
     path = Path(__file__).resolve().parents[1] / "scripts" / "adam_experiment.py"
     spec = importlib.util.spec_from_file_location("adam_experiment", path)
     experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(experiment)
-    args = experiment.Args(seed=1, batch_size=32, query_length=4, response_length=8, lr=1e-5, output_dir=str(tmp_path))
+    args = experiment.Args(
+        seed=1, batch_size=32, query_length=4, response_length=8, lr=1e-5, output_dir=str(tmp_path)
+    )
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is faster than contended threads on a shared 2-core machine
+    # a tiny model: one thread is faster than contended threads on a shared 2-core machine
+    torch.set_num_threads(1)
     try:
         results = experiment.main(args)
     finally:
@@ -239,4 +250,7 @@ def test_experiment_torch_adam_moves_policy_further(tmp_path):
     assert pt["approxkl"] > 1.02 * tf["approxkl"]
     assert pt["logprob_diff_var"] > 1.02 * tf["logprob_diff_var"]
     assert (tmp_path / "table.md").read_text().startswith("| metric |")
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2 * args.ppo_epochs * args.num_mini_batches
+    assert (
+        len((tmp_path / "metrics.jsonl").read_text().splitlines())
+        == 2 * args.ppo_epochs * args.num_mini_batches
+    )

@@ -1,7 +1,7 @@
-"""corrections.py: hand-computed values, parity with verl 0.9.1's own source, gradients, and padding properties."""
+"""corrections.py: hand-computed values, parity with verl 0.9.1's own source, gradients, and padding
+properties."""
 
 import ast
-import importlib.util
 import math
 import types
 from pathlib import Path
@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 import corrections as C
 import rollout
-
+from verl_source import verl_root
 
 
 @pytest.fixture(autouse=True)
 def float64_default():
-    """Hand-computed values below are exact in float64; restore the default so other test files are unaffected."""
+    """Hand-computed values below are exact in float64; restore the default so other test files are
+    unaffected."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield
@@ -27,16 +28,16 @@ def float64_default():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# verl 0.9.1 as the trusted reference. scripts/setup_cpu.sh installs the wheel without dependencies; importing verl
-# would pull ray, so we parse the functions we need out of its source files and run them with their own helpers.
+# verl 0.9.1 as the trusted reference. scripts/setup_cpu.sh unpacks its wheel (tests/verl_source.py);
+# importing verl would pull ray, so we parse the functions we need out of its source files and run
+# them with their own helpers.
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _load_verl():
-    spec = importlib.util.find_spec("verl")
-    if spec is None or spec.origin is None:
+    root = verl_root()
+    if root is None:
         return None
-    root = Path(spec.origin).parent
 
     def extract(relpath, names, namespace):
         tree = ast.parse((root / relpath).read_text())
@@ -45,29 +46,64 @@ def _load_verl():
             if isinstance(node, ast.FunctionDef) and node.name in names:
                 node.decorator_list = []
                 keep.append(node)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and relpath.endswith("rollout_corr_helper.py"):
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and relpath.endswith(
+                "rollout_corr_helper.py"
+            ):
                 keep.append(node)  # SAFETY_BOUND and the option sets
-        exec(compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec"), namespace)
+        exec(
+            compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec"), namespace
+        )
         return namespace
 
-    base = {"torch": torch, "math": math, "Optional": Optional, "Any": Any, "ActorConfig": Any, "DataProto": Any,
-            "RolloutCorrectionConfig": Any, "PolicyLossConfig": Any}
-    verl_F = types.SimpleNamespace(**{k: v for k, v in extract(
-        "utils/torch_functional.py", {"masked_sum", "masked_mean"}, dict(base)).items()
-        if k in ("masked_sum", "masked_mean")})
+    base = {
+        "torch": torch,
+        "math": math,
+        "Optional": Optional,
+        "Any": Any,
+        "ActorConfig": Any,
+        "DataProto": Any,
+        "RolloutCorrectionConfig": Any,
+        "PolicyLossConfig": Any,
+    }
+    verl_F = types.SimpleNamespace(
+        **{
+            k: v
+            for k, v in extract(
+                "utils/torch_functional.py", {"masked_sum", "masked_mean"}, dict(base)
+            ).items()
+            if k in ("masked_sum", "masked_mean")
+        }
+    )
     ns = dict(base, verl_F=verl_F)
-    extract("trainer/ppo/rollout_corr_helper.py", {
-        "_parse_rollout_is_threshold", "_parse_rollout_rs_thresholds", "compute_rollout_rejection_mask",
-        "compute_rs_metrics", "compute_rollout_correction_weights", "compute_is_metrics", "compute_offpolicy_metrics",
-    }, ns)
-    extract("trainer/ppo/core_algos.py", {"agg_loss", "compute_policy_loss_vanilla", "kl_penalty_forward"}, ns)
-    extract("utils/debug/metrics.py", {"pearson_correlation_coefficient", "calculate_log_prob_diff"}, ns)
+    extract(
+        "trainer/ppo/rollout_corr_helper.py",
+        {
+            "_parse_rollout_is_threshold",
+            "_parse_rollout_rs_thresholds",
+            "compute_rollout_rejection_mask",
+            "compute_rs_metrics",
+            "compute_rollout_correction_weights",
+            "compute_is_metrics",
+            "compute_offpolicy_metrics",
+        },
+        ns,
+    )
+    extract(
+        "trainer/ppo/core_algos.py",
+        {"agg_loss", "compute_policy_loss_vanilla", "kl_penalty_forward"},
+        ns,
+    )
+    extract(
+        "utils/debug/metrics.py", {"pearson_correlation_coefficient", "calculate_log_prob_diff"}, ns
+    )
     ns["AlgoConfig"] = type("AlgoConfig", (), {})
     return ns
 
 
 VERL = _load_verl()
-needs_verl = pytest.mark.skipif(VERL is None, reason="verl not installed (scripts/setup_cpu.sh installs it)")
+needs_verl = pytest.mark.skipif(
+    VERL is None, reason="no verl source (scripts/setup_cpu.sh unpacks it)"
+)
 
 
 def random_batch(B=6, T=9, scale=0.3, seed=0, empty_rows=False):
@@ -103,8 +139,12 @@ def test_masked_reductions_hand_values_and_nan_padding():
     assert C.masked_mean(x, mask).item() == 13.0 / 4
     assert C.masked_mean(x, mask, dim=-1).tolist() == [1.5, 5.0, 0.0]  # all-padding row -> 0
     assert C.masked_sum(x, mask, dim=-1).tolist() == [3.0, 10.0, 0.0]
-    assert C.masked_var(x, mask, unbiased=False).item() == pytest.approx(((1 - 3.25) ** 2 + (2 - 3.25) ** 2 + (4 - 3.25) ** 2 + (6 - 3.25) ** 2) / 4)
-    assert C.masked_var(x, mask).item() == pytest.approx(((1 - 3.25) ** 2 + (2 - 3.25) ** 2 + (4 - 3.25) ** 2 + (6 - 3.25) ** 2) / 3)
+    assert C.masked_var(x, mask, unbiased=False).item() == pytest.approx(
+        ((1 - 3.25) ** 2 + (2 - 3.25) ** 2 + (4 - 3.25) ** 2 + (6 - 3.25) ** 2) / 4
+    )
+    assert C.masked_var(x, mask).item() == pytest.approx(
+        ((1 - 3.25) ** 2 + (2 - 3.25) ** 2 + (4 - 3.25) ** 2 + (6 - 3.25) ** 2) / 3
+    )
     white = C.masked_whiten(x, mask, shift_mean=False)
     assert torch.isfinite(white).all() and white[0, 2] == 0
     assert C.masked_mean(white, mask).item() == pytest.approx(3.25)  # mean kept
@@ -126,7 +166,9 @@ def test_token_divergences_and_kl_penalty_hand_values():
     assert C.kl_penalty(lp, ref, "k1").tolist() == [0.5, -1.0]
     assert C.kl_penalty(lp, ref, "abs").tolist() == [0.5, 1.0]
     assert C.kl_penalty(lp, ref, "mse").tolist() == [0.125, 0.5]
-    assert C.kl_penalty(lp, ref, "low_var_kl").tolist() == pytest.approx([math.exp(-0.5) - 1 + 0.5, math.exp(1) - 1 - 1])
+    assert C.kl_penalty(lp, ref, "low_var_kl").tolist() == pytest.approx(
+        [math.exp(-0.5) - 1 + 0.5, math.exp(1) - 1 - 1]
+    )
     with pytest.raises(ValueError, match="kl penalty kind"):
         C.kl_penalty(lp, ref, "k4")
 
@@ -135,7 +177,11 @@ def test_token_divergences_and_kl_penalty_hand_values():
 @pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])
 def test_kl_penalty_matches_verl(kind):
     train, rollout, _ = random_batch(scale=1.0)
-    assert torch.allclose(C.kl_penalty(train, rollout, kind), VERL["kl_penalty_forward"](train, rollout, kind), atol=1e-12)
+    assert torch.allclose(
+        C.kl_penalty(train, rollout, kind),
+        VERL["kl_penalty_forward"](train, rollout, kind),
+        atol=1e-12,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -152,26 +198,31 @@ def test_is_weights_hand_values():
     assert close(w, [[1.5, 1.5, 1.5], [1.8, 1.8, 0.0]])  # 0.5*3*1 and 1.5*1.2
     w, _ = C.compute_is_weights(log_ratio, mask, "sequence", 1.6)
     assert close(w, [[1.5, 1.5, 1.5], [1.6, 1.6, 0.0]])
-    w, m = C.compute_is_weights(log_ratio, mask, "token", "0.8_2.0")  # IcePop: outside the band -> 0
+    # IcePop: outside the band -> 0
+    w, m = C.compute_is_weights(log_ratio, mask, "token", "0.8_2.0")
     assert close(w, [[0.0, 0.0, 1.0], [1.5, 1.2, 0.0]])
     assert m["rollout_is_oob_ratio"].item() == pytest.approx(2 / 5)
     w, m = C.compute_is_weights(log_ratio, mask, "token", 2.0, batch_normalize=True)
     assert C.masked_mean(w, mask).item() == pytest.approx(1.0)
     assert m["rollout_is_batch_norm_factor"].item() == pytest.approx((0.5 + 2 + 1 + 1.5 + 1.2) / 5)
     w, m = C.compute_is_weights(log_ratio, mask, "sequence", 2.0, batch_normalize=True)
-    assert ((1.5 + 1.8) / 2) == pytest.approx(m["rollout_is_batch_norm_factor"].item())  # over sequences
+    # over sequences
+    assert ((1.5 + 1.8) / 2) == pytest.approx(m["rollout_is_batch_norm_factor"].item())
     assert w[0, 0].item() == pytest.approx(1.5 / 1.65)
 
 
 def test_is_weight_is_a_stop_gradient():
-    """autograd through reinforce_loss gives w * grad log pi, without the log pi * grad w term."""
+    """autograd through the REINFORCE term times the IS weights (as the trainers apply them) gives
+    w * grad log pi, without the log pi * grad w term."""
     logprobs = torch.tensor([[-0.7, -1.2]], requires_grad=True)
     rollout = torch.tensor([[-0.9, -1.0]])
     adv, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
     w, _ = C.compute_is_weights(logprobs - rollout, mask, "token", 5.0)
-    loss, _ = C.reinforce_loss(logprobs, adv, mask, w, agg_mode="token-sum")
+    token_losses, _ = C.reinforce_token_loss(logprobs, adv, mask)
+    loss = C.agg_loss(token_losses * w, mask, "token-sum")
     loss.backward()
-    expected = -(torch.exp(logprobs.detach() - rollout) * adv)  # d/dlogp of -w*A*logp with w constant
+    # d/dlogp of -w * A * logp with w constant
+    expected = -(torch.exp(logprobs.detach() - rollout) * adv)
     assert torch.allclose(logprobs.grad, expected)
     # the naive version (no detach) would differ: it adds -A * logp * w
     naive_grad = expected - adv * logprobs.detach() * torch.exp(logprobs.detach() - rollout)
@@ -185,7 +236,9 @@ def test_is_weight_is_a_stop_gradient():
 def test_is_weights_match_verl(level, threshold, normalize):
     train, rollout, mask = random_batch(scale=0.4, seed=3)
     ours, ours_m = C.compute_is_weights(train - rollout, mask, level, threshold, normalize)
-    theirs, theirs_m = VERL["compute_rollout_correction_weights"](train - rollout, mask, level, threshold, normalize)
+    theirs, theirs_m = VERL["compute_rollout_correction_weights"](
+        train - rollout, mask, level, threshold, normalize
+    )
     assert torch.allclose(ours, theirs, atol=1e-6)
     assert_metrics_match(ours_m, theirs_m)
 
@@ -194,16 +247,24 @@ def test_is_weights_match_verl(level, threshold, normalize):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("threshold", [math.inf, "inf"])
 def test_infinite_is_threshold_is_vanilla_is_and_matches_verl(level, threshold):
-    train, rollout, mask = random_batch(scale=1.0, seed=3)  # large ratios: any truncation would show
+    # large ratios: any truncation would show
+    train, rollout, mask = random_batch(scale=1.0, seed=3)
     ours, ours_m = C.compute_is_weights(train - rollout, mask, level, threshold)
-    raw = torch.exp(train - rollout) if level == "token" else torch.exp(
-        C.masked_sum(train - rollout, mask, dim=-1))[:, None].expand_as(mask)
+    raw = (
+        torch.exp(train - rollout)
+        if level == "token"
+        else torch.exp(C.masked_sum(train - rollout, mask, dim=-1))[:, None].expand_as(mask)
+    )
     assert raw[mask.bool()].max() > 5  # far above a usual C = 2
     assert torch.allclose(ours, torch.where(mask.bool(), raw, torch.zeros(())), rtol=1e-12)
-    theirs, theirs_m = VERL["compute_rollout_correction_weights"](train - rollout, mask, level, threshold)
+    theirs, theirs_m = VERL["compute_rollout_correction_weights"](
+        train - rollout, mask, level, threshold
+    )
     assert torch.allclose(ours, theirs, rtol=1e-6)
     assert_metrics_match(ours_m, theirs_m)
-    assert C.RolloutCorrection.from_name("decoupled_token_vanilla_is").rollout_is_threshold == math.inf
+    assert (
+        C.RolloutCorrection.from_name("decoupled_token_vanilla_is").rollout_is_threshold == math.inf
+    )
 
 
 @pytest.mark.parametrize("threshold", ["nan", "-inf", "inf_inf", 0.0])
@@ -226,65 +287,97 @@ def test_rejection_hand_values():
     assert metrics["rollout_rs_seq_masked_fraction"].item() == pytest.approx(2 / 3)
     m, _ = C.rejection_mask(log_ratio, mask, "seq_sum_k1", "0.5_2.0")  # products 3, 0.99, 0.2
     assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
-    m, _ = C.rejection_mask(log_ratio, mask, "geometric", "0.9_1.1")  # legacy name of seq_mean_k1: 3^(1/3) fails
+    # legacy name of seq_mean_k1: 3^(1/3) fails
+    m, _ = C.rejection_mask(log_ratio, mask, "geometric", "0.9_1.1")
     assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
     k3 = torch.expm1(log_ratio) - log_ratio
-    m, _ = C.rejection_mask(log_ratio, mask, "seq_max_k3", 0.5)  # max k3: 3-1-ln3=0.90, 0.0053, 0.2-1-ln0.2=0.81
+    # max k3: 3-1-ln3=0.90, 0.0053, 0.2-1-ln0.2=0.81
+    m, _ = C.rejection_mask(log_ratio, mask, "seq_max_k3", 0.5)
     assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
     seq_mean_k3 = C.masked_mean(k3, mask, dim=-1)
-    m, _ = C.rejection_mask(log_ratio, mask, "seq_mean_k3", float(seq_mean_k3[0]) + 1e-9)  # 0.30 vs 0.0035, 0.40
+    # 0.30 vs 0.0035, 0.40
+    m, _ = C.rejection_mask(log_ratio, mask, "seq_mean_k3", float(seq_mean_k3[0]) + 1e-9)
     assert m.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0]]
     m, _ = C.rejection_mask(log_ratio, mask, "token_k2", 0.5 * math.log(0.9) ** 2 + 1e-9)
     assert m.tolist() == [[1, 0, 1], [1, 1, 1], [0, 1, 0]]
-    m, _ = C.rejection_mask(log_ratio, mask, "token_k1,seq_sum_k2", "0.5_2.0,0.02")  # both must pass
+    # both must pass
+    m, _ = C.rejection_mask(log_ratio, mask, "token_k1,seq_sum_k2", "0.5_2.0,0.02")
     assert m.tolist() == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
 
 
 def test_rejection_asymmetric_k1_follows_the_math_document():
-    """rho = 2.5 with bounds 0.5_3.0: accepted by C_lower <= rho <= C_upper; verl would test 1/rho = 0.4 instead."""
+    """rho = 2.5 with bounds 0.5_3.0: accepted by C_lower <= rho <= C_upper; verl would test 1/rho =
+    0.4 instead."""
     log_ratio, mask = torch.log(torch.tensor([[2.5, 0.4]])), torch.ones(1, 2)
     m, _ = C.rejection_mask(log_ratio, mask, "token_k1", "0.5_3.0")
     assert m.tolist() == [[1, 0]]
 
 
-@pytest.mark.parametrize("option, threshold, match", [
-    ("token_k4", 2.0, "unknown option"), ("token_k2", "0.5_2.0", "single upper bound"),
-    ("token_k1", "2.0_0.5", "lower bound"), ("token_k1", -1.0, "positive"), ("token_k1", "abc", "rollout_rs_threshold"),
-    ("token_k1,seq_mean_k3", "1_2,3,4", "1 or 2"), ("seq_mean_k3", None, "required"), ("", 1.0, "non-empty"),
-])
+@pytest.mark.parametrize(
+    "option, threshold, match",
+    [
+        ("token_k4", 2.0, "unknown option"),
+        ("token_k2", "0.5_2.0", "single upper bound"),
+        ("token_k1", "2.0_0.5", "lower bound"),
+        ("token_k1", -1.0, "positive"),
+        ("token_k1", "abc", "rollout_rs_threshold"),
+        ("token_k1,seq_mean_k3", "1_2,3,4", "1 or 2"),
+        ("seq_mean_k3", None, "required"),
+        ("", 1.0, "non-empty"),
+    ],
+)
 def test_rejection_bad_settings_raise(option, threshold, match):
     with pytest.raises(ValueError, match=match):
         C.rejection_mask(torch.zeros(1, 2), torch.ones(1, 2), option, threshold)
 
 
 @needs_verl
-@pytest.mark.parametrize("option, threshold", [
-    ("token_k1", 1.3), ("token_k1", "0.8_1.25"), ("seq_sum_k1", "0.8_1.25"), ("seq_mean_k1", "0.95_1.0526315789"),
-    ("token_k2", 0.02), ("token_k3", 0.02), ("seq_sum_k2", 0.1), ("seq_sum_k3", 0.1), ("seq_mean_k2", 0.02),
-    ("seq_mean_k3", 0.02), ("seq_max_k2", 0.05), ("seq_max_k3", 0.05), ("token_k1,seq_mean_k3", "0.7_1.4285714286,0.03"),
-])
+@pytest.mark.parametrize(
+    "option, threshold",
+    [
+        ("token_k1", 1.3),
+        ("token_k1", "0.8_1.25"),
+        ("seq_sum_k1", "0.8_1.25"),
+        ("seq_mean_k1", "0.95_1.0526315789"),
+        ("token_k2", 0.02),
+        ("token_k3", 0.02),
+        ("seq_sum_k2", 0.1),
+        ("seq_sum_k3", 0.1),
+        ("seq_mean_k2", 0.02),
+        ("seq_mean_k3", 0.02),
+        ("seq_max_k2", 0.05),
+        ("seq_max_k3", 0.05),
+        ("token_k1,seq_mean_k3", "0.7_1.4285714286,0.03"),
+    ],
+)
 def test_rejection_masks_and_metrics_match_verl_for_symmetric_bounds(option, threshold):
-    """The mask and verl's whole metric set: the same keys, names, signs (k1 = -log rho) and values."""
+    """The mask and verl's whole metric set: the same keys, names, signs (k1 = -log rho) and
+    values."""
     train, rollout, mask = random_batch(B=16, T=12, scale=0.25, seed=5)
     ours, ours_m = C.rejection_mask(train - rollout, mask, option, threshold)
-    theirs, theirs_m = VERL["compute_rollout_rejection_mask"](train - rollout, mask, option, threshold)
+    theirs, theirs_m = VERL["compute_rollout_rejection_mask"](
+        train - rollout, mask, option, threshold
+    )
     assert torch.equal(ours.bool(), theirs.bool())
     assert 0 < ours.sum() < mask.sum()  # the case is not trivial
     assert set(ours_m) == set(theirs_m)
     assert_metrics_match(ours_m, theirs_m)
-    for name in C.parse_rs_options(option):  # not trivially zero: some values are above, some below the bounds
+    # not trivially zero: some values are above, some below the bounds
+    for name in C.parse_rs_options(option):
         assert theirs_m[f"rollout_rs_{name}_std"] > 0 and theirs_m[f"rollout_rs_{name}_seq_std"] > 0
 
 
 def test_rejection_k1_metrics_use_the_k1_sign_and_name_high_for_small_rho():
-    """k1 = -log rho: a token with rho = 1/3 has k1 = log 3 > log 2, above its upper bound ("fraction_high")."""
+    """k1 = -log rho: a token with rho = 1/3 has k1 = log 3 > log 2, above its upper bound
+    ("fraction_high")."""
     log_ratio, mask = torch.log(torch.tensor([[1.0 / 3.0, 1.0, 1.0, 1.0]])), torch.ones(1, 4)
     _, m = C.rejection_mask(log_ratio, mask, "token_k1", 2.0)
     assert m["rollout_rs_token_k1_max"].item() == pytest.approx(math.log(3))
     assert m["rollout_rs_token_k1_mean"].item() == pytest.approx(math.log(3) / 4)
     assert m["rollout_rs_token_k1_fraction_high"].item() == pytest.approx(0.25)
     assert m["rollout_rs_token_k1_fraction_low"].item() == 0.0
-    assert m["rollout_rs_token_k1_std"].item() == pytest.approx(math.sqrt(3) / 4 * math.log(2))  # clamped to log 2
+    # clamped to log 2
+    assert m["rollout_rs_token_k1_std"].item() == pytest.approx(math.sqrt(3) / 4 * math.log(2))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,7 +410,9 @@ def test_offpolicy_metrics_hand_values():
     assert m["rollout_corr/kl"] == pytest.approx(-math.log(2) / 2)
     assert m["rollout_corr/chi2_token"] == pytest.approx((4 + 1) / 2 - 1)
     assert m["rollout_corr/chi2_seq"] == pytest.approx(4 - 1)
-    assert m["rollout_corr/training_ppl"] == pytest.approx(math.exp(-(math.log(0.5) + math.log(0.25)) / 2))
+    assert m["rollout_corr/training_ppl"] == pytest.approx(
+        math.exp(-(math.log(0.5) + math.log(0.25)) / 2)
+    )
 
 
 @needs_verl
@@ -325,16 +420,20 @@ def test_offpolicy_metrics_match_verl():
     train, rollout, mask = random_batch(B=8, T=10, scale=0.3, seed=11)
     train = train.clamp(max=0)  # real log-probabilities (random_batch's noise can push one above 0)
     ours = C.offpolicy_metrics(train, rollout, mask)
-    assert_metrics_match(ours, VERL["compute_offpolicy_metrics"](train, rollout, mask), prefix="rollout_corr/")
+    assert_metrics_match(
+        ours, VERL["compute_offpolicy_metrics"](train, rollout, mask), prefix="rollout_corr/"
+    )
     # verl utils/debug/metrics.py calculate_debug_metrics, step by step on the same tensors
     valid = mask.bool()
     train_p, rollout_p = torch.exp(train), torch.exp(rollout)
     diff = VERL["calculate_log_prob_diff"](train_p, rollout_p, valid)
     assert ours["training/rollout_probs_diff_max"] == pytest.approx(torch.max(diff).item())
     assert ours["training/rollout_probs_diff_mean"] == pytest.approx(torch.mean(diff).item())
-    assert ours["training/rollout_probs_diff_std"] == pytest.approx(torch.std(diff).item())  # unbiased
+    # unbiased
+    assert ours["training/rollout_probs_diff_std"] == pytest.approx(torch.std(diff).item())
     assert ours["training/rollout_actor_probs_pearson_corr"] == pytest.approx(
-        VERL["pearson_correlation_coefficient"](train_p, rollout_p, valid))
+        VERL["pearson_correlation_coefficient"](train_p, rollout_p, valid)
+    )
     assert 0.5 < ours["training/rollout_actor_probs_pearson_corr"] < 1.0
     assert ours["training/rollout_probs_diff_valid"] == 1.0
 
@@ -350,7 +449,9 @@ def test_agg_loss_hand_values():
     assert C.agg_loss(loss, mask, "token-mean").item() == pytest.approx(18 / 5)
     assert C.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
     assert C.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
-    assert C.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((3 + 15) / 2 / 3)
+    assert C.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(
+        (3 + 15) / 2 / 3
+    )
     assert C.agg_loss(loss, mask, "token-sum").item() == pytest.approx(18)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         C.agg_loss(loss, mask, "seq-sum")
@@ -360,22 +461,43 @@ def test_agg_loss_hand_values():
 @pytest.mark.parametrize("mode", C.AGG_MODES)
 def test_agg_loss_matches_verl(mode):
     train, _, mask = random_batch(B=7, T=8, seed=2)
-    assert C.agg_loss(train, mask, mode).item() == pytest.approx(VERL["agg_loss"](train, mask, mode).item(), abs=1e-6)
+    assert C.agg_loss(train, mask, mode).item() == pytest.approx(
+        VERL["agg_loss"](train, mask, mode).item(), abs=1e-6
+    )
 
 
-def test_ppo_clip_loss_hand_values():
+def decoupled_pg_loss(logprobs, old_logprobs, advantages, mask, is_weights=None, mode="token-mean"):
+    """The decoupled policy-gradient term as grpo.update_policy and ppo_rlhf.update_policy compose it
+    from corrections.py: the clipped surrogate (clip 0.2 / 0.28, dual-clip 3), times the IS weights,
+    aggregated over the mask."""
+    losses, metrics = C.ppo_clip_token_loss(
+        logprobs, old_logprobs, advantages, mask, 0.2, 0.28, 3.0
+    )
+    if is_weights is not None:
+        losses = losses * is_weights
+    return C.agg_loss(losses, mask, mode), metrics
+
+
+def test_ppo_clip_token_loss_hand_values():
     old = torch.zeros(1, 4)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 5.0]]))
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
-    loss, m = C.ppo_clip_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, clip_c=3.0, agg_mode="token-sum")
-    # token 1: max(-1.5, -1.28) = -1.28 (clipped); 2: max(-0.5, -0.8) = -0.5; 3: max(1.1, 1.1) = 1.1;
-    # 4: max(5, 1.28) = 5 -> dual-clip min(5, 3) = 3
-    assert loss.item() == pytest.approx(-1.28 - 0.5 + 1.1 + 3.0)
+    losses, m = C.ppo_clip_token_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, clip_c=3.0)
+    # token 1: max(-1.5, -1.28) = -1.28 (clipped); 2: max(-0.5, -0.8) = -0.5; 3: max(1.1, 1.1) =
+    # 1.1; 4: max(5, 1.28) = 5 -> dual-clip min(5, 3) = 3
+    assert losses[0].tolist() == pytest.approx([-1.28, -0.5, 1.1, 3.0])
     assert m["pg_clipfrac"] == pytest.approx(1 / 4)
     assert m["pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    # the IS weights multiply after clipping
     w = torch.tensor([[2.0, 1.0, 1.0, 0.5]])
-    loss_w, _ = C.ppo_clip_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, 3.0, "token-sum", is_weights=w)
-    assert loss_w.item() == pytest.approx(-2.56 - 0.5 + 1.1 + 1.5)  # weights multiply after clipping
+    loss_w, _ = decoupled_pg_loss(new, old, adv, torch.ones(1, 4), w, "token-sum")
+    assert loss_w.item() == pytest.approx(-2.56 - 0.5 + 1.1 + 1.5)
+    # the anchor decides what is clipped: against pi_rollout (bypass) r = e is clipped, no gradient
+    lp = torch.zeros(1, 2, requires_grad=True)
+    rollout = torch.full((1, 2), -1.0)
+    losses, _ = C.ppo_clip_token_loss(lp, rollout, torch.ones(1, 2), torch.ones(1, 2))
+    losses.sum().backward()
+    assert losses[0].tolist() == pytest.approx([-1.2, -1.2]) and torch.all(lp.grad == 0)
 
 
 @needs_verl
@@ -384,22 +506,34 @@ def test_ppo_clip_loss_matches_verl(mode):
     train, rollout, mask = random_batch(B=8, T=10, scale=0.4, seed=9)
     adv = torch.randn(8, 10, generator=torch.Generator().manual_seed(1))
     w, _ = C.compute_is_weights(train - rollout, mask, "token", 2.0)
-    config = types.SimpleNamespace(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={},
-                                   get=lambda key, default: 3.0)
-    theirs, theirs_m = VERL["compute_policy_loss_vanilla"](rollout, train, adv, mask, mode, config, w)
-    ours, ours_m = C.ppo_clip_loss(train, rollout, adv, mask, 0.2, 0.28, 3.0, mode, w)
+    config = types.SimpleNamespace(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        global_batch_info={},
+        get=lambda key, default: 3.0,
+    )
+    theirs, theirs_m = VERL["compute_policy_loss_vanilla"](
+        rollout, train, adv, mask, mode, config, w
+    )
+    ours, ours_m = decoupled_pg_loss(train, rollout, adv, mask, w, mode)
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     for key in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
         assert ours_m[key] == pytest.approx(theirs_m[f"actor/{key}"], abs=1e-6)
 
 
 def test_tis_paper_estimators_at_equal_policies():
-    """With pi_sampler = pi_learner = pi_old every estimator is plain REINFORCE-like PPO: same value, same gradient."""
+    """With pi_sampler = pi_learner = pi_old every estimator is plain REINFORCE-like PPO: same
+    value, same gradient."""
     lp = torch.tensor([[-0.3, -1.4]], requires_grad=True)
     adv = torch.tensor([[0.5, -1.0]])
     grads = []
-    for fn in (lambda: C.naive_ppo_token_loss(lp, lp.detach(), adv), lambda: C.vanilla_is_token_loss(lp, lp.detach(), adv),
-               lambda: C.ppo_is_token_loss(lp, lp.detach(), adv), lambda: C.tis_ppo_token_loss(lp, lp.detach(), lp.detach(), adv)):
+    for fn in (
+        lambda: C.naive_ppo_token_loss(lp, lp.detach(), adv),
+        lambda: C.vanilla_is_token_loss(lp, lp.detach(), adv),
+        lambda: C.ppo_is_token_loss(lp, lp.detach(), adv),
+        lambda: C.tis_ppo_token_loss(lp, lp.detach(), lp.detach(), adv),
+    ):
         lp.grad = None
         fn().sum().backward()
         grads.append(lp.grad.clone())
@@ -413,11 +547,14 @@ def test_tis_paper_estimators_at_equal_policies():
     lp.grad = None
     C.tis_ppo_token_loss(lp, lp.detach(), rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
     assert torch.all(lp.grad != 0)
-    # cap = inf is vanilla IS in the PPO form: the weight e^0.5 = 1.65 survives; the default C = 2 caps a larger one
+    # cap = inf is vanilla IS in the PPO form: the weight e^0.5 = 1.65 survives; the default C = 2
+    # caps a larger one
     far = lp.detach() - torch.tensor([[0.5, 1.5]])  # weights e^0.5, e^1.5 = 4.48
     vanilla = C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2), cap=math.inf)
     assert torch.allclose(vanilla, -torch.exp(torch.tensor([[0.5, 1.5]])))
-    assert C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2))[0, 1].item() == pytest.approx(-2.0)
+    assert C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2))[
+        0, 1
+    ].item() == pytest.approx(-2.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,54 +572,94 @@ def test_every_preset_runs_and_gives_finite_gradients(name):
     assert "training/rollout_probs_diff_max" in metrics and "rollout_corr/kl" in metrics
     assert all(k.startswith(("rollout_corr/", "training/")) for k in metrics)
     logprobs = train.clone().requires_grad_()
-    loss, loss_metrics = C.policy_loss(config, logprobs, train, rollout, adv, new_mask if not config.bypass_mode else mask,
-                                       is_weights=weights, clip_c=3.0)
+    loss = preset_pg_loss(config, logprobs, train, rollout, adv, mask, weights, new_mask)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
 
 
 def test_presets_match_verl_definitions():
     p = C.RolloutCorrection
-    assert p.from_name("decoupled_seq_is_rs") == p(rollout_is="sequence", rollout_is_threshold=2.0,
-                                                   rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0")
-    assert p.from_name("bypass_pg_geo_rs_token_tis") == p(rollout_is="token", rollout_rs="seq_mean_k1",
-                                               rollout_rs_threshold="0.999_1.001", bypass_mode=True,
-                                               loss_type="reinforce")
+    assert p.from_name("decoupled_seq_is_rs") == p(
+        rollout_is="sequence",
+        rollout_is_threshold=2.0,
+        rollout_rs="seq_sum_k1",
+        rollout_rs_threshold="0.5_2.0",
+    )
+    assert p.from_name("bypass_pg_geo_rs_token_tis") == p(
+        rollout_is="token",
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold="0.999_1.001",
+        bypass_mode=True,
+        loss_type="reinforce",
+    )
     assert p.from_name("decoupled_token_icepop").rollout_is_threshold == "0.5_5.0"
 
 
 def test_older_document_presets_keep_their_definitions():
-    """The 2025-11-04 version of verl's rollout-correction math doc, section 3.7: pg_rs and decoupled_geo_rs are "geometric RS + veto" with
-    bounds 1/1.001..1.001 and veto 1e-4; ppo_is_bypass is bypass PPO with token IS; pg_is is bypass_pg_is. The newer
-    document's bypass_pg_rs is bypass_pg_geo_rs; every name either document uses is accepted."""
+    """The 2025-11-04 version of verl's rollout-correction math doc, section 3.7: pg_rs and
+    decoupled_geo_rs are "geometric RS + veto" with bounds 1/1.001..1.001 and veto 1e-4;
+    ppo_is_bypass is bypass PPO with token IS; pg_is is bypass_pg_is. The newer document's
+    bypass_pg_rs is bypass_pg_geo_rs; every name either document uses is accepted."""
     p = C.RolloutCorrection
-    assert p.from_name("pg_rs") == p(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
-                                     rollout_token_veto_threshold=1e-4, bypass_mode=True, loss_type="reinforce")
-    assert p.from_name("decoupled_geo_rs_veto") == p(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001,
-                                                     rollout_token_veto_threshold=1e-4)
-    assert p.from_name("ppo_is_bypass") == p(rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True)
+    assert p.from_name("pg_rs") == p(
+        rollout_rs="seq_mean_k1",
+        rollout_rs_threshold=1.001,
+        rollout_token_veto_threshold=1e-4,
+        bypass_mode=True,
+        loss_type="reinforce",
+    )
+    assert p.from_name("decoupled_geo_rs_veto") == p(
+        rollout_rs="seq_mean_k1", rollout_rs_threshold=1.001, rollout_token_veto_threshold=1e-4
+    )
+    assert p.from_name("ppo_is_bypass") == p(
+        rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True
+    )
     assert p.from_name("pg_is") == p.from_name("bypass_pg_is")
     assert p.from_name("bypass_pg_rs") == p.from_name("bypass_pg_geo_rs")
     assert p.from_name("geo_rs_seq_tis") == p.from_name("decoupled_geo_rs_seq_tis")
-    for name in ("decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs", "ppo_is_bypass",
-                 "pg_rs", "pg_is", "disabled", "bypass_pg_rs", "geo_rs_seq_tis"):  # every name in the two documents
+    for name in (
+        "decoupled_token_is",
+        "decoupled_seq_is",
+        "decoupled_seq_is_rs",
+        "decoupled_geo_rs",
+        "ppo_is_bypass",
+        # every name in the two documents
+        "pg_rs",
+        "pg_is",
+        "disabled",
+        "bypass_pg_rs",
+        "geo_rs_seq_tis",
+    ):
         p.from_name(name)
-    # pg_rs's bounds really are 1/1.001 .. 1.001 (geometric mean) and its veto drops a sequence with rho_t < 1e-4
+    # pg_rs's bounds really are 1/1.001 .. 1.001 (geometric mean) and its veto drops a sequence with
+    # rho_t < 1e-4
     log_ratio = torch.log(torch.tensor([[1.0009, 1.0009], [0.9990005, 0.9990005], [1e-5, 1e5]]))
-    _, mask, metrics = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.from_name("pg_rs"))
-    assert mask.tolist() == [[1, 1], [0, 0], [0, 0]]  # 0.9990005 < 1/1.001 = 0.999000999; row 3: vetoed
+    _, mask, metrics = C.apply_rollout_correction(
+        log_ratio, torch.zeros(3, 2), torch.ones(3, 2), p.from_name("pg_rs")
+    )
+    # 0.9990005 < 1/1.001 = 0.999000999; row 3: vetoed
+    assert mask.tolist() == [[1, 1], [0, 0], [0, 0]]
     bypass_pg_geo_rs = p.from_name("bypass_pg_geo_rs")
-    _, mask, _ = C.apply_rollout_correction(log_ratio, torch.zeros(3, 2), torch.ones(3, 2), bypass_pg_geo_rs)
-    assert mask.tolist() == [[1, 1], [1, 1], [1, 1]]  # the newer preset: 0.999 <= rho_geo, no veto (row 3: 1)
+    _, mask, _ = C.apply_rollout_correction(
+        log_ratio, torch.zeros(3, 2), torch.ones(3, 2), bypass_pg_geo_rs
+    )
+    # the newer preset: 0.999 <= rho_geo, no veto (row 3: 1)
+    assert mask.tolist() == [[1, 1], [1, 1], [1, 1]]
     assert metrics["rollout_corr/rollout_is_veto_fraction"] == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(loss_type="reinforce"), "bypass_mode"), (dict(rollout_is="tokens"), "rollout_is"),
-    (dict(rollout_is="token", rollout_is_threshold="3_1"), "lower bound"), (dict(loss_type="pg"), "loss_type"),
-    (dict(rollout_is="token", rollout_is_threshold=0), "positive"), (dict(rollout_rs="seq_mean_k3"), "required"),
-    (dict(rollout_token_veto_threshold=-1.0), "veto"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(loss_type="reinforce"), "bypass_mode"),
+        (dict(rollout_is="tokens"), "rollout_is"),
+        (dict(rollout_is="token", rollout_is_threshold="3_1"), "lower bound"),
+        (dict(loss_type="pg"), "loss_type"),
+        (dict(rollout_is="token", rollout_is_threshold=0), "positive"),
+        (dict(rollout_rs="seq_mean_k3"), "required"),
+        (dict(rollout_token_veto_threshold=-1.0), "veto"),
+    ],
+)
 def test_invalid_settings_raise_value_error_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         C.RolloutCorrection(**kwargs)
@@ -490,19 +667,21 @@ def test_invalid_settings_raise_value_error_naming_the_field(kwargs, match):
         C.RolloutCorrection.from_name("decoupled_tis")
 
 
-def test_decoupled_vs_bypass_use_the_right_anchor():
-    """bypass ppo_clip clips pi_theta / pi_rollout; decoupled clips pi_theta / pi_old."""
-    old = torch.zeros(1, 2)
-    rollout = torch.full((1, 2), -1.0)  # pi_theta / pi_rollout = e: clipped
-    adv, mask = torch.ones(1, 2), torch.ones(1, 2)
-    lp = old.clone().requires_grad_()
-    loss, _ = C.policy_loss(C.RolloutCorrection.from_name("bypass_ppo_clip"), lp, old, rollout, adv, mask)
-    loss.backward()
-    assert loss.item() == pytest.approx(-1.2) and torch.all(lp.grad == 0)
-    lp.grad = None
-    loss, _ = C.policy_loss(C.RolloutCorrection.from_name("disabled"), lp, old, rollout, adv, mask)
-    loss.backward()
-    assert loss.item() == pytest.approx(-1.0) and torch.all(lp.grad != 0)
+def preset_pg_loss(config, logprobs, old, rollout, adv, mask, weights, new_mask, mode="token-mean"):
+    """A preset's policy-gradient term as the trainers' update_policy composes it: decoupled, the
+    weights and mask of apply_rollout_correction(old, rollout); bypass, the correction of the
+    current logprobs against pi_rollout (no weights for PPO-clip: its ratio is the IS ratio)."""
+    if config.bypass_mode:
+        weights, new_mask, _ = C.apply_rollout_correction(logprobs.detach(), rollout, mask, config)
+        old = rollout
+    if config.loss_type == "reinforce":
+        losses, _ = C.reinforce_token_loss(logprobs, adv, new_mask)
+    else:
+        losses, _ = C.ppo_clip_token_loss(logprobs, old, adv, new_mask, 0.2, 0.2, 3.0)
+        weights = None if config.bypass_mode else weights
+    if weights is not None:
+        losses = losses * weights
+    return C.agg_loss(losses, new_mask, mode)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -527,13 +706,26 @@ def test_property_padding_never_changes_a_result(batch, option, level):
     garbage = torch.where(mask, log_ratio, torch.tensor(float("nan")))
     other = torch.where(mask, log_ratio, torch.tensor(123.0))
     threshold = "0.5_2.0" if option.endswith("k1") else 0.1
-    for a, b in [(C.rejection_mask(garbage, mask, option, threshold)[0], C.rejection_mask(other, mask, option, threshold)[0]),
-                 (C.compute_is_weights(garbage, mask, level)[0], C.compute_is_weights(other, mask, level)[0]),
-                 (C.veto_mask(garbage, mask)[0], C.veto_mask(other, mask)[0])]:
+    for a, b in [
+        (
+            C.rejection_mask(garbage, mask, option, threshold)[0],
+            C.rejection_mask(other, mask, option, threshold)[0],
+        ),
+        (
+            C.compute_is_weights(garbage, mask, level)[0],
+            C.compute_is_weights(other, mask, level)[0],
+        ),
+        (C.veto_mask(garbage, mask)[0], C.veto_mask(other, mask)[0]),
+    ]:
         assert torch.equal(a, b)
     adv = torch.ones_like(log_ratio)
-    assert torch.equal(C.ppo_clip_loss(garbage, torch.zeros_like(garbage), adv, mask)[0],
-                       C.ppo_clip_loss(other, torch.zeros_like(other), adv, mask)[0])
+    assert torch.equal(
+        C.ppo_clip_token_loss(garbage, torch.zeros_like(garbage), adv, mask)[0],
+        C.ppo_clip_token_loss(other, torch.zeros_like(other), adv, mask)[0],
+    )
+    assert torch.equal(
+        C.reinforce_token_loss(garbage, adv, mask)[0], C.reinforce_token_loss(other, adv, mask)[0]
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -545,14 +737,21 @@ def test_property_masks_never_gain_ones_and_outputs_stay_finite(batch, preset, m
     rollout = torch.zeros_like(log_ratio)
     weights, new_mask, metrics = C.apply_rollout_correction(log_ratio, rollout, mask, config)
     assert (new_mask <= mask).all()
-    bad = [k for k, v in metrics.items() if not math.isfinite(v) and "ppl" not in k and "chi2" not in k
-           and "pearson" not in k]  # NaN when undefined (one token or a constant), as torch.corrcoef in verl
+    bad = [
+        k
+        for k, v in metrics.items()
+        if not math.isfinite(v)
+        and "ppl" not in k
+        and "chi2" not in k
+        # NaN when undefined (one token or a constant), as torch.corrcoef in verl
+        and "pearson" not in k
+    ]
     assert not bad, (bad, metrics)
     if weights is not None:
         assert torch.isfinite(weights).all() and (weights[mask == 0] == 0).all()
     logprobs = log_ratio.clone().requires_grad_()
-    loss, _ = C.policy_loss(config, logprobs, rollout, rollout, torch.ones_like(mask),
-                            mask if config.bypass_mode else new_mask, is_weights=weights, clip_c=3.0, agg_mode=mode)
+    adv = torch.ones_like(mask)
+    loss = preset_pg_loss(config, logprobs, rollout, rollout, adv, mask, weights, new_mask, mode)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
     if (new_mask if not config.bypass_mode else mask).sum() == 0:
@@ -570,8 +769,9 @@ def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(bann
         banned = torch.zeros(11, dtype=torch.bool)
         banned[banned_id] = True
         tokens[tokens == banned_id] = 0
-    logprobs, entropy = C.token_logprobs_and_entropy(hidden, tokens, 0.7, project=lambda h: h @ weight.T,
-                                                     chunk_size=4, banned=banned)
+    logprobs, entropy = C.token_logprobs_and_entropy(
+        hidden, tokens, 0.7, project=lambda h: h @ weight.T, chunk_size=4, banned=banned
+    )
     logits = (hidden @ weight.T) / 0.7
     if banned is not None:
         logits = logits.masked_fill(banned, -math.inf)
@@ -588,34 +788,40 @@ def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(bann
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
 def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
-    """bf16_frozen_linears_ halves a frozen model's Linear/Conv1D weights; under bf16 autocast the forward is the
-    fp32 model's bit for bit (autocast casts those weights to bf16 anyway), on CPU here as on CUDA."""
+    """bf16_frozen_linears_ halves a frozen model's Linear/Conv1D weights; under bf16 autocast the
+    forward is the fp32 model's bit for bit (autocast casts those weights to bf16 anyway), on CPU
+    here as on CUDA."""
     import copy
 
     import rewards
 
-    model = rewards.build_tiny_model(None, arch=arch, seed=3)[0].float().eval()  # fp32 (this file's default: fp64)
+    # fp32 (this file's default: fp64)
+    model = rewards.build_tiny_model(None, arch=arch, seed=3)[0].float().eval()
     ref = copy.deepcopy(model)
     n_bf16 = rollout.bf16_frozen_linears_(ref)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
     assert 0 < n_bf16 < total - embedding + 1  # the tied embedding / LM head stays fp32
     assert ref.get_output_embeddings().weight.dtype == torch.float32
-    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         expected, got = model(ids).logits, ref(ids).logits
     assert torch.equal(expected, got)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The LM head's precision: TF32 under bf16 autocast on CUDA (corrections.LM_HEAD_TF32), measured on real weights
+# The LM head's precision: TF32 under bf16 autocast on CUDA (corrections.LM_HEAD_TF32), measured on
+# real weights
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def test_tf32_linear_gives_the_linear_product_and_gradients_and_restores_the_setting():
-    """corrections._TF32Linear, the LM head's product on CUDA under bf16 autocast: its forward and both backward
-    products are the plain ones (on CPU, which has no TF32, exactly F.linear's), and the CUDA matmul precision it sets
-    around each product is put back (it is never left on for the rest of the program)."""
+    """corrections._TF32Linear, the LM head's product on CUDA under bf16 autocast: its forward and
+    both backward products are the plain ones (on CPU, which has no TF32, exactly F.linear's), and
+    the CUDA matmul precision it sets around each product is put back (it is never left on for the
+    rest of the program)."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, generator=g, dtype=torch.float32, requires_grad=True)
     weight = torch.randn(11, 5, generator=g, dtype=torch.float32, requires_grad=True)
@@ -631,8 +837,8 @@ def test_tf32_linear_gives_the_linear_product_and_gradients_and_restores_the_set
 
 
 def test_head_precision_rounding_emulation():
-    """bench/head_precision.py's rounding: 7 mantissa bits is bfloat16 exactly (torch rounds to nearest even); 10
-    bits (TF32) keeps the top 19 bits, within half a TF32 ulp, ties to even."""
+    """bench/head_precision.py's rounding: 7 mantissa bits is bfloat16 exactly (torch rounds to
+    nearest even); 10 bits (TF32) keeps the top 19 bits, within half a TF32 ulp, ties to even."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -642,17 +848,20 @@ def test_head_precision_rounding_emulation():
     assert torch.equal(H.round_mantissa(x, 7), x.to(torch.bfloat16).float())
     tf32 = H.round_mantissa(x, 10)
     assert (tf32.view(torch.int32) & 0x1FFF == 0).all()
-    assert ((tf32 - x).abs() <= x.abs() * 2.0 ** -11).all() and (tf32 != x).any()
-    ties = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11], dtype=torch.float32)  # halfway: to the even neighbour
-    assert H.round_mantissa(ties, 10).tolist() == [1.0, 1 + 4 * 2 ** -11]
+    assert ((tf32 - x).abs() <= x.abs() * 2.0**-11).all() and (tf32 != x).any()
+    # halfway: to the even neighbour
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11], dtype=torch.float32)
+    assert H.round_mantissa(ties, 10).tolist() == [1.0, 1 + 4 * 2**-11]
 
 
 def test_lm_head_tf32_error_on_smollm2_is_within_a_quarter_of_bf16_logits():
-    """The head precision choice, measured on SmolLM2-135M-Instruct's real weights (Q4_1-de-quantised) and a real
-    forward's hidden states, against a float64 head: the logprob error of TF32 (the CUDA bf16 path) is <= 1/4 of what
-    bf16-rounded logits (verl's and TRL's head under autocast) cost, max and mean; bf16 inputs with an fp32 output
-    are not (why TF32); the CPU's IEEE fp32 head is ~1e-5. CPU emulation (bench/head_precision.py); the numbers are
-    in docs/corrections.md#lm-head-precision, the real TF32 product is checked by scripts/gpu_check.sh."""
+    """The head precision choice, measured on SmolLM2-135M-Instruct's real weights
+    (Q4_1-de-quantised) and a real forward's hidden states, against a float64 head: the logprob
+    error of TF32 (the CUDA bf16 path) is <= 1/4 of what bf16-rounded logits (verl's and TRL's head
+    under autocast) cost, max and mean; bf16 inputs with an fp32 output are not (why TF32); the
+    CPU's IEEE fp32 head is ~1e-5. CPU emulation (bench/head_precision.py); the numbers are in
+    docs/corrections.md#lm-head-precision, the real TF32 product is checked by
+    scripts/gpu_check.sh."""
     import os
     import sys
 
@@ -665,7 +874,8 @@ def test_lm_head_tf32_error_on_smollm2_is_within_a_quarter_of_bf16_logits():
     errors = H.logprob_errors(H.emulated_logits(hidden, weight), hidden, weight, tokens)
     print({name: f"max {mx:.2e} mean {mean:.2e}" for name, (mx, mean) in errors.items()})
     bf16 = errors["bf16 logits"]
-    assert bf16[0] > 0.05  # the real weights' logits (up to ~43) make bf16 rounding visible: measured 0.108
+    # the real weights' logits (up to ~43) make bf16 rounding visible: measured 0.108
+    assert bf16[0] > 0.05
     assert errors["fp32 (IEEE)"][0] < 1e-4
     assert errors["TF32"][0] <= bf16[0] / 4 and errors["TF32"][1] <= bf16[1] / 4
     assert errors["bf16 inputs, fp32 output"][0] > bf16[0] / 4

@@ -1,18 +1,23 @@
 """The docs match the code.
 
-1. Every `[name](../file.py#L123)` pointer lands on the line that defines or uses `name`.
+1. Every `[name](../file.py#L123)` pointer lands inside the definition of `name`, and every
+   `[x in function](../file.py#L123)` pointer on a line of `function` that uses `x` in code (not in
+   a comment or a docstring), as scripts/update_doc_pointers.py resolves them with `ast`.
 2. There is a page per concept file.
-3. Glossaries: a page's "## Glossary" table names exactly the metrics its script logs. The logged keys come from a
-   real, very short run made here (not from reading the source), so a renamed or new metric fails this test:
-   every key of metrics.jsonl must be in the glossary, and every name in the glossary must be logged.
+3. Glossaries: a page's "## Glossary" table names exactly the metrics its script logs. The logged
+   keys come from a real, very short run made here (not from reading the source), so a renamed or
+   new metric fails this test: every key of metrics.jsonl must be in the glossary, and every name in
+   the glossary must be logged.
 
-Glossary format (docs/ppo_rlhf.md is an example): a markdown table under a heading that starts with "## Glossary";
-the FIRST cell of each row holds one or more backticked metric names. A name with a `*` is a family
-(fnmatch-style, e.g. `rollout_corr/*` for the verl diagnostics, documented in docs/corrections.md): it covers every
-logged key it matches and must match at least one. Every other name must be logged exactly.
+Glossary format (docs/ppo_rlhf.md is an example): a markdown table under a heading that starts with
+"## Glossary"; the FIRST cell of each row holds one or more backticked metric names. A name with a
+`*` is a family (fnmatch-style, e.g. `rollout_corr/*` for the verl diagnostics, documented in
+docs/corrections.md): it covers every logged key it matches and must match at least one. Every other
+name must be logged exactly.
 
-Budget (2 CPU cores): about 10-15 s measured, mostly imports, the tiny runs and adam_experiment (the grpo run adds
-about 1 s). A page joins by adding a fixture that returns its logged keys and a row to GLOSSARY_RUNS.
+Budget (2 CPU cores): about 10-15 s measured, mostly imports, the tiny runs and adam_experiment (the
+grpo run adds about 1 s). A page joins by adding a fixture that returns its logged keys and a row to
+GLOSSARY_RUNS.
 """
 
 import dataclasses
@@ -23,15 +28,22 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from test_ppo_rlhf import tiny_assets  # noqa: F401  (a fixture: a tiny policy + random reward model, in seconds)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-LINK = re.compile(r"\[`?([^\]`]+?)`?\]\(\.\./([\w/.]+\.py)#L(\d+)\)")
-CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf", "grpo")
+CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf", "grpo", "rollout")
 GLOSSARY_ROW = re.compile(r"^\|([^|]*)\|")
 BACKTICKED = re.compile(r"`([^`]+)`")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+POINTERS = load_script("update_doc_pointers")
 
 
 def test_there_is_a_page_per_concept_file():
@@ -41,23 +53,53 @@ def test_there_is_a_page_per_concept_file():
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
-def test_line_pointers_land_on_their_names(page):
-    links = LINK.findall(page.read_text())
+def test_line_pointers_open_what_they_name(page):
     bad = []
-    for name, path, line in links:
-        lines = (ROOT / path).read_text().splitlines()
-        target = lines[int(line) - 1] if int(line) <= len(lines) else ""
-        key = name.split("(")[0].split(".")[-1].strip()
-        if key not in target:
-            bad.append(f"{name} -> {path}#L{line}: {target.strip()[:80]!r}")
-    assert not bad, "stale doc pointers (update the line numbers):\n" + "\n".join(bad)
+    for match in POINTERS.LINK.finditer(page.read_text()):
+        _, text, path, line, _ = match.groups()
+        why = POINTERS.check_pointer(text, path, int(line))
+        if why:
+            bad.append(f"[{text}]({path}#L{line}): {why}")
+    assert not bad, (
+        "doc pointers that do not open what they name (scripts/update_doc_pointers.py re-points "
+        "moved ones):\n" + "\n".join(bad)
+    )
+
+
+def test_pointer_resolution_rejects_comments_docstrings_and_other_functions(tmp_path):
+    """The resolver itself: a name mentioned only in a docstring or a comment, or a line outside the
+    function the pointer names, is not a use; a line inside a definition is."""
+    (tmp_path / "m.py").write_text(
+        "LIMIT = 3  # a constant\n"  # 1
+        "\n"  # 2
+        "def f(x):\n"  # 3
+        '    """Uses y, says the docstring."""\n'  # 4
+        "    # y is mentioned here too\n"  # 5
+        "    y = x + LIMIT\n"  # 6
+        "    return y\n"  # 7
+        "\n"  # 8
+        "def g():\n"  # 9
+        "    return f(1)\n"  # 10
+    )
+    check = POINTERS.check_pointer
+    assert check("`f`", "m.py", 5, tmp_path) is None  # inside f's definition
+    assert check("`LIMIT`", "m.py", 1, tmp_path) is None
+    assert check("`f`", "m.py", 10, tmp_path) is not None  # a use of f, not its definition
+    assert check("`f` in `g`", "m.py", 10, tmp_path) is None
+    assert check("`y` in `f`", "m.py", 6, tmp_path) is None
+    assert check("`y` in `f`", "m.py", 4, tmp_path) is not None  # the docstring
+    assert check("`y` in `f`", "m.py", 5, tmp_path) is not None  # the comment
+    assert check("`y` in `g`", "m.py", 6, tmp_path) is not None  # outside g
+    assert check("`y`", "m.py", 6, tmp_path) is not None  # a local is a use, not a definition
+    assert check("`LIMIT` in `f`", "m.py", 6, tmp_path) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # glossaries
 # ---------------------------------------------------------------------------------------------------------------
 def glossary_names(text):
-    """The backticked names in the first cell of every table row under the page's "## Glossary..." heading."""
+    """The backticked names in the first cell of every table row under the page's "## Glossary..."
+    heading."""
     names, inside = [], False
     for line in text.splitlines():
         if line.startswith("## "):
@@ -77,8 +119,10 @@ def glossary_mismatches(names, logged):
 
 
 def test_glossary_parser_and_families():
-    text = ("## Glossary\n\n| metric | meaning |\n| --- | --- |\n| `a/x` | one |\n| `b/*` | family |\n"
-            "| `c`, `d` | two names |\n\n## Next\n\n| `not/a/metric` | outside the glossary |\n")
+    text = (
+        "## Glossary\n\n| metric | meaning |\n| --- | --- |\n| `a/x` | one |\n| `b/*` | family |\n"
+        "| `c`, `d` | two names |\n\n## Next\n\n| `not/a/metric` | outside the glossary |\n"
+    )
     names = glossary_names(text)
     assert names == ["a/x", "b/*", "c", "d"]
     assert glossary_mismatches(names, {"a/x", "b/1", "b/2", "c", "d"}) == ([], [])
@@ -95,67 +139,104 @@ def logged_keys(path):
     return keys
 
 
-
-
 @pytest.fixture(scope="module")
 def ppo_rlhf_keys(tiny_assets, tmp_path_factory):
-    """Two updates of the tiny preset at rollout batch 16, with the random reward model of tests/test_ppo_rlhf.py
-    (no `python rewards.py tiny`) and --correction decoupled_token_is, so the IS-weight keys of the rollout_corr/*
-    family are logged too (the rest of it is logged with the default --correction disabled as well)."""
+    """Two updates of the tiny preset at rollout batch 16, with the random reward model of
+    tests/test_ppo_rlhf.py (no `python rewards.py tiny`) and --correction decoupled_token_is, so the
+    IS-weight keys of the rollout_corr/* family are logged too (the rest of it is logged with the
+    default --correction disabled as well)."""
     import ppo_rlhf
 
     out = tmp_path_factory.mktemp("ppo_docs")
     args = dataclasses.replace(
-        ppo_rlhf.PRESETS["tiny"][1], reward_model_path=str(tiny_assets / "reward_model"), output_dir=str(out),
-        total_episodes=32, rollout_batch_size=16, local_micro_batch_size=16, noptepochs=1, save_every=0,
-        log_samples_every=1, correction="decoupled_token_is")
+        ppo_rlhf.PRESETS["tiny"][1],
+        reward_model_path=str(tiny_assets / "reward_model"),
+        output_dir=str(out),
+        total_episodes=32,
+        rollout_batch_size=16,
+        local_micro_batch_size=16,
+        noptepochs=1,
+        save_every=0,
+        log_samples_every=1,
+        correction="decoupled_token_is",
+    )
     ppo_rlhf.train(args)
     return logged_keys(out / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
 def rewards_keys(tmp_path_factory):
-    """One training step of the tiny reward-model preset, with evaluation and both normalisations."""
+    """One training step of the tiny reward-model preset, with evaluation and both
+    normalisations."""
     import rewards
 
     out = tmp_path_factory.mktemp("rm_docs")
-    args = dataclasses.replace(rewards.PRESETS["tiny"][1], output_dir=str(out), num_train=32, num_test=8,
-                               normalize_samples=16, debug_normalize=16, rollout_batch_size=64, eval_every=1,
-                               save_model=False)
+    args = dataclasses.replace(
+        rewards.PRESETS["tiny"][1],
+        output_dir=str(out),
+        num_train=32,
+        num_test=8,
+        normalize_samples=16,
+        debug_normalize=16,
+        rollout_batch_size=64,
+        eval_every=1,
+        save_model=False,
+    )
     rewards.train(args)
     return logged_keys(out / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
 def adam_tf_keys(tmp_path_factory):
-    """scripts/adam_experiment.py (the experiment of docs/adam_tf.md) on a 16-sequence batch: its per-step
-    metrics.jsonl keys and the rows of its table (results.json)."""
-    spec = importlib.util.spec_from_file_location("adam_experiment", ROOT / "scripts" / "adam_experiment.py")
+    """scripts/adam_experiment.py (the experiment of docs/adam_tf.md) on a 16-sequence batch: its
+    per-step metrics.jsonl keys and the rows of its table (results.json)."""
+    spec = importlib.util.spec_from_file_location(
+        "adam_experiment", ROOT / "scripts" / "adam_experiment.py"
+    )
     experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(experiment)
     out = tmp_path_factory.mktemp("adam_docs")
-    results = experiment.main(experiment.Args(batch_size=16, num_mini_batches=2, ppo_epochs=1, response_length=4,
-                                              n_embd=32, output_dir=str(out)))
+    results = experiment.main(
+        experiment.Args(
+            batch_size=16,
+            num_mini_batches=2,
+            ppo_epochs=1,
+            response_length=4,
+            n_embd=32,
+            output_dir=str(out),
+        )
+    )
     return logged_keys(out / "metrics.jsonl") | set(results["adam_tf"])
 
 
 @pytest.fixture(scope="module")
 def grpo_keys(tmp_path_factory):
-    """Two steps of grpo.py's tiny preset at 4 prompts x 4 samples (the small sizes of tests/test_grpo.py), with
-    validation at every step (val/*, timing/validate) and --correction decoupled_token_is, so the IS-weight keys of
-    the rollout_corr/* family are logged too. timing/sync_weights is logged at every step by every backend."""
+    """Two steps of grpo.py's tiny preset at 4 prompts x 4 samples (the small sizes of
+    tests/test_grpo.py), with validation at every step (val/*, timing/validate) and --correction
+    decoupled_token_is, so the IS-weight keys of the rollout_corr/* family are logged too.
+    timing/sync_weights is logged at every step by every backend."""
     import grpo
     from test_grpo import _small_args
 
     out = tmp_path_factory.mktemp("grpo_docs")
-    args = _small_args(output_dir=str(out), total_steps=2, val_every=1, train_size=64, val_size=8,
-                       correction="decoupled_token_is")
+    args = _small_args(
+        output_dir=str(out),
+        total_steps=2,
+        val_every=1,
+        train_size=64,
+        val_size=8,
+        correction="decoupled_token_is",
+    )
     grpo.train(args)
     return logged_keys(out / "metrics.jsonl")
 
 
-GLOSSARY_RUNS = {"ppo_rlhf": "ppo_rlhf_keys", "rewards": "rewards_keys", "adam_tf": "adam_tf_keys",
-                 "grpo": "grpo_keys"}
+GLOSSARY_RUNS = {
+    "ppo_rlhf": "ppo_rlhf_keys",
+    "rewards": "rewards_keys",
+    "adam_tf": "adam_tf_keys",
+    "grpo": "grpo_keys",
+}
 
 
 @pytest.mark.parametrize("page", sorted(GLOSSARY_RUNS))

@@ -1,5 +1,6 @@
-"""grpo.py: rollout parity, chunked logprobs, advantages, every correction preset, pi_old, loss aggregation, learning,
-resume, bad input, and a 2-process torchrun run (gloo). One tiny model is shared by the module (budget: 180 s)."""
+"""grpo.py: rollout parity, chunked logprobs, advantages, every correction preset, pi_old, loss
+aggregation, learning, resume, bad input, and a 2-process torchrun run (gloo). One tiny model is
+shared by the module (budget: 180 s)."""
 
 import copy
 import dataclasses
@@ -20,117 +21,82 @@ import corrections  # noqa: E402
 import grpo  # noqa: E402
 import rollout  # noqa: E402
 import rewards  # noqa: E402
+from verl_source import verl_root  # noqa: E402
 
 CPU = torch.device("cpu")
 TOL = 1e-4  # max |rollout logprob - trainer recompute| in fp32 (measured ~1e-6)
-# int8 rollouts, first steps of the near-uniform random-init tiny model: training/rollout_probs_diff_max
-# measured ~1e-4 (fp32 rollouts: < 1e-6)
+# int8 rollouts, first steps of the near-uniform random-init tiny model:
+# training/rollout_probs_diff_max measured ~1e-4 (fp32 rollouts: < 1e-6)
 INT8_MIN_PROBS_DIFF = 3e-5
 
 
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    model, tokenizer = rewards.build_tiny_model(None, arch="qwen2")
-    return model.eval(), tokenizer
-
-
 def _prompts(tokenizer):
-    texts = ["abc=", "hello world=", "x=", "the quick brown fox="]  # different lengths: left padding matters
+    # different lengths: left padding matters
+    texts = ["abc=", "hello world=", "x=", "the quick brown fox="]
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
 def _tiny_cpu():
-    """The tiny preset pinned to the CPU (--no-cuda): these tests need exact fp32 CPU numerics even on a GPU machine."""
+    """The tiny preset pinned to the CPU (--no-cuda): these tests need exact fp32 CPU numerics even
+    on a GPU machine."""
     return dataclasses.replace(grpo.PRESETS["tiny"][1], cuda=False)
 
 
 def _small_args(**kw):
-    base = dict(train_batch_size=4, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, rollout_n=4,
-                max_response_length=8, lr=1e-3, val_every=0, save_every=0)
+    base = dict(
+        train_batch_size=4,
+        ppo_mini_batch_size=2,
+        ppo_micro_batch_size_per_gpu=4,
+        rollout_n=4,
+        max_response_length=8,
+        lr=1e-3,
+        val_every=0,
+        save_every=0,
+    )
     base.update(kw)
     return dataclasses.replace(_tiny_cpu(), **base)
 
 
 def unpadded_logprobs(model, prompt, response, temperature):
-    """Reference: one unpadded fp32 forward per sequence, full log_softmax (no position/mask conventions involved)."""
+    """Reference: one unpadded fp32 forward per sequence, full log_softmax (no position/mask
+    conventions involved)."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[
+        :, 0
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ rollouts / parity
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
-    model, tokenizer = tiny
-    # The model's own generation config must not leak into sampling (Qwen-Instruct ships top_k/top_p/penalties).
-    from transformers import GenerationConfig
-
-    leaky = copy.deepcopy(model)
-    leaky.generation_config = GenerationConfig(do_sample=True, top_k=2, top_p=0.5, temperature=0.3,
-                                               repetition_penalty=2.0, min_new_tokens=3, suppress_tokens=[5],
-                                               eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    prompts, n, max_new = _prompts(tokenizer), 8, 12
-    backend = rollout.make_backend("hf", None, leaky, _small_args(), tokenizer)
-    responses, logprobs, finish = backend.generate(prompts, n, max_new, temperature, seed=3)
-    assert len(responses) == len(logprobs) == len(finish) == len(prompts) * n
-    assert set(finish) == {"stop", "length"}  # responses of different lengths, some ending in EOS
-    eos = tokenizer.eos_token_id
-    for r, lp, f in zip(responses, logprobs, finish):
-        assert len(r) == len(lp)
-        assert (f == "stop") == (r[-1] == eos) and eos not in r[:-1]  # EOS kept as the last action
-        assert f == "stop" or len(r) == max_new
-    # Trainer recompute on the padded batch (left-padded prompts, right-padded responses), chunked lm_head.
-    batch = rollout.make_batch([p for p in prompts for _ in range(n)], responses, logprobs, tokenizer.pad_token_id,
-                            max_new, CPU)
-    with torch.no_grad():
-        recomputed, _ = grpo.compute_logprobs(model, batch, temperature, chunk_size=7)
-    mask = batch["response_mask"].bool()
-    diff = (recomputed - batch["rollout_logprobs"]).abs()[mask].max().item()
-    assert diff < TOL, diff
-    # ... and against unpadded forwards, sample k belonging to prompt k // n (the grouping contract).
-    worst = max((unpadded_logprobs(model, prompts[k // n], r, temperature) - torch.tensor(lp)).abs().max().item()
-                for k, (r, lp) in enumerate(zip(responses, logprobs)))
-    assert worst < TOL, worst
-    if temperature != 1.0:  # processed (tempered) logprobs, not raw ones
-        raw = max((unpadded_logprobs(model, prompts[k // n], r, 1.0) - torch.tensor(lp)).abs().max().item()
-                  for k, (r, lp) in enumerate(zip(responses, logprobs)))
-        assert raw > 100 * TOL
-
-
-def test_hf_backend_seeding(tiny):
-    model, tokenizer = tiny
-    backend = rollout.make_backend("hf", None, model, _small_args(), tokenizer)
-    prompts = _prompts(tokenizer)
-    state = torch.get_rng_state()
-    a = backend.generate(prompts, 2, 6, 1.0, seed=5)
-    assert torch.equal(state, torch.get_rng_state())  # sampling never touches the global RNG (resume depends on it)
-    assert a[0] == backend.generate(prompts, 2, 6, 1.0, seed=5)[0]
-    assert a[0] != backend.generate(prompts, 2, 6, 1.0, seed=6)[0]
-    greedy = backend.generate(prompts, 1, 6, 0.0, seed=1)[0]
-    assert greedy == backend.generate(prompts, 1, 6, 0.0, seed=2)[0]
-
-
 def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
-    """The chunked, checkpointed routine equals a plain (B, T, V) log_softmax: values, entropy and gradients."""
+    """The chunked, checkpointed routine equals a plain (B, T, V) log_softmax: values, entropy and
+    gradients."""
     model, tokenizer = tiny
     model = copy.deepcopy(model)
     prompts = _prompts(tokenizer)
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (1, 5, 3, 6)]
-    batch = rollout.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 6, CPU)
+    batch = rollout.make_batch(
+        prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 6, CPU
+    )
     T, weights = 0.8, torch.randn(4, 6, generator=g)
     mask = batch["response_mask"]
 
     def naive():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits[:, -7:-1] / T
+        logits = (
+            model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+            ).logits[:, -7:-1]
+            / T
+        )
         logp = torch.log_softmax(logits, -1)
-        return logp.gather(-1, batch["responses"][..., None])[..., 0] * mask, -(logp.exp() * logp).sum(-1) * mask
+        return logp.gather(-1, batch["responses"][..., None])[..., 0] * mask, -(
+            logp.exp() * logp
+        ).sum(-1) * mask
 
     ref_lp, ref_ent = naive()
     (ref_lp * weights + ref_ent).sum().backward()
@@ -145,13 +111,15 @@ def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
 
 
 def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
-    """Under bf16 autocast the LM head, log-softmax and entropy run in float32 (corrections.fp32_project).
+    """Under bf16 autocast the LM head, log-softmax and entropy run in float32
+    (corrections.fp32_project).
 
-    The tiny model's LM head (tied to the embedding) is scaled by 40 so its logits reach 117 in magnitude, like
-    gpt2/Qwen logits. Measured on this batch (torch 2.13 CPU, bf16 autocast, reference = a float64 head on the same
-    hidden states): a bf16 LM head (before this change) was off by 0.20 max / 0.11 mean nats per token; the float32
-    head is off by 4e-5. Against a whole float32 forward the difference is 4e-3, the backbone's own bf16 rounding
-    (which the bf16 rollout engine shares)."""
+    The tiny model's LM head (tied to the embedding) is scaled by 40 so its logits reach 117 in
+    magnitude, like gpt2/Qwen logits. Measured on this batch (torch 2.13 CPU, bf16 autocast,
+    reference = a float64 head on the same hidden states): a bf16 LM head (before this change) was
+    off by 0.20 max / 0.11 mean nats per token; the float32 head is off by 4e-5. Against a whole
+    float32 forward the difference is 4e-3, the backbone's own bf16 rounding (which the bf16 rollout
+    engine shares)."""
     model, tokenizer = tiny
     model = copy.deepcopy(model)
     head = model.get_output_embeddings()
@@ -160,15 +128,21 @@ def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
     g = torch.Generator().manual_seed(0)
     prompts = _prompts(tokenizer)
     responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (8, 5, 3, 8)]
-    batch = rollout.make_batch(prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 8, CPU)
+    batch = rollout.make_batch(
+        prompts, responses, [[0.0] * len(r) for r in responses], tokenizer.pad_token_id, 8, CPU
+    )
     mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
     with torch.no_grad():
         full_fp32, _ = grpo.compute_logprobs(model, batch, 1.0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ours, entropy = grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
-            hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                         position_ids=batch["position_ids"]).last_hidden_state[:, -9:-1]
-            bf16_logits = head(hidden)  # what compute_logprobs computed before: the head under autocast
+            hidden = model.get_decoder()(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+            ).last_hidden_state[:, -9:-1]
+            # what compute_logprobs computed before: the head under autocast
+            bf16_logits = head(hidden)
         assert bf16_logits.dtype == torch.bfloat16 and bf16_logits.abs().max() > 100
         exact = torch.log_softmax(hidden.double() @ head.weight.double().T, -1)
         before = torch.log_softmax(bf16_logits.double(), -1).gather(-1, tokens)[..., 0]
@@ -177,14 +151,16 @@ def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
     assert (ours.double() - exact.gather(-1, tokens)[..., 0])[mask].abs().max() < 1e-3
     exact_entropy = -(exact.exp() * exact).sum(-1)
     assert (entropy.double() - exact_entropy)[mask].abs().max() < 1e-3
-    assert (ours - full_fp32)[mask].abs().max() < 2e-2  # the rest: the bf16 backbone (measured 4e-3)
+    # the rest: the bf16 backbone (measured 4e-3)
+    assert (ours - full_fp32)[mask].abs().max() < 2e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bf16", [True, False])
 def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
-    """On CUDA: bf16 autocast (--bf16) runs the LM head's product in TF32 and the log-softmax in fp32: against a
-    float64 head on the same hidden states (logits ~100) its error is <= 1/4 of bf16-rounded logits' (emulated on CPU:
+    """On CUDA: bf16 autocast (--bf16) runs the LM head's product in TF32 and the log-softmax in
+    fp32: against a float64 head on the same hidden states (logits ~100) its error is <= 1/4 of
+    bf16-rounded logits' (emulated on CPU:
     0.016 vs 0.20 nats; docs/corrections.md#lm-head-precision); --no-bf16 matches the CPU fp32 forward to ~1e-5."""
     model, tokenizer = tiny
     cpu_model = copy.deepcopy(model)
@@ -193,87 +169,37 @@ def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
     cuda_model = copy.deepcopy(cpu_model).cuda()
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 50, (k,), generator=g).tolist() for k in (8, 5, 3, 8)]
-    batch = rollout.make_batch(_prompts(tokenizer), responses, [[0.0] * len(r) for r in responses],
-                            tokenizer.pad_token_id, 8, CPU)
+    batch = rollout.make_batch(
+        _prompts(tokenizer),
+        responses,
+        [[0.0] * len(r) for r in responses],
+        tokenizer.pad_token_id,
+        8,
+        CPU,
+    )
     mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
     with torch.no_grad():
         cuda_batch = {k: v.cuda() for k, v in batch.items()}
         ours, _ = grpo.compute_logprobs(cuda_model, cuda_batch, 1.0, bf16=bf16)
         if bf16:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                hidden = cuda_model.get_decoder()(input_ids=cuda_batch["input_ids"],
-                                                  attention_mask=cuda_batch["attention_mask"],
-                                                  position_ids=cuda_batch["position_ids"]).last_hidden_state[:, -9:-1]
+                hidden = cuda_model.get_decoder()(
+                    input_ids=cuda_batch["input_ids"],
+                    attention_mask=cuda_batch["attention_mask"],
+                    position_ids=cuda_batch["position_ids"],
+                ).last_hidden_state[:, -9:-1]
             head = cuda_model.get_output_embeddings().weight
             exact_logits = hidden.double() @ head.double().T
             reference = torch.log_softmax(exact_logits, -1).gather(-1, tokens.cuda())[..., 0]
-            bf16_logits = torch.log_softmax(exact_logits.float().bfloat16().double(), -1).gather(-1, tokens.cuda())
+            bf16_logits = torch.log_softmax(exact_logits.float().bfloat16().double(), -1).gather(
+                -1, tokens.cuda()
+            )
             tol = (bf16_logits[..., 0] - reference)[mask.cuda()].abs().max().item() / 4
         else:
             reference, _ = grpo.compute_logprobs(cpu_model, batch, 1.0)
             tol = 1e-4
     assert ours.dtype == torch.float32
     assert (ours.cpu().double() - reference.cpu().double())[mask].abs().max() < tol
-
-
-def test_apply_mismatch():
-    g = torch.Generator().manual_seed(0)
-    named = [("model.embed_tokens.weight", torch.randn(10, 8, generator=g)),
-             ("model.layers.0.mlp.up_proj.weight", torch.randn(6, 8, generator=g) * 3),
-             ("model.layers.0.self_attn.q_proj.bias", torch.randn(6, generator=g)),
-             ("model.norm.weight", torch.randn(8, generator=g))]
-    before = [t.clone() for _, t in named]
-    none = dict(rollout.apply_mismatch(named, "none"))
-    bf16 = dict(rollout.apply_mismatch(named, "bf16"))
-    int8 = dict(rollout.apply_mismatch(named, "int8"))
-    for (name, t), b in zip(named, before):
-        assert torch.equal(t, b)  # the trainer's tensors are never modified
-        assert torch.equal(none[name], t)
-        assert torch.equal(bf16[name], t.to(torch.bfloat16).float()) and not torch.equal(bf16[name], t)
-    w, q = named[1][1], int8["model.layers.0.mlp.up_proj.weight"]
-    scale = w.abs().amax(1, keepdim=True) / 127
-    assert ((q - w).abs() <= scale / 2 + 1e-6).all() and not torch.equal(q, w)
-    assert ((q / scale).round() - q / scale).abs().max() < 1e-4  # on the per-row int8 grid
-    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"):
-        assert torch.equal(int8[name], dict(named)[name])  # embeddings / 1-D tensors untouched
-    with pytest.raises(ValueError):
-        rollout.apply_mismatch(named, "int2")
-
-
-def test_apply_mismatch_fp8_and_int4():
-    """fp8: e4m3 values times a per-row scale max|w_row| / 448; int4: the per-row grid max|w_row| / 7. Both coarser
-    than int8 on the same weights (the ordering the mismatch experiment relies on), embeddings untouched."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(16, 32, generator=g) * 3
-    named = [("model.embed_tokens.weight", torch.randn(10, 8, generator=g)), ("model.layers.0.mlp.up_proj.weight", w)]
-    out = {kind: dict(rollout.apply_mismatch(named, kind)) for kind in ("int8", "fp8", "int4")}
-    name = "model.layers.0.mlp.up_proj.weight"
-    scale8 = w.abs().amax(1, keepdim=True) / 448
-    fp8 = out["fp8"][name]
-    assert torch.equal((fp8 / scale8).to(torch.float8_e4m3fn).float() * scale8, fp8)  # on the scaled e4m3 grid
-    assert ((fp8 - w).abs() <= w.abs() / 16 + 1e-6).all()  # 3 mantissa bits: relative error <= 2^-4
-    scale4 = w.abs().amax(1, keepdim=True) / 7
-    int4 = out["int4"][name]
-    assert ((int4 / scale4).round() - int4 / scale4).abs().max() < 1e-4 and (int4 / scale4).abs().max() <= 7 + 1e-4
-    assert ((int4 - w).abs() <= scale4 / 2 + 1e-6).all()
-    err = {kind: (out[kind][name] - w).abs().mean() for kind in out}
-    assert err["int8"] < err["fp8"] < err["int4"]
-    for kind in out:
-        assert torch.equal(out[kind]["model.embed_tokens.weight"], named[0][1])
-
-
-def test_hf_backend_mismatch_keeps_a_rounded_copy(tiny):
-    model, tokenizer = tiny
-    trainer = copy.deepcopy(model)
-    backend = rollout.make_backend("hf", None, trainer, _small_args(mismatch="bf16"), tokenizer)
-    assert backend.model is not trainer
-    with torch.no_grad():
-        for p in trainer.parameters():
-            p.add_(0.01)
-    backend.sync_weights(trainer)
-    for (name, p), (_, q) in zip(trainer.named_parameters(), backend.model.named_parameters()):
-        assert torch.equal(q, p.to(torch.bfloat16).float()), name
-    assert rollout.make_backend("hf", None, trainer, _small_args(), tokenizer).model is trainer  # none: no copy
 
 
 # ------------------------------------------------------------------------------------------------ advantages
@@ -299,18 +225,30 @@ def test_grpo_advantages_hand_computed():
     ids = [7, 9, 7, 9, 7, -3, 42, -3]
     adv = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids))
     # group 7: mean 0.5, unbiased std 0.5 -> (1, -1, 0); group -3: mean 0.5, std sqrt(0.5)
-    s2 = 0.5 ** 0.5
-    expected = [0.5 / (0.5 + 1e-6), 0.0, -0.5 / (0.5 + 1e-6), 0.0, 0.0, 0.5 / (s2 + 1e-6), 0.3 / (1 + 1e-6),
-                -0.5 / (s2 + 1e-6)]
+    s2 = 0.5**0.5
+    expected = [
+        0.5 / (0.5 + 1e-6),
+        0.0,
+        -0.5 / (0.5 + 1e-6),
+        0.0,
+        0.0,
+        0.5 / (s2 + 1e-6),
+        0.3 / (1 + 1e-6),
+        -0.5 / (s2 + 1e-6),
+    ]
     assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
     assert torch.allclose(adv, torch.tensor(_reference_advantages(scores, ids)), atol=1e-6)
-    dr = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids), norm_by_std=False)  # Dr.GRPO
+    # Dr.GRPO
+    dr = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids), norm_by_std=False)
     assert torch.allclose(dr, torch.tensor([0.5, 0.0, -0.5, 0.0, 0.0, 0.5, 0.3, -0.5]), atol=1e-6)
     g = torch.Generator().manual_seed(1)
     many_scores = torch.rand(200, generator=g)
     many_ids = torch.randint(-1000, 1000, (200,), generator=g) * 37
-    assert torch.allclose(grpo.compute_grpo_advantages(many_scores, many_ids),
-                          torch.tensor(_reference_advantages(many_scores.tolist(), many_ids.tolist())), atol=1e-5)
+    assert torch.allclose(
+        grpo.compute_grpo_advantages(many_scores, many_ids),
+        torch.tensor(_reference_advantages(many_scores.tolist(), many_ids.tolist())),
+        atol=1e-5,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the update
@@ -318,15 +256,25 @@ def test_grpo_advantages_hand_computed():
 
 @pytest.fixture(scope="module")
 def rollout_batch(tiny):
-    """One rollout of a tiny GRPO step from an int8 rollout copy (so pi_rollout != pi_old), with advantages."""
+    """One rollout of a tiny GRPO step from an int8 rollout copy (so pi_rollout != pi_old), with
+    advantages."""
     model, tokenizer = tiny
     args = _small_args(mismatch="int8")
     backend = rollout.make_backend("hf", None, model, args, tokenizer)
     prompts = _prompts(tokenizer)
-    responses, logprobs, _ = backend.generate(prompts, args.rollout_n, args.max_response_length, 1.0, seed=11)
-    batch = rollout.make_batch([p for p in prompts for _ in range(args.rollout_n)], responses, logprobs,
-                            tokenizer.pad_token_id, args.max_response_length, CPU)
-    scores = torch.tensor([len(r) / args.max_response_length for r in responses])  # any non-constant score
+    responses, logprobs, _ = backend.generate(
+        prompts, args.rollout_n, args.max_response_length, 1.0, seed=11
+    )
+    batch = rollout.make_batch(
+        [p for p in prompts for _ in range(args.rollout_n)],
+        responses,
+        logprobs,
+        tokenizer.pad_token_id,
+        args.max_response_length,
+        CPU,
+    )
+    # any non-constant score
+    scores = torch.tensor([len(r) / args.max_response_length for r in responses])
     group_ids = torch.arange(len(prompts)).repeat_interleave(args.rollout_n)
     batch["advantages"] = grpo.compute_grpo_advantages(scores, group_ids)
     return args, batch
@@ -347,43 +295,59 @@ def test_every_correction_preset_runs_a_step(tiny, rollout_batch, preset):
     model, _ = tiny
     args, batch = rollout_batch
     new_model, metrics = _run_update(model, args, batch, preset)
-    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "rollout_corr/kl", "rollout_corr/chi2_token",
-                "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean"):
+    for key in (
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "rollout_corr/kl",
+        "rollout_corr/chi2_token",
+        "training/rollout_probs_diff_max",
+        "training/rollout_probs_diff_mean",
+    ):
         assert key in metrics, key
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
-    assert metrics["training/rollout_probs_diff_max"] > 0  # int8 rollouts really differ from the trainer
-    if metrics["actor/grad_norm"] > 0:  # (a rejection preset may mask every token of this small batch)
-        assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), new_model.parameters()))
+    # int8 rollouts really differ from the trainer
+    assert metrics["training/rollout_probs_diff_max"] > 0
+    # (a rejection preset may mask every token of this small batch)
+    if metrics["actor/grad_norm"] > 0:
+        assert any(
+            not torch.equal(p, q) for p, q in zip(model.parameters(), new_model.parameters())
+        )
 
 
-def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(tiny, rollout_batch, monkeypatch):
+def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(
+    tiny, rollout_batch, monkeypatch
+):
+    """The anchor of the clipped surrogate in update_policy: the trainer's recompute (decoupled) or
+    pi_rollout (bypass); and in decoupled mode the IS weights multiply the clipped term."""
     model, _ = tiny
     args, batch = rollout_batch
     seen = []
-    real = corrections.policy_loss
+    real = corrections.ppo_clip_token_loss
 
-    def spy(config, logprobs, old_logprobs, rollout_logprobs, *a, **kw):
-        seen.append((config.bypass_mode, old_logprobs.detach().clone(), rollout_logprobs.clone(),
-                     logprobs.detach().clone()))
-        return real(config, logprobs, old_logprobs, rollout_logprobs, *a, **kw)
+    def spy(logprobs, old_logprobs, *a, **kw):
+        seen.append((logprobs.detach().clone(), old_logprobs.detach().clone()))
+        return real(logprobs, old_logprobs, *a, **kw)
 
-    monkeypatch.setattr(grpo.corrections, "policy_loss", spy)
+    monkeypatch.setattr(grpo.corrections, "ppo_clip_token_loss", spy)
     _run_update(model, args, batch, "decoupled_token_is")
+    decoupled, seen[:] = list(seen), []
     _run_update(model, args, batch, "bypass_ppo_clip")
-    decoupled = [s for s in seen if not s[0]]
-    bypass = [s for s in seen if s[0]]
+    bypass = list(seen)
     assert decoupled and bypass
     mask = batch["response_mask"].bool()
-    # Decoupled: pi_old = the trainer's recompute, which under int8 rollouts differs from pi_rollout; in the first
-    # microbatch the current logprobs equal pi_old exactly (nothing has been updated yet).
-    _, old, rollout, current = decoupled[0]
+    rollout = batch["rollout_logprobs"]
+    # Decoupled: pi_old = the trainer's recompute, which under int8 rollouts differs from
+    # pi_rollout; in the first microbatch the current logprobs equal pi_old exactly (nothing has
+    # been updated yet).
+    current, old = decoupled[0]
     m = mask[: old.shape[0]]
     assert torch.allclose(old[m], current[m], atol=1e-6)
-    assert (old - rollout).abs()[m].max() > 1e-3
+    assert (old - rollout[: old.shape[0]]).abs()[m].max() > 1e-3
     # Bypass: pi_old = pi_rollout, no recompute.
-    _, old, rollout, current = bypass[0]
-    assert torch.equal(old, rollout)
-    assert (current - rollout).abs()[m].max() > 1e-3
+    current, old = bypass[0]
+    assert torch.equal(old, rollout[: old.shape[0]])
+    assert (current - old).abs()[m].max() > 1e-3
 
 
 def test_loss_aggregation_modes_and_kl_loss(tiny, rollout_batch):
@@ -395,26 +359,34 @@ def test_loss_aggregation_modes_and_kl_loss(tiny, rollout_batch):
             p.add_(0.02 * torch.randn_like(p))
     losses = {}
     for mode in corrections.AGG_MODES:
-        a = dataclasses.replace(args, loss_agg_mode=mode, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coeff=0.01)
+        a = dataclasses.replace(
+            args, loss_agg_mode=mode, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coeff=0.01
+        )
         _, metrics = _run_update(model, a, batch, "disabled", ref_model=ref)
         assert metrics["actor/kl_loss"] > 0
         losses[mode] = metrics["actor/pg_loss"]
-    assert len({round(v, 8) for v in losses.values()}) == len(losses), losses  # the modes aggregate differently
+    # the modes aggregate differently
+    assert len({round(v, 8) for v in losses.values()}) == len(losses), losses
 
 
 def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rollout_batch):
-    """verl replaces response_mask with the RS/veto-corrected mask before the update, and its ppo_loss
-    (workers/utils/losses.py) aggregates the entropy and the KL terms over that same mask. lr = 0 keeps the model
-    fixed, so the logged terms can be recomputed here with the corrected mask, and differ from the plain one."""
+    """verl replaces response_mask with the RS/veto-corrected mask before the update, and its
+    ppo_loss (workers/utils/losses.py) aggregates the entropy and the KL terms over that same mask.
+    lr = 0 keeps the model fixed, so the logged terms can be recomputed here with the corrected
+    mask, and differ from the plain one."""
     model, _ = tiny
     args, batch = rollout_batch
-    args = dataclasses.replace(args, lr=0.0, entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3")
+    args = dataclasses.replace(
+        args, lr=0.0, entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3"
+    )
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.02 * torch.randn_like(p))
     batch = dict(batch)
-    grpo.compute_pi_old_and_ref(model, ref, batch, args, corrections.RolloutCorrection.from_name("disabled"))
+    grpo.compute_pi_old_and_ref(
+        model, ref, batch, args, corrections.RolloutCorrection.from_name("disabled")
+    )
     corrected = batch["response_mask"].clone()
     corrected[::2] = 0  # as if RS had rejected every other sequence
     corrected[1::4, 0] = 0  # and some single tokens
@@ -422,88 +394,121 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     disabled = corrections.RolloutCorrection.from_name("disabled")
     metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, disabled)
-    logprobs, entropy = grpo.compute_logprobs(model.eval(), batch, args.temperature, args.logprob_chunk_size)
+    logprobs, entropy = grpo.compute_logprobs(
+        model.eval(), batch, args.temperature, args.logprob_chunk_size
+    )
     kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
-    _, mini = grpo.local_batch_sizes(args, 1)  # the logged terms are whole-minibatch losses (global normalisation)
+    # the logged terms are whole-minibatch losses (global normalisation)
+    _, mini = grpo.local_batch_sizes(args, 1)
     expected = {"actor/entropy": [], "actor/kl_loss": [], "plain_entropy": []}
     for start in range(0, logprobs.shape[0], mini):
         rows = slice(start, start + mini)
-        expected["actor/entropy"].append(corrections.agg_loss(entropy[rows], corrected[rows]).item())
+        expected["actor/entropy"].append(
+            corrections.agg_loss(entropy[rows], corrected[rows]).item()
+        )
         expected["actor/kl_loss"].append(corrections.agg_loss(kld[rows], corrected[rows]).item())
-        expected["plain_entropy"].append(corrections.agg_loss(entropy[rows], batch["response_mask"][rows]).item())
+        expected["plain_entropy"].append(
+            corrections.agg_loss(entropy[rows], batch["response_mask"][rows]).item()
+        )
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert metrics["actor/entropy"] == pytest.approx(mean(expected["actor/entropy"]), rel=1e-5)
     assert metrics["actor/kl_loss"] == pytest.approx(mean(expected["actor/kl_loss"]), rel=1e-5)
-    assert abs(metrics["actor/entropy"] - mean(expected["plain_entropy"])) > 1e-4  # the mask made a difference
+    # the mask made a difference
+    assert abs(metrics["actor/entropy"] - mean(expected["plain_entropy"])) > 1e-4
 
 
 def test_verl_source_uses_one_corrected_mask_for_every_loss_term():
-    """What the test above reproduces, read from verl 0.9.1's source: compute_rollout_correction_and_add_to_batch
-    overwrites batch["response_mask"] with the RS mask, and ppo_loss passes that one response_mask to the policy
-    loss, the entropy agg_loss and the KL agg_loss."""
+    """What the test above reproduces, read from verl 0.9.1's source:
+    compute_rollout_correction_and_add_to_batch overwrites batch["response_mask"] with the RS mask,
+    and ppo_loss passes that one response_mask to the policy loss, the entropy agg_loss and the KL
+    agg_loss."""
     import ast
-    import importlib.util
-    from pathlib import Path
 
-    spec = importlib.util.find_spec("verl")
-    if spec is None or spec.origin is None:
-        pytest.skip("verl not installed (scripts/setup_cpu.sh installs it)")
-    root = Path(spec.origin).parent
+    root = verl_root()
+    if root is None:
+        pytest.skip("no verl source (scripts/setup_cpu.sh unpacks it)")
 
     def function(relpath, name):
         tree = ast.parse((root / relpath).read_text())
         return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
 
-    add = function("trainer/ppo/rollout_corr_helper.py", "compute_rollout_correction_and_add_to_batch")
-    targets = [ast.unparse(t) for n in ast.walk(add) if isinstance(n, ast.Assign) for t in n.targets]
+    add = function(
+        "trainer/ppo/rollout_corr_helper.py", "compute_rollout_correction_and_add_to_batch"
+    )
+    targets = [
+        ast.unparse(t) for n in ast.walk(add) if isinstance(n, ast.Assign) for t in n.targets
+    ]
     assert "batch.batch['response_mask']" in targets
     loss = function("workers/utils/losses.py", "ppo_loss")
-    masks = [(ast.unparse(call.func), ast.unparse(kw.value)) for call in ast.walk(loss) if isinstance(call, ast.Call)
-             for kw in call.keywords if kw.arg in ("loss_mask", "response_mask")]
+    masks = [
+        (ast.unparse(call.func), ast.unparse(kw.value))
+        for call in ast.walk(loss)
+        if isinstance(call, ast.Call)
+        for kw in call.keywords
+        if kw.arg in ("loss_mask", "response_mask")
+    ]
     assert [f for f, _ in masks] == ["policy_loss_fn", "agg_loss", "agg_loss"]  # pg, entropy, kl
     assert {m for _, m in masks} == {"response_mask"}
 
 
 def _verl_lr_schedules():
-    """verl 0.9.1's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup, parsed from its source
-    (importing verl would pull ray), or None if verl is not installed."""
+    """verl 0.9.1's get_constant_schedule_with_warmup / get_cosine_schedule_with_warmup, parsed from
+    its source (importing verl would pull ray), or None if verl is not installed."""
     import ast
-    import importlib.util
     import math
-    from pathlib import Path
 
-    spec = importlib.util.find_spec("verl")
-    if spec is None or spec.origin is None:
+    root = verl_root()
+    if root is None:
         return None
-    path = Path(spec.origin).parent / "utils" / "torch_functional.py"
+    path = root / "utils" / "torch_functional.py"
     names = {"get_constant_schedule_with_warmup", "get_cosine_schedule_with_warmup"}
-    body = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name in names]
-    ns = {"math": math, "LambdaLR": torch.optim.lr_scheduler.LambdaLR, "Optimizer": torch.optim.Optimizer}
+    body = [
+        n
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, ast.FunctionDef) and n.name in names
+    ]
+    ns = {
+        "math": math,
+        "LambdaLR": torch.optim.lr_scheduler.LambdaLR,
+        "Optimizer": torch.optim.Optimizer,
+    }
     exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)
     return ns
 
 
-@pytest.mark.parametrize("kw", [
-    dict(lr_warmup_steps=3), dict(lr_warmup_steps_ratio=0.25),
-    dict(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1),
-    dict(lr_scheduler_type="cosine"), dict(lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", num_cycles=1.0),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr_warmup_steps=3),
+        dict(lr_warmup_steps_ratio=0.25),
+        dict(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1),
+        dict(lr_scheduler_type="cosine"),
+        dict(lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", num_cycles=1.0),
+    ],
+)
 def test_lr_schedule_matches_verl(kw):
     verl = _verl_lr_schedules()
     if verl is None:
         pytest.skip("verl not installed (scripts/setup_cpu.sh installs it)")
     args = dataclasses.replace(grpo.PRESETS["tiny"][1], total_steps=12, lr=0.5, **kw)
-    warmup = args.lr_warmup_steps if args.lr_warmup_steps > 0 else int(args.lr_warmup_steps_ratio * args.total_steps)
+    warmup = (
+        args.lr_warmup_steps
+        if args.lr_warmup_steps > 0
+        else int(args.lr_warmup_steps_ratio * args.total_steps)
+    )
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.lr)
     if args.lr_scheduler_type == "constant":
         scheduler = verl["get_constant_schedule_with_warmup"](optimizer, warmup)
     else:
-        scheduler = verl["get_cosine_schedule_with_warmup"](optimizer, warmup, args.total_steps, args.min_lr_ratio,
-                                                            args.num_cycles)
+        scheduler = verl["get_cosine_schedule_with_warmup"](
+            optimizer, warmup, args.total_steps, args.min_lr_ratio, args.num_cycles
+        )
     theirs = []
-    for _ in range(args.total_steps):  # verl: one scheduler.step() after each training step's updates
+    # verl: one scheduler.step() after each training step's updates
+    for _ in range(args.total_steps):
         theirs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step(), scheduler.step()
+        optimizer.step()
+        scheduler.step()
     ours = [args.lr * grpo.lr_factor(step, args) for step in range(args.total_steps)]
     assert ours == pytest.approx(theirs, abs=1e-12)
     if warmup:
@@ -512,12 +517,20 @@ def test_lr_schedule_matches_verl(kw):
 
 def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
     out = tmp_path / "bad"
-    proc = subprocess.run([sys.executable, "grpo.py", "tiny", "--output-dir", str(out), "--loss-agg-mode", "mean"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, "grpo.py", "tiny", "--output-dir", str(out), "--loss-agg-mode", "mean"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "grpo.py: error: --loss-agg-mode must be one of " + ", ".join(corrections.AGG_MODES) + ", got 'mean'"]
+        "grpo.py: error: --loss-agg-mode must be one of "
+        + ", ".join(corrections.AGG_MODES)
+        + ", got 'mean'"
+    ]
     assert not out.exists()  # nothing was built or loaded
 
 
@@ -527,29 +540,53 @@ def _relative_difference(a, b):
 
 @pytest.mark.parametrize("mode", corrections.AGG_MODES)
 def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
-    """verl's global normalisation: the same minibatch (64 sequences of 1..8 tokens) gives the same gradient with
-    micro-batch 8 or 64. Measured before it (each micro-batch averaged on its own, then weighted by its share of
-    the sequences): token-mean 0.118 and token-sum 0.875 relative difference; now ~2e-7 (float32 summation order)."""
+    """verl's global normalisation: the same minibatch (64 sequences of 1..8 tokens) gives the same
+    gradient with micro-batch 8 or 64. Measured before it (each micro-batch averaged on its own,
+    then weighted by its share of the sequences): token-mean 0.118 and token-sum 0.875 relative
+    difference; now ~2e-7 (float32 summation order)."""
     import minibatch_gradient
 
-    a, b = minibatch_gradient.minibatch_gradient(8, mode), minibatch_gradient.minibatch_gradient(64, mode)
+    a, b = (
+        minibatch_gradient.minibatch_gradient(8, mode),
+        minibatch_gradient.minibatch_gradient(64, mode),
+    )
     assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
 
 
 def test_one_minibatch_gradient_is_the_same_on_two_ranks_as_on_one(tmp_path):
-    """2 gloo processes with 32 sequences and micro-batch 8 each == 1 process with all 64 at micro-batch 64 (the
-    global token count is all-reduced, the loss multiplied by the world size, the gradients averaged)."""
+    """2 gloo processes with 32 sequences and micro-batch 8 each == 1 process with all 64 at
+    micro-batch 64 (the global token count is all-reduced, the loss multiplied by the world size,
+    the gradients averaged)."""
     import minibatch_gradient
 
     modes = ["token-mean", "seq-mean-token-mean"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "tests", "minibatch_gradient.py"), str(tmp_path / "grads.pt"), "8", *modes]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
-                          capture_output=True, text=True, timeout=170)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "tests", "minibatch_gradient.py"),
+        str(tmp_path / "grads.pt"),
+        "8",
+        *modes,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two_ranks = torch.load(tmp_path / "grads.pt")
     for mode in modes:
-        assert _relative_difference(two_ranks[mode], minibatch_gradient.minibatch_gradient(64, mode)) < 1e-6, mode
+        assert (
+            _relative_difference(two_ranks[mode], minibatch_gradient.minibatch_gradient(64, mode))
+            < 1e-6
+        ), mode
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -561,41 +598,83 @@ def _read_metrics(path):
 
 
 def test_tiny_run_learns(tmp_path):
-    args = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path), total_steps=24, val_every=12,
-                               save_every=0)
+    args = dataclasses.replace(
+        _tiny_cpu(), output_dir=str(tmp_path), total_steps=24, val_every=12, save_every=0
+    )
     val0, *rows = _read_metrics(grpo.train(args))
-    assert val0["step"] == 0 and set(val0) == {"step", "val/accuracy", "val/score_mean", "timing/validate"}
+    assert val0["step"] == 0 and set(val0) == {
+        "step",
+        "val/accuracy",
+        "val/score_mean",
+        "timing/validate",
+    }
     rewards_ = [r["reward/mean"] for r in rows]
     first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
     print(f"tiny: first-4 reward {first:.3f}, last-4 {last:.3f}")
     assert last - first > 0.15, rewards_
-    required = ["step", "reward/mean", "response_length/mean", "response_length/max", "response_length/min",
-                "response_length/clip_ratio", "timing/generate", "timing/logprobs", "timing/update", "actor/pg_loss",
-                "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/lr",
-                "rollout_corr/kl", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean"]
+    required = [
+        "step",
+        "reward/mean",
+        "response_length/mean",
+        "response_length/max",
+        "response_length/min",
+        "response_length/clip_ratio",
+        "timing/generate",
+        "timing/logprobs",
+        "timing/update",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/lr",
+        "rollout_corr/kl",
+        "training/rollout_probs_diff_max",
+        "training/rollout_probs_diff_mean",
+    ]
     for key in required:
         assert key in rows[0], key
-    assert "val/accuracy" in rows[11] and "val/accuracy" in rows[-1] and "val/accuracy" not in rows[0]
-    assert os.path.isfile(tmp_path / "args.json") and os.path.isfile(tmp_path / "checkpoint" / "trainer_state.pt")
-    samples = _read_metrics(tmp_path / "samples.jsonl")  # steps 1, 10, 20: num_log_samples rows each
-    assert [r["step"] for r in samples] == [s for s in (1, 10, 20) for _ in range(args.num_log_samples)]
+    assert (
+        "val/accuracy" in rows[11] and "val/accuracy" in rows[-1] and "val/accuracy" not in rows[0]
+    )
+    assert os.path.isfile(tmp_path / "args.json") and os.path.isfile(
+        tmp_path / "checkpoint" / "trainer_state.pt"
+    )
+    # steps 1, 10, 20: num_log_samples rows each
+    samples = _read_metrics(tmp_path / "samples.jsonl")
+    assert [r["step"] for r in samples] == [
+        s for s in (1, 10, 20) for _ in range(args.num_log_samples)
+    ]
     assert set(samples[0]) == {"step", "prompt", "response", "score", "advantage"}
     assert samples[0]["prompt"].endswith("=") and 0.0 <= samples[0]["score"] <= 1.0
 
 
 def test_rollout_probs_diff_fp32_exact_and_int8_visible(tmp_path):
-    """HF backend through grpo.train: with nothing injected pi_rollout is the trainer's own fp32 distribution
-    (training/rollout_probs_diff_max <= 1e-3 at every step, measured ~1e-7); --mismatch int8 samples from a fake-
-    quantised copy, and the difference is clearly non-zero at every step."""
-    small = dict(train_batch_size=16, ppo_mini_batch_size=8, total_steps=3, lr=1e-3, val_every=0, save_every=0)
+    """HF backend through grpo.train: with nothing injected pi_rollout is the trainer's own fp32
+    distribution (training/rollout_probs_diff_max <= 1e-3 at every step, measured ~1e-7); --mismatch
+    int8 samples from a fake- quantised copy, and the difference is clearly non-zero at every
+    step."""
+    small = dict(
+        train_batch_size=16,
+        ppo_mini_batch_size=8,
+        total_steps=3,
+        lr=1e-3,
+        val_every=0,
+        save_every=0,
+    )
     base = dataclasses.replace(_tiny_cpu(), **small)
     fp32 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "fp32"))))
-    int8 = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "int8"), mismatch="int8")))
+    int8 = _read_metrics(
+        grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "int8"), mismatch="int8"))
+    )
     fp32_diffs = [r["training/rollout_probs_diff_max"] for r in fp32]
     int8_diffs = [r["training/rollout_probs_diff_max"] for r in int8]
     print(f"hf probs_diff_max fp32 {fp32_diffs}, int8 {int8_diffs}")
     assert max(fp32_diffs) <= 1e-3, fp32_diffs
-    assert min(int8_diffs) > INT8_MIN_PROBS_DIFF and min(int8_diffs) > 100 * max(fp32_diffs), int8_diffs
+    assert min(int8_diffs) > INT8_MIN_PROBS_DIFF and min(int8_diffs) > 100 * max(fp32_diffs), (
+        int8_diffs
+    )
     assert all("timing/sync_weights" in r for r in fp32 + int8)
 
 
@@ -608,9 +687,10 @@ def weights_digest(model):
 
 
 def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monkeypatch):
-    """--rollout-staleness 2: the rollouts of step t (0-based) come from the weights after update t - 2 (the initial
-    ones while t < 2) and validation from the current weights, checked by the checksum of the engine's weights at
-    every generate() against the trainer's after every update; the trainer/rollout difference is then visible."""
+    """--rollout-staleness 2: the rollouts of step t (0-based) come from the weights after update t
+    - 2 (the initial ones while t < 2) and validation from the current weights, checked by the
+    checksum of the engine's weights at every generate() against the trainer's after every update;
+    the trainer/rollout difference is then visible."""
     trainer_after, engine_at = [], []
     real_update, real_generate = grpo.update_policy, rollout.HFBackend.generate
 
@@ -625,26 +705,49 @@ def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monk
 
     monkeypatch.setattr(grpo, "update_policy", update_policy)
     monkeypatch.setattr(rollout.HFBackend, "generate", generate)
-    # entropy_coeff > 0: a non-zero gradient at every step even where every reward is 0, so every update counts
-    args = _small_args(output_dir=str(tmp_path), total_steps=5, val_every=2, rollout_staleness=2, entropy_coeff=0.01)
+    # entropy_coeff > 0: a non-zero gradient at every step even where every reward is 0, so every
+    # update counts
+    args = _small_args(
+        output_dir=str(tmp_path),
+        total_steps=5,
+        val_every=2,
+        rollout_staleness=2,
+        entropy_coeff=0.01,
+    )
     rows = _read_metrics(grpo.train(args))
-    theta = [engine_at[0]] + trainer_after  # theta[j]: the weights after j updates (engine_at[0]: validation at 0)
+    # theta[j]: the weights after j updates (engine_at[0]: validation at 0)
+    theta = [engine_at[0]] + trainer_after
     assert len(set(theta)) == 6  # every update changed the weights
-    # val(0), rollouts 0-1, val after 2 updates, rollouts 2-3, val after 4, rollout 4, val after 5 (the last step)
+    # val(0), rollouts 0-1, val after 2 updates, rollouts 2-3, val after 4, rollout 4, val after 5
+    # (the last step)
     assert engine_at == [theta[j] for j in (0, 0, 0, 2, 0, 1, 4, 2, 5)]
     diffs = [r.get("training/rollout_probs_diff_max") for r in rows if r["step"] > 0]
-    assert diffs[0] < 1e-5 < min(diffs[1:]), diffs  # step 1: same weights; later steps: stale rollouts
+    # step 1: same weights; later steps: stale rollouts
+    assert diffs[0] < 1e-5 < min(diffs[1:]), diffs
 
 
 def test_resume_continues_the_same_run(tmp_path):
-    small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_micro_batch_size_per_gpu=8, val_every=0,
-                 save_every=2, train_size=64)
+    small = dict(
+        train_batch_size=8,
+        ppo_mini_batch_size=4,
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=8,
+        val_every=0,
+        save_every=2,
+        train_size=64,
+    )
     base = dataclasses.replace(_tiny_cpu(), **small)
-    full = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "a"), total_steps=4)))
-    grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))  # "crash" after step 2
-    resumed = _read_metrics(grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4)))
+    full = _read_metrics(
+        grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "a"), total_steps=4))
+    )
+    # "crash" after step 2
+    grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=2))
+    resumed = _read_metrics(
+        grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4))
+    )
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    samples = _read_metrics(tmp_path / "b" / "samples.jsonl")  # step 1, then the first step after the resume
+    # step 1, then the first step after the resume
+    samples = _read_metrics(tmp_path / "b" / "samples.jsonl")
     assert [r["step"] for r in samples] == [1] * base.num_log_samples + [3] * base.num_log_samples
     for a, b in zip(full, resumed):
         for key in a:
@@ -672,21 +775,33 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         (dict(loss_agg_mode="mean"), ValueError, "^--loss-agg-mode must be one of"),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "--ppo-micro-batch-size-per-gpu 7"),
-        (dict(max_prompt_length=200, max_response_length=100), ValueError, "max_position_embeddings"),
+        (
+            dict(max_prompt_length=200, max_response_length=100),
+            ValueError,
+            "max_position_embeddings",
+        ),
     ]
     for overrides, exc, match in bad:
         with pytest.raises(exc, match=match):
             grpo.train(dataclasses.replace(base, **overrides))
     with pytest.raises(ValueError, match="world size"):
-        grpo.check_args(dataclasses.replace(base, train_batch_size=33, ppo_mini_batch_size=33), world_size=2)
+        grpo.check_args(
+            dataclasses.replace(base, train_batch_size=33, ppo_mini_batch_size=33), world_size=2
+        )
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    for overrides, match in [(dict(vllm_dtype="fp8"), "^--vllm-dtype must be one of"), (dict(vllm_gpu_memory_utilization=1.5),
-                                                                        "^--vllm-gpu-memory-utilization must be in")]:
+    for overrides, match in [
+        (dict(vllm_dtype="fp8"), "^--vllm-dtype must be one of"),
+        (dict(vllm_gpu_memory_utilization=1.5), "^--vllm-gpu-memory-utilization must be in"),
+    ]:
         with pytest.raises(ValueError, match=match):
             grpo.train(dataclasses.replace(base, backend="vllm", **overrides))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real_find_spec(name),
+    )
     with pytest.raises(ValueError, match="needs the vllm package"):
         grpo.train(dataclasses.replace(base, backend="vllm"))
     with pytest.raises(SystemExit):
@@ -695,45 +810,106 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
 
 def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "hf", "--total-steps", "2", "--output-dir", str(out),
-           "--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4",
-           "--ppo-micro-batch-size-per-gpu", "4",
-           "--val-every", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "grpo.py"),
+        "tiny",
+        "--backend",
+        "hf",
+        "--total-steps",
+        "2",
+        "--output-dir",
+        str(out),
+        "--train-batch-size",
+        "8",
+        "--ppo-mini-batch-size",
+        "4",
+        "--rollout-n",
+        "4",
+        "--ppo-micro-batch-size-per-gpu",
+        "4",
+        "--val-every",
+        "2",
+    ]
+    # gloo on CPU, even on a 1-GPU machine
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _read_metrics(out / "metrics.jsonl")
-    assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0  # the ranks hold identical parameters
-    assert [r["step"] for r in rows] == [0, 1, 2] and "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
+    # the ranks hold identical parameters
+    assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0
+    assert (
+        [r["step"] for r in rows] == [0, 1, 2]
+        and "val/accuracy" in rows[0]
+        and "val/accuracy" in rows[-1]
+    )
 
 
 def test_torchrun_a_failing_rank_ends_both_ranks_within_seconds(tmp_path):
-    """Rank 1 raises at its first update while rank 0 waits in the update's all-reduce: both processes end, the
-    run exits non-zero, well before any collective timeout (grpo.setup_distributed sets sys.excepthook to print the
-    error and os._exit(1)). Measured 30 s in all, most of it start-up. On gloo rank 0's all-reduce also fails by
-    itself once rank 1's socket closes; the hook is for NCCL, where a dead peer is noticed only by the watchdog and
-    an exiting rank can block in the process group's destructor; this test pins the behaviour on CPU."""
+    """Rank 1 raises at its first update while rank 0 waits in the update's all-reduce: both
+    processes end, the run exits non-zero, well before any collective timeout
+    (harness.setup_distributed sets sys.excepthook to print the error and os._exit(1)). Measured 30 s
+    in all, most of it start-up. On gloo rank 0's all-reduce also fails by itself once rank 1's
+    socket closes; the hook is for NCCL, where a dead peer is noticed only by the watchdog and an
+    exiting rank can block in the process group's destructor; this test pins the behaviour on
+    CPU."""
     import time
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "tests", "crash_rank1.py"), "tiny", "--backend", "hf", "--total-steps", "2",
-           "--output-dir", str(tmp_path / "crash"), "--train-batch-size", "8", "--ppo-mini-batch-size", "4",
-           "--rollout-n", "4", "--ppo-micro-batch-size-per-gpu", "4", "--val-every", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "tests", "crash_rank1.py"),
+        "tiny",
+        "--backend",
+        "hf",
+        "--total-steps",
+        "2",
+        "--output-dir",
+        str(tmp_path / "crash"),
+        "--train-batch-size",
+        "8",
+        "--ppo-mini-batch-size",
+        "4",
+        "--rollout-n",
+        "4",
+        "--ppo-micro-batch-size-per-gpu",
+        "4",
+        "--val-every",
+        "0",
+    ]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
-                          capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr + proc.stdout
-    assert time.time() - t0 < 120  # startup (imports, model build) included; the failure itself ends it in seconds
+    # startup (imports, model build) included; the failure itself ends it in seconds
+    assert time.time() - t0 < 120
 
 
 def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
-    """The real dataset code paths, with datasets.load_dataset replaced by a few local rows (no download)."""
+    """The real dataset code paths, with datasets.load_dataset replaced by a few local rows (no
+    download)."""
     import datasets
 
-    gsm8k = {"train": [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}],
-             "test": [{"question": "Total of 1,000 and 234?", "answer": "... #### 1,234"}]}
+    gsm8k = {
+        "train": [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}],
+        "test": [{"question": "Total of 1,000 and 234?", "answer": "... #### 1,234"}],
+    }
     countdown = [{"nums": [3, 5, 7], "target": 22}] * 1030
 
     def fake_load_dataset(name, config=None, split=None):
@@ -741,14 +917,16 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     train, val, reward_fn = grpo.load_task(grpo.PRESETS["gsm8k_qwen05b"][1])
-    assert train[0]["prompt"] == ("What is 2+3? Let's think step by step and output the final answer after "
-                                  '"####".')
+    assert train[0]["prompt"] == (
+        'What is 2+3? Let\'s think step by step and output the final answer after "####".'
+    )
     assert val[0]["answer"] == "1234"  # verl's extract_solution drops the thousands separator
     assert reward_fn("so 2+3=5 #### 5", train[0]) == 1.0 and reward_fn("#### 6", train[0]) == 0.0
     args = grpo.PRESETS["countdown"][1]
     train, val, reward_fn = grpo.load_task(dataclasses.replace(args, train_size=4))
     assert len(train) == 4 and len(val) == 1024 and "equals 22" in train[0]["prompt"]
-    # TinyZero's 3B run: the "base" template as plain text, no chat template (its rl_dataset.py tokenizes it as is)
+    # TinyZero's 3B run: the "base" template as plain text, no chat template (its rl_dataset.py
+    # tokenizes it as is)
     assert not args.use_chat_template
     assert train[0]["prompt"].startswith("A conversation between User and Assistant.")
     assert "\nUser: Using the numbers [3, 5, 7], create" in train[0]["prompt"]
@@ -757,7 +935,8 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
 
 
 def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens():
-    """A policy must not be able to hide tokens that decode to nothing: "abc" + [UNK] is not "abc"."""
+    """A policy must not be able to hide tokens that decode to nothing: "abc" + [UNK] is not
+    "abc"."""
     import rewards
 
     tokenizer = rewards.build_tiny_tokenizer()
@@ -769,23 +948,42 @@ def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens(
     assert rewards.copy_reward(grpo.response_text(tokenizer, abc + [unk]), "abc") < 1.0
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--lr", "-1"], "--lr must be > 0"),
-    (["--clip-ratio-low", "-1"], "--clip-ratio-low must be in [0, 1)"),
-    (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0"),
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--model-name-or-path", "/no/such/model_dir"], "--model-name-or-path '/no/such/model_dir': not a local directory"),
-    (["--output-dir", "/proc/no_such_dir/run"], "--output-dir '/proc/no_such_dir/run' cannot be created"),
-])
-def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(flags, named, capsys, monkeypatch, tmp_path):
-    """The flags a new user got wrong (issue: a traceback in AdamW after loading, or accepted and trained): each ends
-    in `grpo.py: error: --flag ...` and exit status 2, with model loading made impossible."""
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--lr", "-1"], "--lr must be > 0"),
+        (["--clip-ratio-low", "-1"], "--clip-ratio-low must be in [0, 1)"),
+        (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (
+            ["--model-name-or-path", "/no/such/model_dir"],
+            "--model-name-or-path '/no/such/model_dir': not a local directory",
+        ),
+        (
+            ["--output-dir", "/proc/no_such_dir/run"],
+            "--output-dir '/proc/no_such_dir/run' cannot be created",
+        ),
+    ],
+)
+def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(
+    flags, named, capsys, monkeypatch, tmp_path
+):
+    """The flags a new user got wrong (issue: a traceback in AdamW after loading, or accepted and
+    trained): each ends in `grpo.py: error: --flag ...` and exit status 2, with model loading made
+    impossible."""
     import transformers
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: pytest.fail("a model was loaded before the bad flag was refused"))
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: pytest.fail("a model was loaded before the bad flag was refused"),
+    )
     argv = ["tiny", "--output-dir", str(tmp_path / "run"), *flags]
     with pytest.raises(SystemExit) as exit_info:
         grpo.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("grpo.py: error: " + named), err
+    assert (
+        exit_info.value.code == 2
+        and len(err) == 1
+        and err[0].startswith("grpo.py: error: " + named)
+    ), err

