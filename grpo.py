@@ -242,6 +242,9 @@ class Args:
     resume_from: Optional[str] = None
     """A checkpoint directory to continue from; None: a rerun resumes from <output_dir>/checkpoint
     if there is one."""
+    allow_changed_settings: bool = False
+    """Resume even where settings differ from the checkpoint's (they are printed); without it such a
+    resume is refused (harness.checkpoint_to_resume)."""
 
 
 # Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
@@ -396,6 +399,7 @@ def check_args(args, world_size=1):
     def refuse(name, rule):
         raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
 
+    harness.check_flags(args)  # finite numbers; --track can log
     choices = {
         "task": TASKS,
         "backend": rollout.BACKENDS,
@@ -1125,7 +1129,7 @@ def save(args, rank, model, tokenizer, optimizer, step):
         tokenizer.save_pretrained(folder)
 
     state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
-    harness.save_checkpoint(args.output_dir, rank, write_files, state)
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1144,11 +1148,18 @@ def train(args, backend=None):
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
+    # a checkpoint, verified, written with these settings (the number of steps may grow where the
+    # learning-rate schedule does not depend on it)
+    schedule_uses_total = args.lr_scheduler_type != "constant" or (
+        args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
+    )
+    checkpoint = harness.checkpoint_to_resume(
+        args, changeable=() if schedule_uses_total else ("total_steps",)
+    )
     correction = corrections.RolloutCorrection.from_name(args.correction)
     train_examples, val_examples, reward_fn = load_task(args)
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
-    checkpoint = harness.find_checkpoint(args.output_dir, args.resume_from)
     tokenizer, model, ref_model, optimizer, start_step = load_models(
         args, model_path, checkpoint, device, rank
     )
@@ -1300,8 +1311,8 @@ def train(args, backend=None):
 
 def main(argv=None):
     """`python grpo.py <preset> [--overrides]`: a bad flag is refused in one line (exit code 2)
-    before any model loads (harness.parse_args); otherwise train."""
-    train(harness.parse_args("grpo.py", PRESETS, check_args, argv))
+    before any model loads, and a fault during the run in one line (exit code 1): harness.run."""
+    harness.run("grpo.py", PRESETS, check_args, train, argv)
 
 
 if __name__ == "__main__":

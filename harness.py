@@ -4,34 +4,44 @@ Nothing here is reinforcement learning; a first read of grpo.py, ppo_rlhf.py or 
 every `harness.` call. The three scripts share this module so that they start, fail, average
 gradients, save, resume and log the same way:
 
-    1. command line  parse_args: a preset name and field overrides (tyro); a bad flag is refused in
-                     one line (`grpo.py: error: --lr must be > 0, got -1.0`, exit code 2) before any
-                     model loads
+    1. command line  run: a preset name and field overrides (tyro); a bad flag (a range, a
+                     non-finite number, --track without a wandb login) is refused in one line
+                     (`grpo.py: error: --lr must be > 0, got -1.0`, exit code 2) before any model
+                     loads; a fault during the run (RunError: a broken checkpoint, a full disk,
+                     changed settings) ends it in one line too (exit code 1)
     2. processes     setup_distributed: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, NCCL on GPUs,
                      gloo on CPUs, and fail fast (a rank that raises ends the job at once; no rank
                      waits in a collective); average_gradients (what DDP does, by hand),
                      reduce_metrics, barrier
-    3. checkpoints   save_checkpoint (written to checkpoint.tmp, swapped in with os.replace, every
-                     RNG of every rank), find_checkpoint, load_checkpoint (restores this rank's RNG:
-                     python, numpy, torch, CUDA)
+    3. checkpoints   save_checkpoint (written to checkpoint.tmp with a manifest of every file's
+                     size and sha256, swapped in with os.replace, every RNG of every rank),
+                     checkpoint_to_resume (verified before anything loads; the settings it was
+                     written with must match), load_checkpoint (restores this rank's RNG: python,
+                     numpy, torch, CUDA)
     4. logs          start_logs: the rerun rule (below), args.json, metrics.jsonl and samples.jsonl
                      (one flushed JSON line per row, written by rank 0), and wandb with --track
 
 The rerun rule, the same for every script. Rerunning a command with the same --output-dir either
-resumes (there is a checkpoint: the rows a killed run logged after it move to
-metrics.jsonl.discarded, never deleted) or starts afresh (no checkpoint: the earlier run's
-metrics.jsonl, samples.jsonl and args.json move to previous_run_<N>/, never appended to). Only logs
-move; a model or reward model that a later run reuses stays where it is.
+resumes (there is a checkpoint: the rows a killed run logged after it, and a line a kill or a full
+disk cut short, move to metrics.jsonl.discarded, never deleted) or starts afresh (no checkpoint: the
+earlier run's metrics.jsonl, samples.jsonl and args.json move to previous_run_<N>/, never appended
+to). Only logs move; a model or reward model that a later run reuses stays where it is. A checkpoint
+folder that exists but cannot be used stops the run in one line: it is never silently replaced.
 """
 
 import dataclasses
+import errno
+import hashlib
 import json
+import math
+import netrc
 import os
 import random
 import shutil
 import sys
 import time
 import traceback
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -39,12 +49,71 @@ import torch.distributed as dist
 
 CHECKPOINT = "checkpoint"  # <output_dir>/checkpoint: the latest complete checkpoint
 TRAINER_STATE = "trainer_state.pt"  # step, optimizer and the script's own state, written by rank 0
+MANIFEST = "manifest.json"  # every file of a checkpoint with its size and sha256, written last
 LOG_FILES = ("metrics.jsonl", "samples.jsonl", "args.json")  # what a fresh start moves aside
+# Settings a resumed run may change: they cannot change the experiment (output and logging options,
+# tracking, intervals of logging, validation and saving, thread counts).
+CHANGEABLE_SETTINGS = (
+    "output_dir",
+    "resume_from",
+    "allow_changed_settings",
+    "exp_name",
+    "track",
+    "wandb_project",
+    "wandb_entity",
+    "torch_threads",
+    "log_samples_every",
+    "num_log_samples",
+    "save_every",
+    "val_every",
+    "val_before_train",
+)
+
+
+class RunError(Exception):
+    """A fault a user can act on (a broken checkpoint, a full disk, settings that differ from the
+    checkpoint's): its message is one line, printed without a traceback (exit code 1)."""
 
 
 # --------------------------------------------------------------------------------------------------
 # 1. The command line
 # --------------------------------------------------------------------------------------------------
+
+
+def check_flags(args):
+    """The checks every script's check_args starts with: every float field is a finite number (tyro
+    accepts "inf" and "nan"), and --track can log (wandb_problem). Raises ValueError."""
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            flag = "--" + field.name.replace("_", "-")
+            raise ValueError(f"{flag} must be a finite number, got {value}")
+    if args.track and wandb_problem() is not None:
+        raise ValueError(wandb_problem())
+
+
+def wandb_problem():
+    """None if wandb can log: it is installed and has a login (WANDB_API_KEY, an identity token
+    file, or the ~/.netrc entry `wandb login` writes) or logs offline (WANDB_MODE=offline or
+    disabled); else the one-line fix. Nothing is imported and nothing goes over the network."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        return "--track needs the wandb package: pip install wandb"
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (
+        f"--track: wandb has no login for {host}: run `wandb login` or set WANDB_API_KEY, or "
+        "log offline with WANDB_MODE=offline (the files go under <output_dir>/wandb)"
+    )
 
 
 def parse_args(script, presets, check_args, argv=None):
@@ -63,6 +132,20 @@ def parse_args(script, presets, check_args, argv=None):
     return args
 
 
+def run(script, presets, check_args, train, argv=None):
+    """A script's main(): parse_args, then train(args). A RunError ends the run in one line and exit
+    code 1; under torchrun at once (os._exit: no rank waits for the others' shutdown)."""
+    args = parse_args(script, presets, check_args, argv)
+    try:
+        return train(args)
+    except RunError as e:
+        print(f"{script}: error: {e}".replace("\n", " "), file=sys.stderr, flush=True)
+        if distributed():
+            sys.stdout.flush()
+            os._exit(1)
+        sys.exit(1)
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. Processes: torchrun + torch.distributed, fail fast
 # --------------------------------------------------------------------------------------------------
@@ -71,8 +154,12 @@ def parse_args(script, presets, check_args, argv=None):
 def fail_fast_excepthook(kind, value, tb):
     """Under torchrun an uncaught error ends this rank at once (os._exit skips atexit handlers, such
     as vLLM's shutdown, that could wait on the other ranks); torchrun then stops the ranks left in a
-    collective, so none waits for NCCL's 10-minute timeout."""
-    traceback.print_exception(kind, value, tb)
+    collective, so none waits for NCCL's 10-minute timeout. A RunError is one line; anything else
+    prints its traceback."""
+    if issubclass(kind, RunError):
+        print(f"{os.path.basename(sys.argv[0])}: error: {value}", file=sys.stderr)
+    else:
+        traceback.print_exception(kind, value, tb)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -110,10 +197,22 @@ def distributed():
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def collective(function, *args, **kwargs):
+    """Run a torch.distributed collective; if another rank died meanwhile (gloo: the connection
+    closed), end this one with a RunError that says so instead of a traceback."""
+    try:
+        return function(*args, **kwargs)
+    except RuntimeError as e:  # DistBackendError is a RuntimeError
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
+        raise RunError(
+            f"rank {dist.get_rank()}: another rank stopped during a collective ({reason})"
+        ) from None
+
+
 def barrier():
     """Wait for every rank (nothing to wait for in a single process)."""
     if distributed():
-        dist.barrier()
+        collective(dist.barrier)
 
 
 def end_processes(world_size):
@@ -137,7 +236,7 @@ def average_gradients(parameters, world_size):
     if world_size > 1:
         for p in parameters:
             if p.grad is not None:
-                dist.all_reduce(p.grad)
+                collective(dist.all_reduce, p.grad)
                 p.grad.div_(world_size)
 
 
@@ -145,7 +244,7 @@ def all_sum(tensor):
     """The sum of a tensor over the ranks (a copy; the tensor itself in a single process)."""
     if distributed():
         tensor = tensor.clone()
-        dist.all_reduce(tensor)
+        collective(dist.all_reduce, tensor)
     return tensor
 
 
@@ -153,7 +252,7 @@ def all_gather_cat(tensor):
     """1-D tensors of the same length on every rank -> their concatenation, rank by rank."""
     if distributed():
         gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, tensor.contiguous())
+        collective(dist.all_gather, gathered, tensor.contiguous())
         return torch.cat(gathered)
     return tensor
 
@@ -196,7 +295,7 @@ def reduce_metrics(metrics, world_size, sum_keys=()):
             continue
         values = [float(metrics[k]) for k in names]
         values = torch.tensor(values, dtype=torch.float64, device=collective_device())
-        dist.all_reduce(values, op=ops[op])  # gloo has no AVG: a sum, divided below
+        collective(dist.all_reduce, values, op=ops[op])  # gloo has no AVG: a sum, divided below
         if op == "mean":
             values /= world_size
         out.update(zip(names, values.tolist()))
@@ -211,12 +310,12 @@ def rank_checksum_spread(parameters, world_size):
     checksum = torch.stack([sum(p.sum() for p in params), sum(p.square().sum() for p in params)])
     gathered = [checksum.clone() for _ in range(world_size)]
     if world_size > 1:
-        dist.all_gather(gathered, checksum)
+        collective(dist.all_gather, gathered, checksum)
     return max((g - gathered[0]).abs().max().item() for g in gathered)
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Checkpoints: atomic, with every RNG of every rank
+# 3. Checkpoints: atomic, every file hashed, every RNG of every rank
 # --------------------------------------------------------------------------------------------------
 
 
@@ -239,56 +338,202 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def find_checkpoint(output_dir, resume_from=None):
-    """--resume-from, else <output_dir>/checkpoint, else <output_dir>/checkpoint.old (what a crash
-    during the swap of save_checkpoint leaves), else None: a fresh start."""
-    if resume_from:
-        candidates = [resume_from]
-    else:
-        candidates = [
-            os.path.join(output_dir, CHECKPOINT),
-            os.path.join(output_dir, CHECKPOINT + ".old"),
-        ]
-    return next((p for p in candidates if os.path.isfile(os.path.join(p, TRAINER_STATE))), None)
+def sha256_of(path):
+    """The sha256 of a file, read in 16 MiB blocks (about a second per GB on one CPU core)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def save_checkpoint(output_dir, rank, write_files, trainer_state):
+def write_error(error, path=None):
+    """One line for a failed write: the OS's reason (no space, read-only, quota) where the error, or
+    one it was raised from, carries an errno; else, when the filesystem of `path` is (nearly) full,
+    that (torch's zip writer reports a full disk as "unexpected pos N vs M"); else the error's first
+    line."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"{os.strerror(seen.errno)} [{errno.errorcode.get(seen.errno, seen.errno)}]"
+        seen = seen.__cause__ or seen.__context__
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if "os error 28" in text:  # safetensors' Rust writer
+        return "No space left on device [ENOSPC]"
+    folder = path
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free if folder else None
+    if free is not None and free < (64 << 20):
+        return (
+            f"No space left on device [ENOSPC] ({free} bytes free; the writer said: {text[:120]})"
+        )
+    return text[:200]
+
+
+def swap_in(tmp, path):
+    """Replace the folder `path` by the complete folder `tmp` (os.replace; <path>.old exists only
+    during the swap, so a crash at any moment leaves one complete folder)."""
+    old = path + ".old"
+    if os.path.isdir(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_folder(path, write_files):
+    """Write a folder atomically (one process): write_files(folder) into <path>.tmp, then swap_in.
+    A write that fails removes <path>.tmp and raises a RunError naming the cause and the path; the
+    folder that was there stays (rewards.save_reward_model, ppo_rlhf's final policy)."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        write_files(tmp)
+    except Exception as e:
+        reason = write_error(e, tmp)  # before the removal frees the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(f"writing {tmp} failed: {reason}; the partial folder was removed") from None
+    swap_in(tmp, path)
+
+
+def save_checkpoint(output_dir, rank, write_files, trainer_state, args):
     """Write <output_dir>/checkpoint, every rank together. Rank 0 calls write_files(folder) (the
-    model, the tokenizer, ...) and saves trainer_state (a dict: step, optimizer, ...) as
+    model, the tokenizer, ...) and saves trainer_state (a dict with "step", the optimizer, ...) as
     trainer_state.pt; every rank saves its own RNG states as rng_rank<r>.pt, so a resume continues
-    every rank's random stream exactly.
+    every rank's random stream exactly. Rank 0 writes manifest.json last: each file's size and
+    sha256, the step and the run's settings (checkpoint_to_resume checks all three).
 
     Atomic: everything goes to checkpoint.tmp, which replaces checkpoint with os.replace
     (checkpoint.old exists only during the swap), so a crash at any moment leaves one complete
-    checkpoint."""
+    checkpoint. A write that fails (no space, read-only, quota) removes checkpoint.tmp and ends the
+    run with a RunError naming the cause and the path; the last complete checkpoint stays."""
     path = os.path.join(output_dir, CHECKPOINT)
-    tmp, old = path + ".tmp", path + ".old"
+    tmp = path + ".tmp"
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        barrier()
+        if rank == 0:
+            write_files(tmp)
+            torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+            files = {}
+            for name in sorted(os.listdir(tmp)):
+                file = os.path.join(tmp, name)
+                files[name] = {"bytes": os.path.getsize(file), "sha256": sha256_of(file)}
+            manifest = {
+                "step": trainer_state["step"],
+                "args": json.loads(json.dumps(dataclasses.asdict(args))),
+                "files": files,
+            }
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1)
+    except RunError:  # another rank stopped while this one waited for it
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        reason = write_error(e, tmp)  # before the removal frees the space
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(
+            f"writing the checkpoint to {tmp} failed: {reason}; the partial checkpoint was "
+            f"removed, the last complete one (if any) is {path}"
+        ) from None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        swap_in(tmp, path)
     barrier()
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    barrier()
-    if rank == 0:
-        write_files(tmp)
-        torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
-        # complete: only os.replace creates it; a checkpoint.old beside it is stale
-        if os.path.isdir(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()
+
+
+def checkpoint_problem(path):
+    """None if the checkpoint folder is complete and undamaged, else one line saying why not: its
+    manifest is missing or unreadable, or a file it lists is missing, has another size, or bytes
+    whose sha256 differs (overwritten bytes keep a file's size: the hash catches them)."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return (
+            f"{manifest_path} is missing (a checkpoint from before checkpoints recorded their "
+            "files' hashes, or one whose write was cut short)"
+        )
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{manifest_path} cannot be read ({type(e).__name__})"
+    for name, expected in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated?)"
+        if sha256_of(file) != expected["sha256"]:
+            return f"{file} is damaged: its sha256 differs from the manifest's"
+    return None
+
+
+def find_checkpoint(output_dir, resume_from=None):
+    """The checkpoint to resume from, verified (checkpoint_problem), or None for a fresh start:
+    --resume-from, else <output_dir>/checkpoint, else <output_dir>/checkpoint.old (a crash during
+    the swap leaves it; also used, with a notice, when checkpoint is damaged and checkpoint.old is
+    complete). A checkpoint folder that exists but cannot be used raises a RunError: a fresh run
+    never replaces it."""
+    if resume_from:
+        problem = checkpoint_problem(resume_from)
+        if problem:
+            raise RunError(f"--resume-from {resume_from} cannot be used: {problem}")
+        return resume_from
+    path = os.path.join(output_dir, CHECKPOINT)
+    old = path + ".old"
+    if not os.path.isdir(path) and not os.path.isdir(old):
+        return None
+    problem = checkpoint_problem(path) if os.path.isdir(path) else f"{path} is missing"
+    if problem is None:
+        return path
+    if os.path.isdir(old) and checkpoint_problem(old) is None:
+        print(f"{problem}: resuming from {old}", file=sys.stderr)
+        return old
+    raise RunError(
+        f"{problem}; no complete checkpoint.old beside it: move {path} away to start this run "
+        "afresh, or pass --resume-from DIR"
+    )
+
+
+def checkpoint_to_resume(args, changeable=()):
+    """find_checkpoint for this run, and the settings check: resuming with settings that differ
+    from the checkpoint's raises a RunError listing them, except CHANGEABLE_SETTINGS, the script's
+    own `changeable` ones, and any with --allow-changed-settings (then they are printed)."""
+    path = find_checkpoint(args.output_dir, args.resume_from)
+    if path is None:
+        return None
+    with open(os.path.join(path, MANIFEST)) as f:
+        saved = json.load(f)["args"]
+    now = json.loads(json.dumps(dataclasses.asdict(args)))
+    allowed = set(CHANGEABLE_SETTINGS) | set(changeable)
+    changed = [k for k in sorted(saved) if k in now and saved[k] != now[k] and k not in allowed]
+    if changed:
+        listed = ", ".join(f"--{k.replace('_', '-')} ({saved[k]!r} -> {now[k]!r})" for k in changed)
+        if not args.allow_changed_settings:
+            raise RunError(
+                f"{path} was written with other settings: {listed}; resume with the checkpoint's "
+                "settings, use a new --output-dir, or pass --allow-changed-settings"
+            )
+        print(f"resuming {path} with changed settings: {listed}", file=sys.stderr)
+    return path
 
 
 def load_checkpoint(path, rank):
-    """The trainer_state dict of a checkpoint; this rank's RNG states are restored from
-    rng_rank<r>.pt. The script loads its model from the same folder itself."""
+    """The trainer_state dict of a checkpoint that checkpoint_to_resume verified; this rank's RNG
+    states are restored from rng_rank<r>.pt. The script loads its model from the same folder."""
     rng_path = os.path.join(path, f"rng_rank{rank}.pt")
     if not os.path.isfile(rng_path):
-        raise ValueError(
-            f"{rng_path} is missing: this checkpoint was written by fewer ranks (or before every "
-            f"rank saved its RNG), so it cannot resume rank {rank} exactly"
+        raise RunError(
+            f"{rng_path} is missing: this checkpoint was written by fewer ranks, so it cannot "
+            f"resume rank {rank} exactly"
         )
     state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
     set_rng_state(torch.load(rng_path, weights_only=False))
@@ -300,19 +545,37 @@ def load_checkpoint(path, rank):
 # --------------------------------------------------------------------------------------------------
 
 
+def read_rows(path):
+    """(rows, bad_lines) of a jsonl file: the complete JSON lines, and the lines a kill or a full
+    disk cut short (no newline at the end, or not JSON)."""
+    rows, bad = [], []
+    with open(path, "rb") as f:
+        for raw in f:
+            line = raw.decode("utf-8", errors="replace")
+            try:
+                if not line.endswith("\n"):
+                    raise ValueError("no newline")
+                rows.append((json.loads(line), line))
+            except ValueError:
+                if line.strip():
+                    bad.append(line if line.endswith("\n") else line + "\n")
+    return rows, bad
+
+
 def move_rows_after(path, step):
     """On resume: the rows a killed run logged after its checkpoint's step (the resumed run logs
-    them again) move from path to <path>.discarded, never deleted."""
+    them again), and any line cut short, move from path to <path>.discarded, never deleted."""
     if not os.path.isfile(path):
         return
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    later = [json.loads(line).get("step", 0) > step for line in lines]
-    if any(later):
+    rows, bad = read_rows(path)
+    later = [line for row, line in rows if row.get("step", 0) > step]
+    if bad:
+        print(f"{path}: {len(bad)} line(s) cut short moved to {path}.discarded", file=sys.stderr)
+    if bad or later:
         with open(path + ".discarded", "a") as f:
-            f.writelines(line for line, is_later in zip(lines, later) if is_later)
+            f.writelines(bad + later)
         with open(path, "w") as f:
-            f.writelines(line for line, is_later in zip(lines, later) if not is_later)
+            f.writelines(line for row, line in rows if row.get("step", 0) <= step)
 
 
 def move_previous_run_aside(output_dir):
@@ -332,23 +595,41 @@ def move_previous_run_aside(output_dir):
     return folder
 
 
+def append_line(path, text):
+    """Append one line (or a few) straight to the OS, no Python buffer in between; a write that
+    fails (no space, read-only, quota) is cut back to the last complete line and ends the run with
+    a RunError naming the cause and the file."""
+    data = memoryview(text.encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError as e:
+            os.ftruncate(fd, start)
+            reason = write_error(e, path)
+            raise RunError(
+                f"cannot append to {path}: {reason}; every complete line before it is kept"
+            ) from None
+    finally:
+        os.close(fd)
+
+
 class RunLog:
     """Rank 0's metrics.jsonl and samples.jsonl (one JSON line per row, flushed at once, so a crash
-    loses nothing) and the wandb run (--track). On every other rank each method does nothing, so the
-    scripts call it everywhere."""
+    loses nothing) and the wandb run (--track). On every other rank each method does nothing, so
+    the scripts call it everywhere."""
 
     def __init__(self, output_dir, enabled, wandb_run=None):
         self.enabled, self.wandb_run = enabled, wandb_run
-        self.metrics_file = (
-            open(os.path.join(output_dir, "metrics.jsonl"), "a") if enabled else None
-        )
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
 
     def metrics(self, row):
         """One row of metrics.jsonl; row["step"] is the x of every curve (and wandb's step)."""
         if self.enabled:
-            self.metrics_file.write(json.dumps(row) + "\n")
-            self.metrics_file.flush()
+            append_line(self.metrics_path, json.dumps(row) + "\n")
             if self.wandb_run is not None:
                 self.wandb_run.log(row, step=row["step"])
 
@@ -356,8 +637,7 @@ class RunLog:
         """A few rows of what the policy wrote (each with a "step") to samples.jsonl, and a wandb
         Table."""
         if self.enabled and rows:
-            with open(self.samples_path, "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+            append_line(self.samples_path, "".join(json.dumps(row) + "\n" for row in rows))
             if self.wandb_run is not None:
                 import wandb
 
@@ -367,17 +647,15 @@ class RunLog:
                 self.wandb_run.log({"samples": table}, step=rows[0]["step"])
 
     def close(self):
-        if self.enabled:
-            self.metrics_file.close()
-            if self.wandb_run is not None:
-                self.wandb_run.finish()
+        if self.enabled and self.wandb_run is not None:
+            self.wandb_run.finish()
 
 
 def start_logs(args, script, rank, world_size, resume_step=None):
     """The logs of a run that starts (resume_step None) or resumes after step resume_step, by the
     rerun rule (see the module docstring); rank 0 writes args.json (the script, the world size and
-    every field of args) and, with
-    --track, opens the wandb run (its files under <output_dir>/wandb). Returns a RunLog."""
+    every field of args) and, with --track, opens the wandb run (its files under
+    <output_dir>/wandb). Returns a RunLog."""
     wandb_run = None
     if rank == 0:
         if resume_step is None:
@@ -391,8 +669,12 @@ def start_logs(args, script, rank, world_size, resume_step=None):
             for name in ("metrics.jsonl", "samples.jsonl"):
                 move_rows_after(os.path.join(args.output_dir, name), resume_step)
         config = {"script": script, "world_size": world_size, **dataclasses.asdict(args)}
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=2)
+        try:
+            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
+        except OSError as e:
+            path = os.path.join(args.output_dir, "args.json")
+            raise RunError(f"cannot write {path}: {write_error(e, path)}") from None
         if args.track:
             import wandb
 

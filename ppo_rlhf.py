@@ -200,6 +200,9 @@ class Args:
     end)"""
     resume_from: Optional[str] = None
     """a checkpoint directory to resume from; None = <output_dir>/checkpoint, if there is one"""
+    allow_changed_settings: bool = False
+    """resume even where settings differ from the checkpoint's (they are printed); without it such a
+    resume is refused (harness.checkpoint_to_resume)"""
 
 
 PRESETS = {
@@ -382,11 +385,12 @@ def batch_sizes(args, world_size):
 def check_args(args, world_size):
     """Every flag with a meaningful range, before any model loads: a ValueError starting with the
     flag as typed (main prints it in one line, exit 2). Returns batch_sizes(args, world_size); the
-    last check creates
-    --output-dir."""
+    last check creates --output-dir."""
 
     def refuse(name, rule):
         raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
+
+    harness.check_flags(args)  # finite numbers; --track can log
 
     choices = {
         "optimizer": ("adam_tf", "adam"),
@@ -819,7 +823,7 @@ def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef):
         optimizer=optimizer.state_dict(),
         args=dataclasses.asdict(args),
     )
-    harness.save_checkpoint(args.output_dir, rank, write_files, state)
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
 
 
 def rollout_metrics(args, stats, extra_stats, corr_metrics, tensors, tokenizer, tokens, world_size):
@@ -987,10 +991,13 @@ def save_final_policy(args, rank, model, tokenizer, kl_coef):
     """Step 12: the final policy in HF format (<output_dir>/policy, with value_head.pt), and a
     checksum of the parameters per rank (final_rank<r>.json: the 2-process test compares them)."""
     if rank == 0:
-        final = os.path.join(args.output_dir, "policy")
-        model.lm.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        torch.save(model.value_head.state_dict(), os.path.join(final, "value_head.pt"))
+
+        def write_files(folder):
+            model.lm.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            torch.save(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
+
+        harness.write_folder(os.path.join(args.output_dir, "policy"), write_files)
     with torch.no_grad():
         checksum = float(sum(p.double().sum() for p in model.parameters()))
         abs_checksum = float(sum(p.double().abs().sum() for p in model.parameters()))
@@ -1130,10 +1137,11 @@ def train(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     autocast = rollout.autocast_context(device, args.bf16)
+    # a checkpoint, verified, written with these settings (before a reward model is trained)
+    resume = harness.checkpoint_to_resume(args)
     rm_path, policy_path = reward_model_paths(args)  # trains a reward model first if none is given
     seed = local_seed(args.seed, rank)  # [general 6] (after rewards.train, which seeds itself)
     harness.seed_everything(seed)
-    resume = harness.find_checkpoint(args.output_dir, args.resume_from)
     tokenizer, tokens, reward_model, ref_policy, model = load_models(
         args, rm_path, policy_path, resume, device
     )
@@ -1319,9 +1327,9 @@ def train(args: Args):
 
 def main(argv=None):
     """The command line: a preset name and overrides (tyro); a bad flag is refused in one line (exit
-    code 2) before any model loads (harness.parse_args); under torchrun a failing rank ends the job
-    at once."""
-    train(harness.parse_args("ppo_rlhf.py", PRESETS, check_args, argv))
+    code 2) before any model loads, a fault during the run ends it in one line (exit code 1), and
+    under torchrun a failing rank ends the job at once (harness.run)."""
+    harness.run("ppo_rlhf.py", PRESETS, check_args, train, argv)
 
 
 if __name__ == "__main__":

@@ -948,15 +948,19 @@ class RewardModel(nn.Module):
 
 def save_reward_model(model, path, tokenizer):
     """Save to `path`: the backbone and tokenizer via save_pretrained; head, gain and bias in
-    REWARD_HEAD_FILE."""
-    os.makedirs(path, exist_ok=True)
-    model.backbone.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    REWARD_HEAD_FILE. Atomic, as checkpoints (harness.write_folder): a crash or a full disk never
+    leaves a half-written reward model for ppo_rlhf.py to load."""
     head = {f"scalar_head.{k}": v.detach().cpu() for k, v in model.scalar_head.state_dict().items()}
     head.update(
         reward_gain=model.reward_gain.detach().cpu(), reward_bias=model.reward_bias.detach().cpu()
     )
-    torch.save(head, os.path.join(path, REWARD_HEAD_FILE))
+
+    def write_files(folder):
+        model.backbone.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        torch.save(head, os.path.join(folder, REWARD_HEAD_FILE))
+
+    harness.write_folder(path, write_files)
 
 
 def load_reward_model(path, device="cpu"):
@@ -1416,6 +1420,7 @@ def check_args(args, world_size):
     """Every flag with a meaningful range, before any model loads: a ValueError whose message starts
     with the flag as typed on the command line. The last check creates --output-dir, so a refused
     run leaves nothing behind."""
+    harness.check_flags(args)  # finite numbers; --track can log
     ranges = {  # rule: (test, flags), as grpo.py's check_args
         ">= 1": (
             lambda v: v >= 1,
@@ -1784,8 +1789,9 @@ def train(args: Args) -> str:
 
 def main(argv=None):
     """The command line: a preset name and field overrides; a bad flag is refused in one line (exit
-    code 2) before any model loads (harness.parse_args); then train."""
-    train(harness.parse_args("rewards.py", PRESETS, check_args, argv))
+    code 2) before any model loads, a fault during the run ends it in one line (exit code 1):
+    harness.run."""
+    harness.run("rewards.py", PRESETS, check_args, train, argv)
 
 
 if __name__ == "__main__":

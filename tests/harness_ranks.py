@@ -8,6 +8,7 @@ again after loading it (with every generator scrambled in between): equal when e
 rank was restored.
 """
 
+import dataclasses
 import json
 import os
 import random
@@ -19,6 +20,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import harness  # noqa: E402
+
+
+@dataclasses.dataclass
+class Settings:
+    """The fields of a script's Args that a checkpoint records (any dataclass will do)."""
+
+    output_dir: str
+    seed: int = 100
 
 
 def draws():
@@ -53,12 +62,11 @@ def main(out_dir):
     report["spread_different"] = harness.rank_checksum_spread(layer.parameters(), world_size)
 
     draws()  # move every generator away from its seed
-    harness.save_checkpoint(
-        out_dir,
-        rank,
-        lambda folder: open(os.path.join(folder, "model.txt"), "w").close(),
-        {"step": 3},
-    )
+
+    def write_files(folder):
+        open(os.path.join(folder, "model.txt"), "w").close()
+
+    harness.save_checkpoint(out_dir, rank, write_files, {"step": 3}, Settings(out_dir))
     report["after_save"] = draws()
     harness.seed_everything(999)  # scramble every generator, as a fresh process would have them
     path = harness.find_checkpoint(out_dir)

@@ -55,17 +55,61 @@ def test_a_fresh_start_moves_the_earlier_logs_aside_and_keeps_models(tmp_path):
     assert harness.move_previous_run_aside(str(tmp_path)) is None  # nothing left to move
 
 
-def test_find_checkpoint_prefers_the_complete_one(tmp_path):
-    assert harness.find_checkpoint(str(tmp_path)) is None
-    old = tmp_path / "checkpoint.old"  # what a crash during the swap leaves
-    old.mkdir()
-    (old / harness.TRAINER_STATE).write_text("")
-    assert harness.find_checkpoint(str(tmp_path)) == str(old)
-    new = tmp_path / "checkpoint"
-    new.mkdir()
-    (new / harness.TRAINER_STATE).write_text("")
-    assert harness.find_checkpoint(str(tmp_path)) == str(new)
-    assert harness.find_checkpoint(str(tmp_path), resume_from=str(old)) == str(old)
+@dataclasses.dataclass
+class Settings:
+    """A stand-in for a script's Args: the fields the harness reads."""
+
+    output_dir: str
+    seed: int = 1
+    lr: float = 1e-3
+    save_every: int = 1
+    resume_from: str = None
+    allow_changed_settings: bool = False
+    track: bool = False
+
+
+def write_checkpoint(settings, step):
+    def write_files(folder):
+        Path(folder, "model.bin").write_bytes(bytes(range(256)) * 4)
+
+    harness.save_checkpoint(settings.output_dir, 0, write_files, {"step": step}, settings)
+
+
+def test_checkpoints_are_verified_and_a_damaged_one_gives_way_to_checkpoint_old(tmp_path):
+    settings = Settings(output_dir=str(tmp_path))
+    assert harness.find_checkpoint(str(tmp_path)) is None  # nothing there: a fresh start
+    write_checkpoint(settings, 1)
+    path = str(tmp_path / "checkpoint")
+    assert harness.checkpoint_problem(path) is None
+    assert harness.find_checkpoint(str(tmp_path)) == path
+    assert sorted(os.listdir(path)) == [
+        "manifest.json",
+        "model.bin",
+        "rng_rank0.pt",
+        "trainer_state.pt",
+    ]
+    assert harness.load_checkpoint(path, 0)["step"] == 1
+    # the same size, other bytes: only the hash sees it
+    shutil.copytree(path, path + ".old")
+    Path(path, "model.bin").write_bytes(bytes(reversed(range(256))) * 4)
+    assert "is damaged" in harness.checkpoint_problem(path)
+    assert harness.find_checkpoint(str(tmp_path)) == path + ".old"  # a complete one beside it
+    shutil.rmtree(path + ".old")
+    with pytest.raises(harness.RunError, match="no complete checkpoint.old"):
+        harness.find_checkpoint(str(tmp_path))  # never replaced by a fresh run
+    with pytest.raises(harness.RunError, match="--resume-from"):
+        harness.find_checkpoint(str(tmp_path), resume_from=path)
+
+
+def test_resuming_with_other_settings_is_refused_but_logging_options_may_change(tmp_path):
+    write_checkpoint(Settings(output_dir=str(tmp_path)), 3)
+    same = Settings(output_dir=str(tmp_path), save_every=5, track=True)
+    assert harness.checkpoint_to_resume(same) == str(tmp_path / "checkpoint")
+    with pytest.raises(harness.RunError, match=r"--lr \(0.001 -> 0.01\), --seed \(1 -> 2\)"):
+        harness.checkpoint_to_resume(Settings(output_dir=str(tmp_path), seed=2, lr=0.01))
+    changed = Settings(output_dir=str(tmp_path), lr=0.01, allow_changed_settings=True)
+    assert harness.checkpoint_to_resume(changed) == str(tmp_path / "checkpoint")
+    assert harness.checkpoint_to_resume(Settings(output_dir=str(tmp_path), lr=0.01), ("lr",))
 
 
 def test_run_log_writes_only_on_rank_0(tmp_path):
