@@ -250,11 +250,19 @@ class Args:
 # Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
 PRESETS = {
     # The copy task from scratch: 3 letters + EOS in up to 6 new tokens, AdamW 1e-3 (a random-init
-    # model needs a large lr), two optimizer steps per rollout batch, no KL (beta = 0: no reference
-    # model). CPU, so fp32.
+    # model needs a large lr), groups of 32 samples for 16 prompts (a run whose entropy collapses
+    # before it samples EOS or every letter never learns them; larger groups sample them in time,
+    # docs/grpo.md), two optimizer steps per rollout batch, no KL (beta = 0: no reference model).
+    # CPU, so fp32.
     "tiny": (
         "Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.",
-        Args(exp_name="grpo_tiny", torch_threads=1),
+        Args(
+            exp_name="grpo_tiny",
+            torch_threads=1,
+            rollout_n=32,
+            train_batch_size=16,
+            ppo_mini_batch_size=8,
+        ),
     ),
     # verl examples/grpo_trainer/run_qwen2-7b.sh (the GRPO example of verl docs/algo/grpo.md) with
     # the 0.5B model: train_batch_size 1024, max_prompt_length 512, max_response_length 1024, lr
@@ -532,10 +540,7 @@ def load_task(args):
         return float(rewards.gsm8k_reward(response, example["answer"], mode=args.gsm8k_reward_mode))
 
     # offline; the validation prompts (seed + 1) are held out of training
-    if args.task in (
-        "copy",
-        "arith",
-    ):
+    if args.task in ("copy", "arith"):
         if args.task == "copy":
             instruction = ""
             make = functools.partial(rewards.make_copy_task, length=args.copy_length)
@@ -738,13 +743,11 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     Returns the correction's batch metrics ({} in bypass mode).
 
     decoupled ("disabled" included): pi_old = the trainer's no-grad recompute before the update,
-    corrected
-        against pi_rollout once per batch (verl compute_rollout_correction_and_add_to_batch): the IS
-        weights pi_old / pi_rollout and the RS/veto mask, which replaces the response mask for every
-        loss term
-    bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy corrects
-    each
-        micro-batch against the current policy (verl rollout_corr_math.md, section 3.1)
+        corrected against pi_rollout once per batch (verl
+        compute_rollout_correction_and_add_to_batch): the IS weights pi_old / pi_rollout and the
+        RS/veto mask, which replaces the response mask for every loss term
+    bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy
+        corrects each micro-batch against the current policy (verl rollout_corr_math.md, 3.1)
     """
     model.eval()
     batch["loss_mask"] = batch["response_mask"]

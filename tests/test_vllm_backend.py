@@ -304,6 +304,71 @@ def test_engine_options_are_vllm_engine_args_with_gpu_settings(monkeypatch):
     assert not recorded[1]["sleep_mode_offload_cudagraph"] and not recorded[1]["enforce_eager"]
 
 
+def test_engines_sample_the_same_statistics_from_identical_weights(setup, tmp_path):
+    """scripts/engine_pairs.py in small: a grpo.py tiny run's weights at steps 0, 8 and 16 go into
+    HF generate and into this engine; the preset's validation prompts x 16 samples each. The EOS
+    rate, mean length and mean reward agree within 4 standard errors and the length and reward
+    distributions pass a chi-square test (p > 1e-3) at every state; a real difference (the HF side
+    sampling at temperature 0.8) fails the same check, so the check has the power to see one."""
+    backend, _, _ = setup
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import engine_pairs
+    import grpo
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout import HFBackend
+
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny"][1],
+        output_dir=str(tmp_path / "run"),
+        cuda=False,
+        total_steps=16,
+        val_every=0,
+        log_samples_every=0,
+        save_every=0,
+    )
+    states = engine_pairs.train_in_segments(args, 8, str(tmp_path))
+    assert sorted(states) == [0, 8, 16]
+    model_path = grpo.policy_path(args, 0, 1)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    _, examples, reward_fn = grpo.load_task(args)
+    examples, prompt_ids = grpo.drop_overlong(examples, tokenizer, args)
+    hf = HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, bf16=False)
+
+    def statistics(engine, seed, temperature=1.0):
+        return engine_pairs.sample_statistics(
+            engine,
+            prompt_ids,
+            examples,
+            tokenizer,
+            reward_fn,
+            dataclasses.replace(args, temperature=temperature),
+            16,
+            seed,
+        )
+
+    for step, weights in states.items():
+        model.load_state_dict(load_file(weights), strict=False)
+        backend.sync_weights(model)
+        engines = statistics(hf, seed=step), statistics(backend, seed=step)
+        row = engine_pairs.compare(*engines)
+        worst_z = max(abs(row[k]["z"]) for k in ("eos", "length", "reward"))
+        smallest_chi_p = min(row[k]["p"] for k in ("length_distribution", "reward_distribution"))
+        print(
+            f"step {step}: EOS {row['eos']['hf']:.3f} / {row['eos']['vllm']:.3f}, reward "
+            f"{row['reward']['hf']:.3f} / {row['reward']['vllm']:.3f}, max |z| {worst_z:.2f}, "
+            f"smallest chi-square p {smallest_chi_p:.3f}"
+        )
+        assert worst_z < 4 and smallest_chi_p > 1e-3, row
+    # the trained weights (step 16) at a lower temperature on the HF side: a difference it must see
+    row = engine_pairs.compare(statistics(hf, 16, temperature=0.8), statistics(backend, 16))
+    worst_z = max(abs(row[k]["z"]) for k in ("eos", "length", "reward"))
+    print(f"HF at T=0.8 vs vLLM at T=1: max |z| {worst_z:.2f}")
+    assert worst_z > 4, row
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # grpo.train with the shared engine (train() pushes its own model's weights into it before the first
 # rollout)
