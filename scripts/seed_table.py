@@ -17,8 +17,9 @@ The criteria (CRITERIA below) are the ones docs/grpo.md, docs/ppo_rlhf.md and do
 
 Runs go one after another (2 cores: a second run in parallel would slow both and change the timing
 column) into runs/seed_table/<name>_<backend>_s<seed>/ (<name>: --name, default the script); a run
-whose metrics.jsonl is complete is read again instead of rerun (--no-reuse reruns it). The table
-(markdown) is printed and written to runs/seed_table/<name>.md with the command that made it.
+that finished there with the same command is read again instead of rerun (--no-reuse reruns it).
+The table (markdown) is printed and written to runs/seed_table/<name>.md with the command that
+made it.
 """
 
 import argparse
@@ -87,22 +88,23 @@ def read_rows(path):
 
 
 def run_one(script, backend, seed, extra, out, reuse):
-    """Runs one seed (unless a finished run is there) and returns (rows, seconds or None if
-    reused)."""
-    done_marker = os.path.join(out, "seed_table_done.json")
-    if reuse and os.path.exists(done_marker):
-        with open(done_marker) as f:
-            seconds = json.load(f)["seconds"]
-        return read_rows(os.path.join(out, "metrics.jsonl")), seconds
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.makedirs(out)
+    """Runs one seed, unless a run of the same command finished there, and returns (rows, seconds
+    the run took)."""
     file, preset, _, has_backend = CRITERIA[script]
     cmd = [sys.executable, os.path.join(ROOT, file), preset, "--seed", str(seed)]
     cmd += ["--output-dir", out]
     if has_backend:
         cmd += ["--backend", backend]
     cmd += extra
+    done_marker = os.path.join(out, "seed_table_done.json")
+    if reuse and os.path.exists(done_marker):
+        with open(done_marker) as f:
+            done = json.load(f)
+        if done["command"][1:] == cmd[1:]:  # the interpreter's path may differ
+            return read_rows(os.path.join(out, "metrics.jsonl")), done["seconds"]
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.makedirs(out)
     start = time.time()
     with open(os.path.join(out, "stdout.log"), "w") as log:
         code = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
