@@ -160,12 +160,21 @@ def p_values(row):
 
 def train_in_segments(args, every, out):
     """Step 1: the run, every `every` steps resumed from its own checkpoint; returns {step: weights
-    file} with step 0 = the initial model."""
+    file} with step 0 = the initial model. Weights kept by an earlier call are reused only if they
+    come from a run with the same settings."""
     snapshots = os.path.join(out, "weights")
     os.makedirs(snapshots, exist_ok=True)
+    settings = json.dumps(dataclasses.asdict(args), sort_keys=True, default=str)
+    settings_file = os.path.join(snapshots, "settings.json")
+    if os.path.exists(settings_file):
+        with open(settings_file) as f:
+            if f.read() != settings:
+                sys.exit(f"{snapshots} holds another run's weights; use a new --output-dir")
+    with open(settings_file, "w") as f:
+        f.write(settings)
     states = {0: os.path.join(grpo.policy_path(args, 0, 1), "model.safetensors")}
-    for end in range(every, args.total_steps + every, every):
-        end = min(end, args.total_steps)
+    ends = sorted(set(range(every, args.total_steps, every)) | {args.total_steps})
+    for end in ends:
         kept = os.path.join(snapshots, f"step_{end:04d}.safetensors")
         if not os.path.exists(kept):
             grpo.train(dataclasses.replace(args, total_steps=end))

@@ -130,9 +130,10 @@ def table(results, seeds):
         learned = sum(per_seed[s]["learns"] for s in seeds)
         quantities = [k for k in per_seed[seeds[0]] if k not in ("learns", "seconds")]
         for i, key in enumerate(quantities + ["seconds"]):
-            cells = [format_value(per_seed[s][key]) for s in seeds]
             if key == "seconds":
                 cells = [f"{per_seed[s]['seconds']:.0f}" for s in seeds]
+            else:
+                cells = [format_value(per_seed[s][key]) for s in seeds]
             count = f"{learned} of {len(seeds)}" if i == 0 else ""
             lines.append(f"| {backend}: {key} | " + " | ".join(cells) + f" | {count} |")
     return "\n".join(lines)
