@@ -6,12 +6,14 @@ through.
     torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_ddp     # 2 CPUs
     torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k  # 8 GPUs
 
-Read it top to bottom: Args and presets -> checks -> the task -> logprobs and advantages -> the
-policy update
--> train() -> main(). train() is the table of contents; one training step, numbered as there:
+Read it top to bottom: Args and presets -> checks -> the task -> logprobs, advantages and dynamic
+sampling -> the policy update -> train() -> main(). train() is the table of contents; one training
+step, numbered as there:
     1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's
        logprobs (pi_rollout)
-    2. score: a rule-based outcome reward (rewards.py), placed on the last valid response token
+    2. score: a rule-based outcome reward (rewards.py), minus DAPO's overlong penalty when it is on,
+       placed on the last valid response token; DAPO's dynamic sampling repeats steps 1-2 on more
+       prompts until train_batch_size groups whose rewards differ are in hand
     3. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
     4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
        (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on
@@ -30,8 +32,9 @@ Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advan
 compute_policy_loss_vanilla, agg_loss; verl/trainer/ppo/ray_trainer.py: the loop and the masks),
 verl's "Mathematical Formulations of Rollout Correction Methods" (docs/algo/rollout_corr_math.md:
 decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your Efficient RL Framework Secretly
-Brings You Off-Policy RL Training" (the rollout/trainer mismatch). The loss and correction math
-lives in corrections.py.
+Brings You Off-Policy RL Training" (the rollout/trainer mismatch), DAPO (Yu et al. 2025,
+arXiv:2503.14476: dynamic sampling, overlong shaping, clip-higher) and Qi et al. 2025
+(arXiv:2510.26788, --precision fp16). The loss and correction math lives in corrections.py.
 """
 
 import collections
@@ -44,6 +47,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
+import numpy as np
 import torch
 
 import corrections
@@ -167,9 +171,10 @@ class Args:
     in verl."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
-    bf16: bool = True
-    """CUDA: bf16 autocast over fp32 master weights (verl's FSDP mixed precision), fp32 LM head;
-    CPU: always fp32."""
+    precision: str = "auto"
+    """Forward dtype over fp32 master weights: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (verl's
+    FSDP mixed precision) or fp16 (float16 autocast + a gradient scaler, Qi et al. 2025); the
+    rollout engine follows (--vllm-dtype auto)."""
 
     # --- loss
     clip_ratio_low: float = 0.2
@@ -192,13 +197,27 @@ class Args:
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group std (GRPO); False is Dr.GRPO (score - group mean)."""
 
+    # --- DAPO (Yu et al. 2025, arXiv:2503.14476): dynamic sampling, overlong reward shaping
+    dynamic_sampling: bool = False
+    """Drop prompt groups whose rewards are all equal (no gradient signal; verl filter_groups with
+    metric "reward") and roll out more prompts until train_batch_size groups remain."""
+    max_num_gen_batches: int = 10
+    """Dynamic sampling: at most this many rollouts per step; if they hold too few groups with
+    signal the run ends there, saved, in one line (verl filter_groups.max_num_gen_batches; 0 = no
+    cap)."""
+    overlong_buffer_len: int = 0
+    """Overlong shaping: the last this-many tokens before max_response_length cost up to
+    overlong_penalty_factor of reward, linearly (verl overlong_buffer.len; 0 = off)."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at max_response_length tokens (verl overlong_buffer.penalty_factor)."""
+
     # --- rollout (rollout.py)
     backend: str = "hf"
     """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced
     every update)."""
     vllm_dtype: str = "auto"
-    """vLLM dtype: auto = the trainer's forward dtype (bfloat16 on GPU with --bf16, else float32),
-    or one named."""
+    """vLLM dtype: auto = the trainer's forward dtype (--precision: bfloat16 on GPU by default,
+    float16 with fp16, float32 on CPU), or one named."""
     vllm_gpu_memory_utilization: float = 0.3
     """GPU share for the engine's weights and KV cache (the trainer gets the rest); CPU:
     VLLM_CPU_KVCACHE_SPACE."""
@@ -360,6 +379,38 @@ PRESETS = {
         ),
     ),
 }
+# DAPO (Yu et al. 2025, arXiv:2503.14476): the paper's four changes to GRPO together: clip-higher
+# (eps_high 0.28), the token-mean loss (grpo.py's default), dynamic sampling and overlong reward
+# shaping (penalty factor 1.0), no KL (beta = 0). The overlong buffer is 1 of the 6 tokens (the
+# paper's 4096 of 20480 is 20%): a response that never stops within 5 tokens loses 1.
+PRESETS["tiny_dapo"] = (
+    "Offline CPU run: the tiny copy task with DAPO (clip-higher, dynamic sampling, overlong "
+    "shaping).",
+    replace(
+        PRESETS["tiny"][1],
+        exp_name="grpo_tiny_dapo",
+        clip_ratio_high=0.28,
+        dynamic_sampling=True,
+        overlong_buffer_len=1,
+        overlong_penalty_factor=1.0,
+    ),
+)
+# The gsm8k preset with DAPO's changes, sized as verl's DAPO GSM8K example for Qwen2.5-0.5B-Instruct
+# (overlong_buffer_len 128, max_num_gen_batches 10, kl 0); verl draws 3-4x train_batch_size prompts
+# per generation batch, grpo.py draws train_batch_size (docs/grpo.md, DAPO).
+PRESETS["gsm8k_dapo"] = (
+    "GSM8K with Qwen2.5-0.5B-Instruct and DAPO (GPU).",
+    replace(
+        PRESETS["gsm8k_qwen05b"][1],
+        exp_name="grpo_gsm8k_dapo",
+        kl_loss_coef=0.0,
+        clip_ratio_high=0.28,
+        dynamic_sampling=True,
+        max_num_gen_batches=10,
+        overlong_buffer_len=128,
+        overlong_penalty_factor=1.0,
+    ),
+)
 PRESETS["gsm8k_qwen15b"] = (
     "The same with Qwen2.5-1.5B-Instruct (GPU).",
     replace(
@@ -417,6 +468,7 @@ def check_args(args, world_size=1):
         "lr_scheduler_type": LR_SCHEDULERS,
         "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
         "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
+        "precision": rollout.PRECISIONS,
         "correction": corrections.ALL_PRESET_NAMES,
     }
     for name, allowed in choices.items():
@@ -433,7 +485,8 @@ def check_args(args, world_size=1):
             lambda v: v >= 0,
             "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
             "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
-            "clip_ratio_high vllm_max_num_batched_tokens",
+            "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
+            "overlong_penalty_factor",
         ),
         "> 0": (lambda v: v > 0, "lr temperature max_grad_norm num_cycles"),
         "in [0, 1]": (lambda v: 0 <= v <= 1, "min_lr_ratio lr_warmup_steps_ratio"),
@@ -447,6 +500,8 @@ def check_args(args, world_size=1):
                 refuse(name, rule)
     if args.task in ("copy", "arith") and args.val_size < 1:
         refuse("val_size", ">= 1 for the copy and arith tasks")
+    if args.overlong_buffer_len > args.max_response_length:
+        refuse("overlong_buffer_len", f"<= --max-response-length {args.max_response_length}")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
     if args.vllm_sleep_mode and args.backend != "vllm":
@@ -647,11 +702,13 @@ def drop_overlong(examples, tokenizer, args):
     return [examples[i] for i in keep], [prompt_ids[i] for i in keep]
 
 
-def step_prompt_indices(step, n_train, args, rank, world_size):
+def step_prompt_indices(step, n_train, args, rank, world_size, gen_batch=0):
     """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays
     the data order. Epoch e visits the training set in the order torch.randperm(n_train, seed + e);
     the last partial batch of an epoch is dropped (verl's dataloader drop_last). Rank r takes the
-    r-th contiguous slice of the global batch."""
+    r-th contiguous slice of the global batch. Dynamic sampling's extra generation batches
+    (gen_batch >= 1) take the first train_batch_size prompts of a permutation seeded by (seed, step,
+    gen_batch): a function of (seed, step) too."""
     steps_per_epoch = n_train // args.train_batch_size
     if steps_per_epoch == 0:
         raise ValueError(
@@ -660,23 +717,27 @@ def step_prompt_indices(step, n_train, args, rank, world_size):
     epoch, index = divmod(step, steps_per_epoch)
     perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed + epoch))
     batch = perm[index * args.train_batch_size : (index + 1) * args.train_batch_size]
+    if gen_batch > 0:
+        seed = 1_000_003 * args.seed + 1009 * step + gen_batch
+        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed))
+        batch = perm[: args.train_batch_size]
     per_rank = args.train_batch_size // world_size
     return batch[rank * per_rank : (rank + 1) * per_rank].tolist()
 
 
-def sampling_seed(args, step, rank):
-    """A distinct sampling seed per (rank, step) (seed + rank * 100003 style), independent of the
-    RNG state."""
-    return args.seed + 100003 * rank + 7919 * (step + 1)
+def sampling_seed(args, step, rank, gen_batch=0):
+    """A distinct sampling seed per (rank, step, generation batch) (seed + rank * 100003 style),
+    independent of the RNG state."""
+    return args.seed + 100003 * rank + 7919 * (step + 1) + 1_000_033 * gen_batch
 
 
 # --------------------------------------------------------------------------------------------------
-# Logprobs, advantages, the learning-rate schedule
+# Logprobs, advantages, dynamic sampling (DAPO), the learning-rate schedule
 # --------------------------------------------------------------------------------------------------
 
 
 def compute_logprobs(
-    model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, bf16=True
+    model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, precision="auto"
 ):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
     log-softmax: the backbone's hidden states at the positions that predict a valid response token
@@ -687,8 +748,8 @@ def compute_logprobs(
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
     R = batch["responses"].shape[1]
-    # the backbone in bf16 on CUDA unless --no-bf16
-    with rollout.autocast_context(batch["input_ids"].device, bf16):
+    # the backbone in the forward dtype of --precision (bf16 on CUDA by default)
+    with rollout.autocast_context(batch["input_ids"].device, precision):
         # (B, P+R, H)
         hidden = backbone(
             input_ids=batch["input_ids"],
@@ -732,7 +793,7 @@ def batch_logprobs(model, batch, args):
             args.temperature,
             args.logprob_chunk_size,
             rows=slice(start, start + micro),
-            bf16=args.bf16,
+            precision=args.precision,
         )
         parts.append(logprobs)
     return torch.cat(parts)
@@ -792,6 +853,48 @@ def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
     return advantages
 
 
+def as_groups(indices, response_ids, rollout_logprobs, finish_reasons, scores, gen_batch, rank):
+    """One rollout as a dict per prompt group (prompt index, its n responses, their sampler
+    logprobs, finish reasons and scores), tagged with where it was drawn (generation batch, rank)
+    so that dynamic sampling can keep some groups and order them over the ranks."""
+    n = len(response_ids) // len(indices)
+    return [
+        {
+            "prompt": index,
+            "responses": response_ids[g * n : (g + 1) * n],
+            "logprobs": rollout_logprobs[g * n : (g + 1) * n],
+            "finish_reasons": finish_reasons[g * n : (g + 1) * n],
+            "scores": scores[g * n : (g + 1) * n].tolist(),
+            "gen_batch": gen_batch,
+            "rank": rank,
+        }
+        for g, index in enumerate(indices)
+    ]
+
+
+def has_reward_signal(group_scores):
+    """DAPO's dynamic-sampling rule as verl 0.9.1 applies it (trainer/ppo/v1/replay_buffer.py,
+    _dapo_filtered_keys): a group of more than one response whose rewards have a standard deviation
+    of exactly 0 (all right, or all wrong) gives every response advantage 0, so no gradient; it is
+    dropped. Every other group is kept."""
+    return not (len(group_scores) > 1 and float(np.std(group_scores)) == 0.0)
+
+
+def take_groups(groups, train_batch_size, rank, world_size):
+    """Dynamic sampling's batch: the kept groups of every rank in the order they were drawn
+    (generation batch by generation batch, rank by rank), cut to the first train_batch_size; rank r
+    trains the r-th slice. So every rank gets the same number of groups, hence of micro-batches
+    (one with fewer would leave the others waiting in a collective). The surplus is discarded, as
+    in verl."""
+    everyone = harness.all_gather_objects(groups)  # [rank 0's kept groups, rank 1's, ...]
+    ordered = sorted(
+        (group for rank_groups in everyone for group in rank_groups),
+        key=lambda group: (group["gen_batch"], group["rank"]),
+    )
+    per_rank = train_batch_size // world_size
+    return ordered[:train_batch_size][rank * per_rank : (rank + 1) * per_rank]
+
+
 def lr_factor(step, args):
     """The lr multiplier of the update of 0-based `step`, as verl's LambdaLR schedules stepped once
     per training step (utils/torch_functional.py get_constant/cosine_schedule_with_warmup). W =
@@ -821,11 +924,11 @@ def lr_factor(step, args):
 # --------------------------------------------------------------------------------------------------
 
 
-def update_policy(model, optimizer, batch, args, correction, world_size=1):
+def update_policy(model, optimizer, batch, args, correction, world_size=1, scaler=None):
     """Step 5: ppo_epochs x minibatches (one optimizer step each) x micro-batches (one
     forward/backward each) over this rank's batch: the (B, R) tensors of rollout.make_batch, the
     advantages, and step 4's old_logprobs, loss_mask, is_weights, ref_logprobs. Returns the metrics
-    averaged over optimizer steps.
+    averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else None.
 
     The loss of a micro-batch, term by term as verl's actor computes it (dp_actor.py update_policy):
         pg_loss = agg(w * l_clip(pi_theta / pi_old, A))    over the tokens the correction keeps
@@ -869,7 +972,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     args.logprob_chunk_size,
                     entropy_grad=args.entropy_coeff != 0,
                     rows=rows,
-                    bf16=args.bf16,
+                    precision=args.precision,
                 )
                 advantages = batch["advantages"][rows, None].expand_as(logprobs)  # (B,) -> (B, R)
                 old_logprobs = batch["old_logprobs"][rows]
@@ -933,6 +1036,10 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
                     terms["actor/kl_loss"] = kl_loss
                 # every term is divided by the global count and multiplied by the world size
                 # already: backward sums the micro-batches
+                if scaler is not None:
+                    # fp16: backward from loss x S, so that small gradients do not underflow
+                    # float16 (Micikevicius et al. 2018, "Mixed Precision Training")
+                    loss = scaler.scale(loss)
                 loss.backward()
 
                 # the minibatch's loss terms: the sum of its micro-batches' (then the mean of ranks)
@@ -943,10 +1050,19 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1):
             for name, value in minibatch_losses.items():
                 logged[name].append(value)
             harness.average_gradients(params, world_size)
+            if scaler is not None:
+                # divide by S before clipping; records whether any gradient is inf or nan
+                scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if torch.isfinite(grad_norm):
+            if scaler is not None:
+                logged["actor/loss_scale"].append(scaler.get_scale())
+                # skips the step if unscale_ found an inf/nan; then halves S (doubles it after 2000
+                # steps in a row without one)
+                scaler.step(optimizer)
+                scaler.update()
+            elif torch.isfinite(grad_norm):
                 optimizer.step()
-            else:  # verl skips the update on a non-finite gradient norm
+            if not torch.isfinite(grad_norm):  # verl skips the update on a non-finite norm
                 print(
                     f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step",
                     file=sys.stderr,
@@ -982,9 +1098,9 @@ def policy_path(args, rank, world_size):
 
 
 def load_models(args, model_path, checkpoint, device, rank):
-    """(tokenizer, policy, reference or None, AdamW, first step): fp32 master weights (autocast to
-    bf16 for the forward on GPU), from the checkpoint when resuming, with the optimizer state and
-    this rank's RNG state."""
+    """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step):
+    fp32 master weights (autocast to --precision's dtype for the forward), from the checkpoint when
+    resuming, with the optimizer and scaler state and this rank's RNG state."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -1001,20 +1117,26 @@ def load_models(args, model_path, checkpoint, device, rank):
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
         # under bf16 autocast: same logprobs, ~half the memory
-        if device.type == "cuda" and args.bf16:
+        if rollout.resolve_precision(args.precision, device) == "bf16":
             rollout.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
         ref_model = ref_model.to(device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
     )
+    scaler = None
+    if rollout.resolve_precision(args.precision, device) == "fp16":
+        # torch's defaults: S starts at 2^16
+        scaler = torch.amp.GradScaler(device.type)
     start_step = 0
     if checkpoint:
         state = harness.load_checkpoint(checkpoint, rank)
         optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
         start_step = state["step"]
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
-    return tokenizer, model, ref_model, optimizer, start_step
+    return tokenizer, model, ref_model, optimizer, scaler, start_step
 
 
 def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size):
@@ -1067,8 +1189,8 @@ def validate(
 
 def step_metrics(step, args, seq_scores, lengths, finish_reasons, prompt_ids, advantages):
     """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*,
-    ...)."""
-    return {
+    ...), and DAPO's overlong penalty when it is on."""
+    metrics = {
         "reward/mean": seq_scores.mean().item(),
         "reward/max": seq_scores.max().item(),
         "reward/min": seq_scores.min().item(),
@@ -1083,6 +1205,16 @@ def step_metrics(step, args, seq_scores, lengths, finish_reasons, prompt_ids, ad
         # next step's
         "actor/lr": args.lr * lr_factor(step + 1, args),
     }
+    if args.overlong_buffer_len:
+        penalty = rewards.overlong_penalty(
+            lengths,
+            args.max_response_length,
+            args.overlong_buffer_len,
+            args.overlong_penalty_factor,
+        )
+        metrics["overlong/reward_mean"] = penalty.mean().item()
+        metrics["overlong/fraction"] = (penalty < 0).float().mean().item()
+    return metrics
 
 
 def log_step(log, metrics, total_steps, rank):
@@ -1123,15 +1255,17 @@ def sample_rows(step, args, tokenizer, prompt_ids, response_ids, seq_scores, adv
     return rows
 
 
-def save(args, rank, model, tokenizer, optimizer, step):
-    """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer and the step (harness.py
-    adds every rank's RNG and swaps it in atomically)."""
+def save(args, rank, model, tokenizer, optimizer, scaler, step):
+    """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
+    and the step (harness.py adds every rank's RNG and swaps it in atomically)."""
 
     def write_files(folder):
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
     state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
     harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
 
 
@@ -1156,14 +1290,14 @@ def train(args, backend=None):
     schedule_uses_total = args.lr_scheduler_type != "constant" or (
         args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
     )
-    checkpoint = harness.checkpoint_to_resume(
-        args, changeable=() if schedule_uses_total else ("total_steps",)
-    )
+    # (and dynamic sampling's cap may grow: a run stopped by it resumes with a larger one)
+    changeable = ("max_num_gen_batches",) + (() if schedule_uses_total else ("total_steps",))
+    checkpoint = harness.checkpoint_to_resume(args, changeable=changeable)
     correction = corrections.RolloutCorrection.from_name(args.correction)
     train_examples, val_examples, reward_fn = load_task(args)
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
-    tokenizer, model, ref_model, optimizer, start_step = load_models(
+    tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
         args, model_path, checkpoint, device, rank
     )
     train_examples, train_prompt_ids = drop_overlong(train_examples, tokenizer, args)
@@ -1210,41 +1344,89 @@ def train(args, backend=None):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, args)
 
-        # 1. Rollout: this rank's prompts, n samples each, with the sampler's logprobs (pi_rollout).
-        t0 = time.time()
-        indices = step_prompt_indices(step, len(train_examples), args, rank, world_size)
-        prompt_ids = [train_prompt_ids[i] for i in indices]
-        response_ids, rollout_logprobs, finish_reasons = backend.generate(
-            prompt_ids,
-            args.rollout_n,
-            args.max_response_length,
-            args.temperature,
-            sampling_seed(args, step, rank),
-        )
-        timing = {"timing/generate": time.time() - t0}
-        group_ids = [i for i in indices for _ in range(args.rollout_n)]  # each response's prompt
+        # 1-2. Rollout and rewards. With --dynamic-sampling (DAPO) both repeat on fresh prompts
+        #      until train_batch_size groups whose rewards differ are in hand, over all ranks.
+        groups, gen_batches = [], 0
+        timing = {"timing/generate": 0.0}
+        while True:
+            # 1. Rollout: this rank's prompts, n samples each, with the sampler's logprobs
+            #    (pi_rollout).
+            t0 = time.time()
+            indices = step_prompt_indices(
+                step, len(train_examples), args, rank, world_size, gen_batches
+            )
+            response_ids, rollout_logprobs, finish_reasons = backend.generate(
+                [train_prompt_ids[i] for i in indices],
+                args.rollout_n,
+                args.max_response_length,
+                args.temperature,
+                sampling_seed(args, step, rank, gen_batches),
+            )
+            timing["timing/generate"] += time.time() - t0
+
+            # 2. Rewards: each response's rule-based score, minus DAPO's overlong penalty when on.
+            example_ids = [i for i in indices for _ in range(args.rollout_n)]  # each one's prompt
+            texts = [response_text(tokenizer, ids) for ids in response_ids]
+            scores = torch.tensor(
+                [reward_fn(text, train_examples[i]) for text, i in zip(texts, example_ids)]
+            )
+            if args.overlong_buffer_len:
+                scores += rewards.overlong_penalty(
+                    torch.tensor([len(ids) for ids in response_ids]),
+                    args.max_response_length,
+                    args.overlong_buffer_len,
+                    args.overlong_penalty_factor,
+                )
+            new_groups = as_groups(
+                indices, response_ids, rollout_logprobs, finish_reasons, scores, gen_batches, rank
+            )
+            gen_batches += 1
+            if not args.dynamic_sampling:
+                groups = new_groups
+                break
+            groups += [group for group in new_groups if has_reward_signal(group["scores"])]
+            kept_groups = harness.all_sum(torch.tensor(len(groups))).item()
+            if kept_groups >= args.train_batch_size:
+                groups = take_groups(groups, args.train_batch_size, rank, world_size)
+                break
+            if gen_batches == args.max_num_gen_batches:
+                break
+        if args.dynamic_sampling and kept_groups < args.train_batch_size:
+            # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
+            # signal (the policy answers nearly every prompt the same way, right or wrong), so the
+            # run ends after `step` steps, saved; it resumes from there with a larger cap
+            save(args, rank, model, tokenizer, optimizer, scaler, step)
+            if rank == 0:
+                print(
+                    f"stopping after step {step}: --max-num-gen-batches {gen_batches} gave "
+                    f"{kept_groups} of --train-batch-size {args.train_batch_size} prompt groups "
+                    "whose rewards differ",
+                    flush=True,
+                )
+            break
+        # the step's groups side by side again: group g's responses are rows g*n .. g*n+n-1
+        prompt_ids = [train_prompt_ids[group["prompt"]] for group in groups]
+        response_ids = [ids for group in groups for ids in group["responses"]]
+        rollout_logprobs = [lps for group in groups for lps in group["logprobs"]]
+        finish_reasons = [reason for group in groups for reason in group["finish_reasons"]]
+        scores = torch.tensor([score for group in groups for score in group["scores"]])
+        group_ids = [g for g in range(len(groups)) for _ in range(args.rollout_n)]
         batch = rollout.make_batch(
-            [train_prompt_ids[i] for i in group_ids],
+            [prompt_ids[g] for g in group_ids],
             response_ids,
             rollout_logprobs,
             tokenizer.pad_token_id,
             args.max_response_length,
             device,
         )
-
-        # 2. Rewards: the outcome reward sits on the last valid response token (verl's
-        #    token_level_scores); every other token gets 0, and the sequence score is their sum.
-        texts = [response_text(tokenizer, ids) for ids in response_ids]
-        scores = torch.tensor(
-            [reward_fn(text, train_examples[i]) for text, i in zip(texts, group_ids)]
-        )
+        # the outcome reward sits on the last valid response token (verl's token_level_scores);
+        # every other token gets 0, and the sequence score is their sum
         lengths = batch["response_mask"].sum(-1).long().cpu()
         token_level_scores = torch.zeros(batch["response_mask"].shape)
         token_level_scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
         seq_scores = token_level_scores.sum(-1)
 
-        # 3. Advantages: one per response, normalised within its prompt's group (the prompt's global
-        # index).
+        # 3. Advantages: one per response, normalised within its prompt's group.
         batch["advantages"] = compute_grpo_advantages(
             seq_scores, torch.tensor(group_ids), norm_by_std=args.norm_adv_by_std_in_grpo
         ).to(device)
@@ -1259,7 +1441,7 @@ def train(args, backend=None):
         # 5. Update: the clipped surrogate with the correction's weights and mask, entropy and KL
         # terms.
         t0 = time.time()
-        actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size)
+        actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size, scaler)
         timing["timing/update"] = time.time() - t0
 
         # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
@@ -1276,6 +1458,9 @@ def train(args, backend=None):
         metrics = step_metrics(
             step, args, seq_scores, lengths, finish_reasons, prompt_ids, batch["advantages"]
         )
+        if args.dynamic_sampling:  # generation batches of this step, groups kept over all ranks
+            metrics["filter_groups/gen_batches"] = gen_batches
+            metrics["filter_groups/kept_groups"] = kept_groups
         metrics = harness.reduce_metrics(
             {**metrics, **timing, **corr_metrics, **actor_metrics}, world_size
         )
@@ -1302,7 +1487,7 @@ def train(args, backend=None):
                     )
                 )
         if (args.save_every and (step + 1) % args.save_every == 0) or last:
-            save(args, rank, model, tokenizer, optimizer, step + 1)
+            save(args, rank, model, tokenizer, optimizer, scaler, step + 1)
 
     log.close()
     if own_backend and isinstance(backend, rollout.VLLMBackend):

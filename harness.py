@@ -257,6 +257,16 @@ def all_gather_cat(tensor):
     return tensor
 
 
+def all_gather_objects(obj):
+    """[rank 0's obj, rank 1's, ...] for any picklable objects, of any size; [obj] in a single
+    process."""
+    if distributed():
+        gathered = [None] * dist.get_world_size()
+        collective(dist.all_gather_object, gathered, obj)
+        return gathered
+    return [obj]
+
+
 def collective_device():
     """Where a collective's tensors must live: the current CUDA device under NCCL, the CPU under
     gloo."""

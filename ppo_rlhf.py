@@ -82,8 +82,9 @@ class Args:
     """the wandb entity (team)"""
     cuda: bool = True
     """use CUDA when available"""
-    bf16: bool = True
-    """bf16 autocast for all forwards on CUDA (ignored on CPU, where everything is float32)"""
+    precision: str = "auto"
+    """forward dtype over fp32 weights: auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16
+    (fp16 with loss scaling is grpo.py's)"""
     torch_threads: int = 0
     """CPU threads per process (0 = torch's default); the tiny preset uses 1 (small matmuls gain
     nothing from more)"""
@@ -231,7 +232,7 @@ PRESETS = {
             kl_horizon=1000,
             log_samples_every=20,
             save_every=50,
-            bf16=False,
+            precision="fp32",
             torch_threads=1,
         ),
     ),
@@ -315,7 +316,7 @@ PRESETS = {
             kl_horizon=256,
             log_samples_every=4,
             save_every=0,
-            bf16=False,
+            precision="fp32",
         ),
     ),
 }
@@ -396,6 +397,8 @@ def check_args(args, world_size):
         "optimizer": ("adam_tf", "adam"),
         "correction": corrections.ALL_PRESET_NAMES,
         "reward_preset": tuple(rewards.PRESETS),
+        # fp16 needs a loss scaler, which this trainer's update does not have (grpo.py's does)
+        "precision": ("auto", "fp32", "bf16"),
     }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
@@ -951,9 +954,8 @@ def load_models(args, rm_path, policy_path, resume, device):
     reward_model = rewards.load_reward_model(rm_path, device=str(device))
     reward_model = rewards.disable_dropout(reward_model).to(device).eval()
     ref_policy = load_policy(policy_path, device).eval()
-    if (
-        device.type == "cuda" and args.bf16
-    ):  # under bf16 autocast: the same logprobs, half the memory
+    # under bf16 autocast: the same logprobs, half the memory
+    if rollout.resolve_precision(args.precision, device) == "bf16":
         rollout.bf16_frozen_linears_(ref_policy)
     model = PolicyAndValue(load_policy(resume or policy_path, device)).to(device).eval()
     reward_model.requires_grad_(False)
@@ -1027,7 +1029,7 @@ def update_policy(
     """
     stats, extra = {}, {}
     context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
-    autocast = rollout.autocast_context(batch["responses"].device, args.bf16)
+    autocast = rollout.autocast_context(batch["responses"].device, args.precision)
     for _ in range(args.noptepochs):
         perm = np.random.permutation(sizes["local_batch"])
         perm = torch.from_numpy(perm).to(batch["responses"].device)
@@ -1136,7 +1138,7 @@ def train(args: Args):
     local_batch, micro, num_updates = sizes["local_batch"], sizes["micro"], sizes["num_updates"]
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    autocast = rollout.autocast_context(device, args.bf16)
+    autocast = rollout.autocast_context(device, args.precision)
     # a checkpoint, verified, written with these settings (before a reward model is trained)
     resume = harness.checkpoint_to_resume(args)
     rm_path, policy_path = reward_model_paths(args)  # trains a reward model first if none is given
@@ -1198,7 +1200,7 @@ def train(args: Args):
                 args.response_length,
                 args.temperature,
                 banned_token,
-                args.bf16,
+                args.precision,
             )
             # 3b-3e. policy logprobs and values, reference logprobs, truncation, the reward model's
             #        score (or the penalty), in micro-batches

@@ -3,9 +3,9 @@ its training.
 
 Read it top to bottom: tiny offline assets (build_tiny_model: every `tiny` preset), GRPO tasks and
 rule-based rewards (copy, arith, gsm8k_reward: verl's scorer, countdown_reward: TinyZero's without
-`eval`), the tiny and smol_sentiment RLHF tasks (their queries and hidden labellers), then the
-OpenAI reward model: Args, PRESETS, RewardModel, normalisation, labels, queries, check_args, and
-train(), whose numbered steps are:
+`eval`, overlong_penalty: DAPO's length shaping), the tiny and smol_sentiment RLHF tasks (their
+queries and hidden labellers), then the OpenAI reward model: Args, PRESETS, RewardModel,
+normalisation, labels, queries, check_args, and train(), whose numbered steps are:
   1. processes: torchrun's RANK/WORLD_SIZE, device, per-rank seeds
   2. logging: args.json and metrics.jsonl (rank 0)
   3. policy, tokenizer and best-of-4 labels (the tiny and lexicon labels are made here)
@@ -459,6 +459,20 @@ def countdown_reward(response, numbers, target, format_score=0.1, score=1.0):
     if value is None or abs(value - target) >= 1e-5:
         return float(format_score)
     return float(score)
+
+
+def overlong_penalty(response_lengths, max_response_length, buffer_length, penalty_factor=1.0):
+    """DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4; verl
+    workers/reward_manager/dapo.py): a response of L tokens (its EOS counted) gets
+
+        min(0, -(L - (max_response_length - buffer_length)) / buffer_length * penalty_factor)
+
+    added to its reward: 0 up to max_response_length - buffer_length tokens, then falling linearly
+    to -penalty_factor at max_response_length. A (B,) tensor of lengths in, a (B,) float tensor
+    out."""
+    expected_length = max_response_length - buffer_length
+    exceed = response_lengths.float() - expected_length
+    return (-exceed / buffer_length * penalty_factor).clamp(max=0.0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ import harness
 
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
+# --precision: the forward dtype of the trainers and of the rollout engine (auto = bf16 on CUDA,
+# fp32 on CPU); the master weights, optimizer state, logprobs, values and rewards stay float32
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("auto", *AUTOCAST_DTYPES)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,13 +96,25 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def autocast_context(device, bf16=True):
-    """bf16 autocast on CUDA over fp32 master weights (verl's FSDP mixed precision) unless
-    --no-bf16; off on CPU (fp32 parity). The heads inside run in fp32 anyway
-    (corrections.fp32_project)."""
-    if device.type == "cuda" and bf16:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def resolve_precision(precision, device):
+    """--precision auto: bf16 on CUDA (verl's FSDP mixed precision), fp32 on CPU (the exact path the
+    parity tests hold to HF and vLLM). Any other value is kept, on either device: CPU autocast runs
+    real bfloat16 / float16 kernels too (slowly; the tests and the CPU mismatch table use it)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def autocast_context(device, precision="auto"):
+    """Autocast to the forward dtype of `precision` over fp32 master weights: bf16 (verl's FSDP
+    mixed precision) or fp16 (Qi et al. 2025, "Defeating the Training-Inference Mismatch via
+    FP16"); fp32: none. The heads inside run in fp32 anyway (corrections.fp32_project)."""
+    dtype = AUTOCAST_DTYPES[resolve_precision(precision, device)]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def bf16_frozen_linears_(model):
@@ -253,7 +269,7 @@ def generation_config(
 
 
 @torch.no_grad()
-def hf_generate(model, input_ids, attention_mask, config, temperature, bf16=True):
+def hf_generate(model, input_ids, attention_mask, config, temperature, precision="auto"):
     """model.generate on a left-padded batch: (new_tokens (B, R), logprobs (B, R) of each under
     pi_rollout). Position ids are not passed: HF derives them from the attention mask (cumsum - 1),
     as the trainers' forwards do (RLHF blog detail general 3.4: passing them as well made
@@ -261,7 +277,7 @@ def hf_generate(model, input_ids, attention_mask, config, temperature, bf16=True
     from transformers import LogitsProcessorList
 
     recorder = _LogprobRecorder(temperature)
-    with autocast_context(input_ids.device, bf16):
+    with autocast_context(input_ids.device, precision):
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -273,7 +289,7 @@ def hf_generate(model, input_ids, attention_mask, config, temperature, bf16=True
 
 
 def sample_fixed_length(
-    lm, queries, pad_token_id, response_length, temperature, banned_token=None, bf16=True
+    lm, queries, pad_token_id, response_length, temperature, banned_token=None, precision="auto"
 ):
     """OpenAI's sampling for ppo_rlhf.py (RLHF blog detail general 4): exactly response_length
     tokens from the left-padded (B, Q) queries, top_k 0, top_p 1, temperature T, EOS does not stop
@@ -290,7 +306,7 @@ def sample_fixed_length(
         min_new_tokens=response_length,
         suppress_tokens=[] if banned_token is None else [banned_token],
     )
-    return hf_generate(lm, input_ids, attention_mask, config, temperature, bf16)
+    return hf_generate(lm, input_ids, attention_mask, config, temperature, precision)
 
 
 class HFBackend:
@@ -299,9 +315,17 @@ class HFBackend:
     apply_mismatch."""
 
     def __init__(
-        self, model, eos_token_id, pad_token_id, mismatch="none", generation_batch_size=0, bf16=True
+        self,
+        model,
+        eos_token_id,
+        pad_token_id,
+        mismatch="none",
+        generation_batch_size=0,
+        precision="auto",
     ):
-        self.eos_token_id, self.pad_token_id, self.bf16 = eos_token_id, pad_token_id, bf16
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.precision = precision
         self.mismatch, self.generation_batch_size = mismatch, generation_batch_size
         self.model = model
         if mismatch != "none":
@@ -342,7 +366,7 @@ class HFBackend:
                     attention_mask.to(device),
                     config,
                     temperature,
-                    self.bf16,
+                    self.precision,
                 )
                 for ids, lps in zip(new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()):
                     # each response ends at its first EOS (kept: it is an action), or is cut at
@@ -370,9 +394,9 @@ class HFBackend:
 #   exactly what the trainer recomputes (the default "raw_logprobs" is T=1's distribution).
 # - generation_config="vllm": vLLM's neutral sampling defaults, not the checkpoint's
 #   top_k/top_p/penalties.
-# - dtype: float32 on CPU (parity with the fp32 trainer to ~1e-6); bfloat16 on GPU by default (the
-#   trainer's forward runs under bf16 autocast; verl's default rollout dtype), --vllm-dtype float32
-#   for a parity check. --mismatch rounds the pushed weights on top of that (weight_transform).
+# - dtype: the trainer's forward dtype (vllm_dtype): float32 on CPU (parity with the fp32 trainer
+#   to ~1e-6); bfloat16 on GPU by default (verl's default rollout dtype), float16 with --precision
+#   fp16; --vllm-dtype float32 for a parity check. --mismatch rounds the pushed weights on top.
 # - enforce_eager on CPU: no torch.compile (start-up time). On GPU CUDA graphs stay on, as in TRL's
 #   colocate mode: load_weights copies into the captured parameter tensors in place (not run here:
 #   no GPU in this repo's CI); --vllm-enforce-eager turns them off there too.
@@ -681,11 +705,13 @@ def check_vllm_available():
 
 
 def vllm_dtype(args, device):
-    """--vllm-dtype auto: the trainer's forward dtype: bfloat16 on GPU with --bf16 (its autocast
-    dtype), else float32 (CPU, or an fp32 trainer: exact parity)."""
+    """--vllm-dtype auto: the trainer's forward dtype (--precision): bfloat16 on GPU by default,
+    float16 with --precision fp16 (the engine holds float16 weights, as in Qi et al. 2025), float32
+    on CPU or for an fp32 trainer (exact parity)."""
     if args.vllm_dtype != "auto":
         return args.vllm_dtype
-    return "bfloat16" if device.type == "cuda" and args.bf16 else "float32"
+    names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    return names[resolve_precision(args.precision, device)]
 
 
 def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=None, world_size=1):
@@ -705,7 +731,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
             tokenizer.pad_token_id,
             args.mismatch,
             args.generation_batch_size,
-            bf16=args.bf16,
+            precision=args.precision,
         )
     check_vllm_available()
     device = next(model.parameters()).device

@@ -3,9 +3,13 @@ on one GPU, `bash scripts/gpu_check.sh --cpu` for the part a CPU can check (CI r
 tests/test_gpu_check.py).
 
 Rows:
-  grpo step           one GRPO step with the HF backend on the tiny copy task: finite actor/grad_norm, and the
-                      trainer-vs-rollout logprob difference (training/rollout_probs_diff_max): ~1e-6 in fp32 (same
-                      weights, same precision), larger in bf16 (the sampler and the trainer round differently)
+  grpo step           one GRPO step with the HF backend on the tiny copy task per --precision (bf16, fp16, fp32):
+                      finite actor/grad_norm, and the trainer-vs-rollout logprob difference
+                      (training/rollout_probs_diff_max): ~1e-6 in fp32 (same weights, same precision), larger in
+                      bf16 and fp16 (the sampler and the trainer round differently)
+  fp16 vs bf16        GPU: scripts/precision_mismatch.py, the rollout (HF generate) vs the trainer's recompute on the
+                      same model and prompts, under --precision bf16 and fp16: KL (k1, k3) and |p_rollout - p_train|
+                      (SmolLM2 when converted, else a random-init Qwen2.5-0.5B-Instruct on random prompts)
   ppo update          one ppo_rlhf update on the tiny task (bf16 autocast on a GPU) with an untrained tiny reward model:
                       finite ppo/policy/approxkl_avg
   plan vs peak        GPU: every GPU preset's random-init model of the real size (tests/model_configs), one training
@@ -71,8 +75,8 @@ def last_metrics(path):
 
 
 def grpo_step(tmp, precision, device):
-    """One GRPO step on the tiny preset (HF backend). precision "fp32" needs grpo.Args.bf16 on a
-    GPU."""
+    """One GRPO step on the tiny preset (HF backend) with --precision `precision` (fp16: float16
+    autocast and the gradient scaler)."""
     # PRESETS entries: (description, Args or a function making it)
     tiny = plan_memory.preset_args("grpo", "tiny")
     args = dataclasses.replace(
@@ -85,13 +89,7 @@ def grpo_step(tmp, precision, device):
         val_every=0,
         save_every=0,
     )
-    if device == "cuda":
-        # the trainer precision flag (issue 11 item 2); a GPU run without it is bf16
-        if not hasattr(args, "bf16"):
-            if precision == "fp32":
-                return row("grpo step", "fp32, HF backend", "grpo.Args has no bf16 flag", "-", None)
-        else:
-            args = dataclasses.replace(args, bf16=precision == "bf16")
+    args = dataclasses.replace(args, precision=precision)
     m = last_metrics(grpo.train(args))
     grad_norm, diff = m["actor/grad_norm"], m["training/rollout_probs_diff_max"]
     row(
@@ -127,7 +125,7 @@ def ppo_update(tmp, device):
         reward_model_path=rm_dir,
         total_episodes=64,
         rollout_batch_size=64,
-        bf16=bf16,
+        precision="bf16" if bf16 else "fp32",
         save_every=0,
         log_samples_every=0,
     )
@@ -400,6 +398,28 @@ def torchrun_rank(out_dir):
     grpo.train(args)
 
 
+def precision_mismatch():
+    """scripts/precision_mismatch.py on this GPU: the rollout-vs-trainer KL and probability gap
+    under bf16 and under fp16, the same model and prompts (SmolLM2 when converted, else a
+    random-init Qwen2.5-0.5B-Instruct on random prompts)."""
+    import precision_mismatch as P
+
+    flags = ["--device", "cuda", "--precisions", "bf16", "fp16"]
+    if rewards.smollm2_problem(rewards.SMOLLM2_PATH):
+        config = os.path.join(ROOT, "tests", "model_configs", "Qwen2.5-0.5B-Instruct")
+        flags += ["--model-config", config, "--prompts", "32", "--max-new-tokens", "128"]
+    results, name = P.run(P.parse(flags))
+    for key, short in P.SHOWN:
+        bf16, fp16 = results["bf16"][key], results["fp16"][key]
+        row(
+            "fp16 vs bf16",
+            f"{name}, rollout vs trainer, {short}",
+            f"bf16 {bf16:.2e}, fp16 {fp16:.2e}",
+            "fp16 < bf16",
+            abs(fp16) < abs(bf16),
+        )
+
+
 def head_precision():
     """The real TF32 head on this GPU against a float64 head, next to bf16-rounded logits
     (bench/head_precision.py)."""
@@ -452,7 +472,7 @@ def main():
     print(f"gpu_check: device {device} ({gpu}), torch {torch.__version__}", flush=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in ("bf16", "fp32") if device == "cuda" else ("fp32",):
+        for precision in ("bf16", "fp16", "fp32") if device == "cuda" else ("fp32",):
             grpo_step(tmp, precision, device)
         ppo_update(tmp, device)
         plans(device)
@@ -470,6 +490,16 @@ def main():
             row("vllm torchrun", "-", "needs 2 GPUs and vllm", "-", None)
         else:
             vllm_torchrun(tmp)
+        if device == "cuda":
+            precision_mismatch()
+        else:
+            row(
+                "fp16 vs bf16",
+                "-",
+                "GPU only (CPU: python scripts/precision_mismatch.py)",
+                "-",
+                None,
+            )
         if device == "cuda":
             head_precision()
         else:

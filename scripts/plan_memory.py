@@ -225,8 +225,8 @@ def memory_plan(gpu_bytes, phases):
 
 
 def plan_grpo(args, config, world_size, gpu_bytes):
-    """Per-GPU bytes of one GRPO rank (grpo.train: AdamW over fp32 weights, bf16 autocast unless
-    --no-bf16):
+    """Per-GPU bytes of one GRPO rank (grpo.train: AdamW over fp32 weights, bf16 (or fp16) autocast
+    unless --precision fp32):
       train:   weights, gradients, AdamW (m, v), autocast's bf16 weight copies, the reference model (kl_loss_coef > 0),
                activations of one micro-batch, vLLM's share unless --vllm-sleep-mode
       step:    weights, gradients, AdamW (m, v), the reference, AdamW's temporaries, vLLM's share unless asleep
@@ -234,12 +234,16 @@ def plan_grpo(args, config, world_size, gpu_bytes):
                fp32 row of logits each), or vLLM's whole share
       all:     with --rollout-staleness K, the lagging rollout copy and K + 1 weight snapshots (fp32)."""
     shape, n = model_shape(config), count_parameters(config)
-    bf16 = args.bf16
+    bf16 = args.precision != "fp32"  # fp16 autocast holds the same 2-byte copies
+    # bf16_frozen_linears_ (only under bf16: under fp16 the reference stays fp32)
+    ref_bf16 = args.precision in ("auto", "bf16")
     seq = args.max_prompt_length + args.max_response_length
     # kept fp32 by bf16_frozen_linears_
     embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
     ref = (
-        0 if args.kl_loss_coef <= 0 else (2 * (n - embeddings) + 4 * embeddings if bf16 else 4 * n)
+        0
+        if args.kl_loss_coef <= 0
+        else (2 * (n - embeddings) + 4 * embeddings if ref_bf16 else 4 * n)
     )
     share = (
         args.vllm_gpu_memory_utilization * (gpu_bytes or REFERENCE_GPU_GIB * GIB)
@@ -248,7 +252,7 @@ def plan_grpo(args, config, world_size, gpu_bytes):
     )
     resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
     if ref:
-        resident["reference model (bf16 linears)" if bf16 else "reference model (fp32)"] = ref
+        resident["reference model (bf16 linears)" if ref_bf16 else "reference model (fp32)"] = ref
     # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
     if args.rollout_staleness:
         resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
@@ -303,7 +307,7 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     shape, n_lm = model_shape(config), count_parameters(config)
     n = n_lm + shape["hidden"] + 1  # + the value head
     n_rm = n_lm + shape["hidden"] + 1  # backbone + scalar head
-    bf16 = args.bf16
+    bf16 = args.precision != "fp32"  # ppo_rlhf.py: auto or bf16
     embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
     ref = 2 * (n_lm - embeddings) + 4 * embeddings if bf16 else 4 * n_lm
     micro = ppo_rlhf.batch_sizes(args, world_size)["micro"]
@@ -416,7 +420,7 @@ def plan_preset(trainer, preset, world_size, gpu_bytes, flags=()):
     if trainer == "grpo":
         setting = f"backend {args.backend}{' + sleep mode' if args.vllm_sleep_mode else ''}"
     else:
-        setting = "bf16 autocast" if args.bf16 else "fp32"
+        setting = "fp32" if args.precision == "fp32" else "bf16 autocast"
     plan["title"] = (
         f"{trainer}.py {preset}{''.join(' ' + f for f in flags)}: {model_name} "
         f"({plan['n_params'] / 1e6:.1f}M parameters), {world_size} GPU(s), {setting}"

@@ -5,6 +5,7 @@ one row per seed with the criterion its docs state.
     .venv/bin/python scripts/seed_table.py ppo_rlhf                  # ppo_rlhf.py tiny, seeds 1-8
     .venv/bin/python scripts/seed_table.py rewards                   # rewards.py tiny, seeds 1-8
     .venv/bin/python scripts/seed_table.py grpo --seeds 4 5 --name n16 -- --rollout-n 16
+    .venv/bin/python scripts/seed_table.py grpo --preset tiny_dapo --seeds 1 2 3 --name dapo
 
 (grpo.py flags after "--" change the preset for every run of the table.)
 
@@ -14,6 +15,9 @@ The criteria (CRITERIA below) are the ones docs/grpo.md, docs/ppo_rlhf.md and do
     ppo_rlhf  mean objective/scores of the last 10 updates >= 0.5 (a random policy: about -0.7)
               and their mean objective/kl within [2, 8] (the preset's target is 4)
     rewards   final test/accuracy >= 0.7 (256 held-out best-of-4 labels; chance 0.25)
+
+A run that ends with an error but logged metrics (grpo.py --dynamic-sampling stops at
+--max-num-gen-batches) counts with what it logged (the "steps" row says where it stopped).
 
 Runs go one after another (2 cores: a second run in parallel would slow both and change the timing
 column) into runs/seed_table/<name>_<backend>_s<seed>/ (<name>: --name, default the script); a run
@@ -43,12 +47,17 @@ def grpo_result(rows):
     val = [r for r in rows if "val/accuracy" in r]
     last10 = mean([r["reward/mean"] for r in train[-10:]])
     final_val = val[-1]["val/accuracy"] if val else float("nan")
-    return {
+    result = {
         "last-10 reward": last10,
         "val": final_val,
         "last-10 length": mean([r["response_length/mean"] for r in train[-10:]]),
-        "learns": last10 >= 0.8 and final_val >= 0.8,
     }
+    if any("filter_groups/gen_batches" in r for r in train):  # --dynamic-sampling
+        result["gen batches per step"] = mean([r["filter_groups/gen_batches"] for r in train])
+        # a run stops early (exit 1) where --max-num-gen-batches found too few groups with signal
+        result["steps"] = train[-1]["step"] if train else 0
+    result["learns"] = last10 >= 0.8 and final_val >= 0.8
+    return result
 
 
 def ppo_rlhf_result(rows):
@@ -87,10 +96,10 @@ def read_rows(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_one(script, backend, seed, extra, out, reuse):
+def run_one(script, preset, backend, seed, extra, out, reuse):
     """Runs one seed, unless a run of the same command finished there, and returns (rows, seconds
     the run took)."""
-    file, preset, _, has_backend = CRITERIA[script]
+    file, _, _, has_backend = CRITERIA[script]
     cmd = [sys.executable, os.path.join(ROOT, file), preset, "--seed", str(seed)]
     cmd += ["--output-dir", out]
     if has_backend:
@@ -110,7 +119,9 @@ def run_one(script, backend, seed, extra, out, reuse):
         code = subprocess.call(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     seconds = time.time() - start
     if code != 0:
-        sys.exit(f"{' '.join(cmd)} failed (exit {code}); see {out}/stdout.log")
+        print(f"{' '.join(cmd)} ended with exit code {code}; see {out}/stdout.log", flush=True)
+        if not os.path.exists(os.path.join(out, "metrics.jsonl")):
+            sys.exit(1)
     with open(done_marker, "w") as f:
         json.dump({"seconds": seconds, "command": cmd}, f)
     return read_rows(os.path.join(out, "metrics.jsonl")), seconds
@@ -119,6 +130,8 @@ def run_one(script, backend, seed, extra, out, reuse):
 def format_value(value):
     if isinstance(value, bool):
         return "yes" if value else "**no**"
+    if isinstance(value, int):
+        return str(value)
     return f"{value:.2f}"
 
 
@@ -144,6 +157,7 @@ def main():
     parser.add_argument("script", choices=sorted(CRITERIA))
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 9)))
     parser.add_argument("--backends", nargs="+", default=["hf"], choices=["hf", "vllm"])
+    parser.add_argument("--preset", help="another preset of the script (default: tiny)")
     parser.add_argument("--name", default="", help="table name (default: <script>)")
     parser.add_argument("--runs-dir", default="runs/seed_table")
     parser.add_argument("--no-reuse", dest="reuse", action="store_false")
@@ -153,6 +167,7 @@ def main():
     args = parser.parse_args(argv[:split])
     args.extra = argv[split + 1 :]
     file, preset, result_of, has_backend = CRITERIA[args.script]
+    preset = args.preset or preset
     name = args.name or args.script
     backends = args.backends if has_backend else ["-"]
     results = {}
@@ -161,7 +176,7 @@ def main():
         for seed in args.seeds:
             tag = f"{name}_{backend}_s{seed}" if has_backend else f"{name}_s{seed}"
             out = os.path.join(ROOT, args.runs_dir, tag)
-            rows, seconds = run_one(args.script, backend, seed, args.extra, out, args.reuse)
+            rows, seconds = run_one(args.script, preset, backend, seed, args.extra, out, args.reuse)
             result = result_of(rows)
             result["seconds"] = seconds
             results[backend][seed] = result

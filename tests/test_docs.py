@@ -212,8 +212,9 @@ def adam_tf_keys(tmp_path_factory):
 @pytest.fixture(scope="module")
 def grpo_keys(tmp_path_factory):
     """Two steps of grpo.py's tiny preset at 4 prompts x 4 samples (the small sizes of
-    tests/test_grpo.py), with validation at every step (val/*, timing/validate) and --correction
-    decoupled_token_is, so the IS-weight keys of the rollout_corr/* family are logged too.
+    tests/test_grpo.py), with validation at every step (val/*, timing/validate), --correction
+    decoupled_token_is (the IS-weight keys of the rollout_corr/* family), DAPO's dynamic sampling
+    and overlong shaping (filter_groups/*, overlong/*) and --precision fp16 (actor/loss_scale).
     timing/sync_weights is logged at every step by every backend."""
     import grpo
     from test_grpo import _small_args
@@ -226,6 +227,9 @@ def grpo_keys(tmp_path_factory):
         train_size=64,
         val_size=8,
         correction="decoupled_token_is",
+        dynamic_sampling=True,
+        overlong_buffer_len=2,
+        precision="fp16",
     )
     grpo.train(args)
     return logged_keys(out / "metrics.jsonl")

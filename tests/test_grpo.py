@@ -6,10 +6,12 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,10 +160,10 @@ def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bf16", [True, False])
 def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
-    """On CUDA: bf16 autocast (--bf16) runs the LM head's product in TF32 and the log-softmax in
+    """On CUDA: bf16 autocast (--precision bf16) runs the LM head's product in TF32 and the log-softmax in
     fp32: against a float64 head on the same hidden states (logits ~100) its error is <= 1/4 of
     bf16-rounded logits' (emulated on CPU:
-    0.016 vs 0.20 nats; docs/corrections.md#lm-head-precision); --no-bf16 matches the CPU fp32 forward to ~1e-5."""
+    0.016 vs 0.20 nats; docs/corrections.md#lm-head-precision); --precision fp32 matches the CPU fp32 forward to ~1e-5."""
     model, tokenizer = tiny
     cpu_model = copy.deepcopy(model)
     with torch.no_grad():
@@ -180,7 +182,9 @@ def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
     mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
     with torch.no_grad():
         cuda_batch = {k: v.cuda() for k, v in batch.items()}
-        ours, _ = grpo.compute_logprobs(cuda_model, cuda_batch, 1.0, bf16=bf16)
+        ours, _ = grpo.compute_logprobs(
+            cuda_model, cuda_batch, 1.0, precision="bf16" if bf16 else "fp32"
+        )
         if bf16:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 hidden = cuda_model.get_decoder()(
@@ -726,7 +730,16 @@ def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monk
     assert diffs[0] < 1e-5 < min(diffs[1:]), diffs
 
 
-def test_resume_continues_the_same_run(tmp_path):
+@pytest.mark.parametrize(
+    "setting",
+    [dict(), dict(precision="fp16"), dict(dynamic_sampling=True)],
+    ids=["fp32", "fp16", "dynamic_sampling"],
+)
+def test_resume_continues_the_same_run(tmp_path, setting):
+    """A run stopped after step 2 and resumed gives the same metrics and weights as one run; with
+    --precision fp16 the checkpoint carries the gradient scaler's state (the loss scale); with
+    --dynamic-sampling the extra prompts drawn are a function of (seed, step), so they replay."""
+    precision = setting.get("precision", "auto")
     small = dict(
         train_batch_size=8,
         ppo_mini_batch_size=4,
@@ -735,6 +748,7 @@ def test_resume_continues_the_same_run(tmp_path):
         val_every=0,
         save_every=2,
         train_size=64,
+        **setting,
     )
     base = dataclasses.replace(_tiny_cpu(), **small)
     full = _read_metrics(
@@ -758,6 +772,77 @@ def test_resume_continues_the_same_run(tmp_path):
     pa = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
     pb = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    if setting.get("dynamic_sampling"):  # extra generation batches happened before the resume
+        assert max(r["filter_groups/gen_batches"] for r in full[:2]) > 1
+        assert max(r["filter_groups/gen_batches"] for r in full[2:]) > 1
+    state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert ("scaler" in state) == (precision == "fp16")
+    if precision == "fp16":
+        assert state["scaler"]["scale"] == 2.0**16 and full[-1]["actor/loss_scale"] == 2.0**16
+
+
+def test_precision_reaches_the_forward_the_rollout_and_the_engine_dtype(tiny, rollout_batch):
+    """--precision: auto is bf16 on CUDA and fp32 on CPU; each value sets the autocast dtype of the
+    trainer's forward (on CPU too: real bf16/fp16 kernels) and vLLM's dtype; the logprobs stay
+    float32 and differ from fp32's by the format's rounding alone."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert rollout.resolve_precision("auto", cpu) == "fp32"
+    assert rollout.resolve_precision("auto", cuda) == "bf16"
+    assert rollout.resolve_precision("fp16", cpu) == "fp16"
+    engine = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    model, _ = tiny
+    args, batch = rollout_batch
+    reference, _ = grpo.compute_logprobs(model, batch, 1.0, precision="fp32")
+    mask = batch["response_mask"].bool()
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with rollout.autocast_context(cpu, precision):
+            assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == dtype
+        assert (
+            rollout.vllm_dtype(dataclasses.replace(args, precision=precision), cpu)
+            == engine[precision]
+        )
+        with torch.no_grad():
+            logprobs, _ = grpo.compute_logprobs(model, batch, 1.0, precision=precision)
+        error = (logprobs - reference)[mask].abs().max().item()
+        # fp16 keeps 10 mantissa bits, bf16 7
+        assert logprobs.dtype == torch.float32 and 0 < error < (
+            0.3 if precision == "bf16" else 0.05
+        )
+    assert rollout.vllm_dtype(args, cuda) == "bfloat16"  # auto on a GPU
+    assert rollout.vllm_dtype(args, cpu) == "float32"
+    assert rollout.vllm_dtype(dataclasses.replace(args, vllm_dtype="float32"), cuda) == "float32"
+
+
+def _fp16_update(model, args, batch, make_inf):
+    """One optimizer step of update_policy under --precision fp16 with a fresh GradScaler; with
+    make_inf, a hook turns one parameter's gradient into inf. Returns (model, scaler, metrics)."""
+    model = copy.deepcopy(model)
+    batch = dict(batch)
+    args = dataclasses.replace(args, precision="fp16", ppo_mini_batch_size=args.train_batch_size)
+    correction = corrections.RolloutCorrection.from_name("disabled")
+    grpo.compute_pi_old_and_ref(model, None, batch, args, correction)
+    if make_inf:
+        next(model.parameters()).register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scaler = torch.amp.GradScaler("cpu")
+    metrics = grpo.update_policy(model, optimizer, batch, args, correction, scaler=scaler)
+    return model, scaler, metrics
+
+
+def test_fp16_scaler_steps_on_finite_gradients_and_skips_and_backs_off_on_inf(tiny, rollout_batch):
+    """The loss scale S = 2^16 (torch's default) multiplies the loss; unscale_ divides the
+    gradients before clipping, so the clipped norm is the true one; a finite step moves the
+    weights and keeps S; an inf gradient skips the step (every weight unchanged) and halves S."""
+    model, _ = tiny
+    args, batch = rollout_batch
+    stepped, scaler, metrics = _fp16_update(model, args, batch, make_inf=False)
+    assert metrics["actor/loss_scale"] == 2.0**16 and scaler.get_scale() == 2.0**16
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] < 100
+    moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), stepped.parameters())]
+    assert all(moved)
+    skipped, scaler, metrics = _fp16_update(model, args, batch, make_inf=True)
+    assert not math.isfinite(metrics["actor/grad_norm"]) and scaler.get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), skipped.parameters()))
 
 
 def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
@@ -773,6 +858,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         (dict(correction="nope"), ValueError, "^--correction must be one of"),
         (dict(mismatch="int2"), ValueError, "^--mismatch must be one of"),
         (dict(loss_agg_mode="mean"), ValueError, "^--loss-agg-mode must be one of"),
+        (dict(precision="fp8"), ValueError, "^--precision must be one of auto, fp32, bf16, fp16"),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "--ppo-micro-batch-size-per-gpu 7"),
         (
@@ -808,39 +894,23 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         grpo.main(["no_such_preset"])
 
 
-def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
-    out = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        os.path.join(ROOT, "grpo.py"),
-        "tiny",
-        "--backend",
-        "hf",
-        "--total-steps",
-        "2",
-        "--output-dir",
-        str(out),
-        "--train-batch-size",
-        "8",
-        "--ppo-mini-batch-size",
-        "4",
-        "--rollout-n",
-        "4",
-        "--ppo-micro-batch-size-per-gpu",
-        "4",
-        "--val-every",
-        "2",
-    ]
-    # gloo on CPU, even on a 1-GPU machine
+def _torchrun_tiny(out, *flags):
+    """grpo.py tiny on 2 gloo CPU processes (even on a GPU machine), 8 prompts x 4 per step; the
+    rows of its metrics.jsonl once it exited cleanly."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [os.path.join(ROOT, "grpo.py"), "tiny", "--output-dir", str(out), *flags]
+    cmd += ["--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4"]
+    cmd += ["--ppo-micro-batch-size-per-gpu", "4"]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = _read_metrics(out / "metrics.jsonl")
+    return _read_metrics(out / "metrics.jsonl")
+
+
+def test_torchrun_two_cpu_processes_keep_identical_parameters(tmp_path):
+    rows = _torchrun_tiny(
+        tmp_path / "ddp", "--backend", "hf", "--total-steps", "2", "--val-every", "2"
+    )
     # the ranks hold identical parameters
     assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0
     assert (
@@ -987,3 +1057,147 @@ def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(
         and len(err) == 1
         and err[0].startswith("grpo.py: error: " + named)
     ), err
+
+
+# ------------------------------------------------------------------------------------------------ DAPO
+
+
+def _verl_dapo_rules():
+    """verl 0.9.1's two DAPO rules, taken from its source (never imported): the group filter's
+    expression in ReplayBuffer._dapo_filtered_keys and the overlong block of DAPORewardManager."""
+    import ast
+    import types
+
+    root = verl_root()
+    if root is None:
+        pytest.skip("no verl source (scripts/setup_cpu.sh unpacks it)")
+    tree = ast.parse((root / "trainer/ppo/v1/replay_buffer.py").read_text())
+    cache_assign = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "classification_cache[uid]"
+    )
+    filter_expr = compile(ast.Expression(cache_assign.value), "replay_buffer.py", "eval")
+
+    def verl_drops(values):  # a shared value (the group is dropped) or None (kept)
+        return eval(filter_expr, {"np": np, "float": float, "len": len, "values": values})
+
+    tree = ast.parse((root / "workers/reward_manager/dapo.py").read_text())
+    block = next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If)
+        and "overlong_buffer_cfg.enable" in ast.unparse(n.test)
+        and any("overlong_reward" in ast.unparse(b) for b in n.body)
+    )
+    body = [b for b in block.body if not isinstance(b, ast.If)]  # without the logging branch
+    shaping = compile(ast.Module(body=body, type_ignores=[]), "dapo.py", "exec")
+
+    def verl_shaped(reward, length, max_len, buffer_len, factor):
+        cfg = types.SimpleNamespace(len=buffer_len, penalty_factor=factor)
+        scope = {
+            "self": types.SimpleNamespace(overlong_buffer_cfg=cfg, max_resp_len=max_len),
+            "valid_response_length": length,
+            "reward": reward,
+            "min": min,
+        }
+        exec(shaping, scope)
+        return scope["reward"]
+
+    return verl_drops, verl_shaped
+
+
+def test_dapo_group_filter_and_overlong_penalty_match_verl():
+    """has_reward_signal drops exactly the groups verl's filter drops (groups of 1 to 8, rewards
+    from a few levels so that many groups are all equal, float32 like our scores), and
+    rewards.overlong_penalty adds what verl's reward manager adds, on random lengths and
+    settings."""
+    verl_drops, verl_shaped = _verl_dapo_rules()
+    g = torch.Generator().manual_seed(0)
+    dropped = 0
+    for _ in range(2000):
+        size = int(torch.randint(1, 9, (), generator=g))
+        levels = torch.tensor([0.0, 1.0, 0.1, 1 / 3])[: int(torch.randint(1, 5, (), generator=g))]
+        scores = levels[torch.randint(0, len(levels), (size,), generator=g)]
+        if torch.rand((), generator=g) < 0.2:
+            scores = torch.rand(size, generator=g)
+        values = scores.tolist()
+        assert grpo.has_reward_signal(values) == (verl_drops(values) is None), values
+        dropped += not grpo.has_reward_signal(values)
+    assert 300 < dropped < 1700  # both outcomes were exercised
+    for _ in range(500):
+        max_len = int(torch.randint(2, 40, (), generator=g))
+        buffer_len = int(torch.randint(1, max_len + 1, (), generator=g))
+        factor = float(torch.rand((), generator=g) * 2)
+        lengths = torch.randint(0, max_len + 1, (8,), generator=g)
+        ours = rewards.overlong_penalty(lengths, max_len, buffer_len, factor)
+        for length, penalty in zip(lengths.tolist(), ours.tolist()):
+            theirs = verl_shaped(0.0, length, max_len, buffer_len, factor)
+            assert penalty == pytest.approx(theirs, rel=1e-6, abs=1e-6), (length, max_len)
+    # hand-computed: max 6, buffer 2 -> free up to 4 tokens, -0.5 at 5, -1.0 at 6
+    assert rewards.overlong_penalty(torch.tensor([3, 4, 5, 6]), 6, 2).tolist() == [0, 0, -0.5, -1]
+
+
+def test_dynamic_sampling_trains_only_groups_with_signal_and_stops_at_the_cap(
+    tmp_path, monkeypatch, capsys
+):
+    """--dynamic-sampling: every update sees exactly train_batch_size groups, none of them all-equal
+    (each group's advantages differ), after extra generation batches where needed; once every
+    reward is equal no group survives, and the run ends at --max-num-gen-batches with a checkpoint
+    of its last step and one line that says why."""
+    trained = []
+    real_update = grpo.update_policy
+
+    def update_policy(model, optimizer, batch, args, *a, **kw):
+        trained.append(batch["advantages"].view(-1, args.rollout_n).clone())
+        return real_update(model, optimizer, batch, args, *a, **kw)
+
+    monkeypatch.setattr(grpo, "update_policy", update_policy)
+    args = _small_args(
+        output_dir=str(tmp_path / "a"),
+        total_steps=4,
+        dynamic_sampling=True,
+        overlong_buffer_len=2,
+        train_size=64,
+    )
+    rows = _read_metrics(grpo.train(args))
+    assert len(trained) == 4 and all(a.shape == (args.train_batch_size, 4) for a in trained)
+    assert all((a.std(dim=1) > 0).all() for a in trained)
+    assert max(r["filter_groups/gen_batches"] for r in rows) > 1
+    assert all(r["filter_groups/kept_groups"] >= args.train_batch_size for r in rows)
+    assert all(-1 <= r["overlong/reward_mean"] <= 0 for r in rows)
+
+    # rewards that differ within every group for two steps (4 x 4 responses each), then all equal:
+    # the run stops after step 2, saved, and says why in one line
+    calls = []
+
+    def copy_reward(response, target):
+        calls.append(1)
+        return len(calls) % 4 / 4 if len(calls) <= 32 else 0.5
+
+    monkeypatch.setattr(rewards, "copy_reward", copy_reward)
+    capped = dataclasses.replace(
+        args, output_dir=str(tmp_path / "b"), max_num_gen_batches=3, overlong_buffer_len=0
+    )
+    rows = _read_metrics(grpo.train(capped))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "stopping after step 2: --max-num-gen-batches 3 gave 0 of --train-batch-size 4 prompt "
+        "groups whose rewards differ"
+    )
+    assert rows[-1]["step"] == 2
+    state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2
+    # it resumes from that checkpoint with a larger cap (not refused as a changed setting)
+    rows = _read_metrics(grpo.train(dataclasses.replace(capped, max_num_gen_batches=4)))
+    assert rows[-1]["step"] == 2 and "--max-num-gen-batches 4 gave 0" in capsys.readouterr().out
+
+
+def test_torchrun_dynamic_sampling_gives_every_rank_the_same_batch_size(tmp_path):
+    """Two CPU processes with --dynamic-sampling: the kept groups are pooled over the ranks and
+    split evenly, so both ranks run the same micro-batches (no hang), end with identical
+    parameters, and extra generation batches happened."""
+    flags = ["--dynamic-sampling", "--total-steps", "3", "--val-every", "0"]
+    rows = _torchrun_tiny(tmp_path / "ddp", *flags)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0
+    assert max(r["filter_groups/gen_batches"] for r in rows) > 1

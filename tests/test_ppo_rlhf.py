@@ -438,6 +438,7 @@ BAD_FLAGS = [  # (flags after `tiny`, the start of the one-line message)
     (["--kl-horizon", "0"], "--kl-horizon must be >= 1, got 0"),
     (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
     (["--optimizer", "sgd"], "--optimizer must be one of adam_tf, adam, got 'sgd'"),
+    (["--precision", "fp16"], "--precision must be one of auto, fp32, bf16, got 'fp16'"),
     (["--correction", "nope"], "--correction must be one of decoupled_token_is, "),
     (["--truncate-after", "16"], "--truncate-after 16 must be < --response-length 16"),
     (

@@ -280,7 +280,7 @@ def test_sampling_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_
     queries = ppo_rlhf.left_pad_queries([[5, 6, 7], [8, 9]], 4, tok.pad_token_id)
     torch.manual_seed(0)
     responses, rollout_lp = rollout.sample_fixed_length(
-        model, queries, tok.pad_token_id, 10, 0.7, banned_token=tok.pad_token_id, bf16=False
+        model, queries, tok.pad_token_id, 10, 0.7, banned_token=tok.pad_token_id, precision="fp32"
     )
     assert responses.shape == rollout_lp.shape == (2, 10)
     assert (responses == eos).any() and not (responses == tok.pad_token_id).any()

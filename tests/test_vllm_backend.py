@@ -335,7 +335,7 @@ def test_engines_sample_the_same_statistics_from_identical_weights(setup, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     _, examples, reward_fn = grpo.load_task(args)
     examples, prompt_ids = grpo.drop_overlong(examples, tokenizer, args)
-    hf = HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, bf16=False)
+    hf = HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, precision="fp32")
 
     def statistics(engine, seed, temperature=1.0):
         return engine_pairs.sample_statistics(
