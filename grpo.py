@@ -506,13 +506,6 @@ def check_args(args, world_size=1):
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
-    if args.resume_from and not os.path.isfile(
-        os.path.join(args.resume_from, harness.TRAINER_STATE)
-    ):
-        raise ValueError(
-            f"--resume-from {args.resume_from!r} must be a checkpoint directory (with "
-            "trainer_state.pt)"
-        )
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
         # a clear message before any model loads; vllm is imported later
@@ -522,19 +515,7 @@ def check_args(args, world_size=1):
     # the model's config is readable, and prompt + response fit its context
     max_positions = TINY_MAX_POSITIONS
     if args.model_name_or_path != TINY_MODEL:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(args.model_name_or_path)
-        except Exception as e:  # a missing directory, no such Hub repo, no network: one line
-            if os.path.isdir(args.model_name_or_path):
-                where = "a local directory without a config.json"
-            else:
-                where = "not a local directory, and its config could not be read from the Hub"
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise ValueError(
-                f"--model-name-or-path {args.model_name_or_path!r}: {where} ({reason})"
-            ) from None
+        config = harness.model_config("--model-name-or-path", args.model_name_or_path)
         max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     needed = args.max_prompt_length + args.max_response_length
     if max_positions is not None and needed > max_positions:
@@ -542,12 +523,7 @@ def check_args(args, world_size=1):
             f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
             f"(max_position_embeddings = {max_positions})"
         )
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"--output-dir {args.output_dir!r} cannot be created ({e.strerror})"
-        ) from e
+    harness.check_paths(args)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -92,6 +92,39 @@ def check_flags(args):
         raise ValueError(wandb_problem())
 
 
+def model_config(flag, name_or_path):
+    """The transformers config of a flag's model, a local folder or a Hub name; a ValueError in one
+    line that names the flag where it cannot be read (no such folder, no config.json in it, a typo
+    in a Hub name, no network)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except Exception as e:
+        if os.path.isdir(name_or_path):
+            where = "a local directory without a config.json"
+        else:
+            where = "not a local directory, and its config could not be read from the Hub"
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"{flag} {name_or_path!r}: {where} ({reason})") from None
+
+
+def check_paths(args):
+    """The checks every script's check_args ends with: --resume-from, where the script has it and it
+    is given, is a checkpoint folder, and --output-dir exists (created here). Raises ValueError."""
+    resume_from = getattr(args, "resume_from", None)  # rewards.py trains in one go, no resume
+    if resume_from and not os.path.isfile(os.path.join(resume_from, TRAINER_STATE)):
+        raise ValueError(
+            f"--resume-from {resume_from!r} must be a checkpoint directory (with {TRAINER_STATE})"
+        )
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})"
+        ) from None
+
+
 def wandb_problem():
     """None if wandb can log: it is installed and has a login (WANDB_API_KEY, an identity token
     file, or the ~/.netrc entry `wandb login` writes) or logs offline (WANDB_MODE=offline or

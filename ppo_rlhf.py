@@ -459,34 +459,13 @@ def check_args(args, world_size):
     if rewards.smollm2_problem(args.base_model):
         raise ValueError(rewards.smollm2_problem(args.base_model))
     if args.base_model and not os.path.isdir(args.base_model):
-        from transformers import AutoConfig
-
-        try:
-            AutoConfig.from_pretrained(args.base_model)
-        except Exception as e:  # a missing local path, a typo in a Hub name, no network: one line
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise ValueError(
-                f"--base-model {args.base_model!r}: not a local directory, and its config could "
-                f"not be read from the Hub ({reason})"
-            ) from None
+        harness.model_config("--base-model", args.base_model)
     if args.reward_model_path is not None and not os.path.isdir(args.reward_model_path):
         raise ValueError(
             f"--reward-model-path {args.reward_model_path!r} must be a directory (rewards.py's "
             "output)"
         )
-    if args.resume_from and not os.path.isfile(
-        os.path.join(args.resume_from, harness.TRAINER_STATE)
-    ):
-        raise ValueError(
-            f"--resume-from {args.resume_from!r} must be a checkpoint directory (with "
-            "trainer_state.pt)"
-        )
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})"
-        ) from None
+    harness.check_paths(args)
     return sizes
 
 

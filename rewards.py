@@ -1529,22 +1529,8 @@ def check_args(args, world_size):
     if smollm2_problem(args.base_model):
         raise ValueError(smollm2_problem(args.base_model))
     if args.base_model != "tiny" and not os.path.isdir(args.base_model):
-        from transformers import AutoConfig
-
-        try:
-            AutoConfig.from_pretrained(args.base_model)
-        # a missing local path, a typo in a Hub name, no network: one line, no traceback
-        except Exception as e:
-            raise ValueError(
-                f"--base-model {args.base_model!r}: not a local directory, and its config could "
-                f"not be read from the Hub ({type(e).__name__})"
-            ) from None
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})"
-        ) from None
+        harness.model_config("--base-model", args.base_model)
+    harness.check_paths(args)
 
 
 def policy_tokenizer_and_labels(args, rank, device):

@@ -1031,7 +1031,7 @@ def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens(
         ),
         (
             ["--output-dir", "/proc/no_such_dir/run"],
-            "--output-dir '/proc/no_such_dir/run' cannot be created",
+            "--output-dir '/proc/no_such_dir/run': cannot be created",
         ),
     ],
 )
