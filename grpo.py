@@ -177,6 +177,9 @@ class Args:
     rollout engine follows (--vllm-dtype auto)."""
 
     # --- loss
+    policy_loss: str = "vanilla"
+    """The policy loss (corrections.POLICY_LOSSES, verl policy_loss.loss_mode): vanilla (PPO-clip),
+    gspo (one clipped ratio per sequence) or cispo (REINFORCE with a clipped, detached ratio)."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -470,6 +473,7 @@ def check_args(args, world_size=1):
         "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
         "precision": rollout.PRECISIONS,
         "correction": corrections.ALL_PRESET_NAMES,
+        "policy_loss": tuple(corrections.POLICY_LOSSES),
     }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
@@ -504,6 +508,16 @@ def check_args(args, world_size=1):
         refuse("overlong_buffer_len", f"<= --max-response-length {args.max_response_length}")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
+    if (
+        args.policy_loss != "vanilla"
+        and corrections.RolloutCorrection.from_name(args.correction).bypass_mode
+    ):
+        # verl's bypass mode would replace the loss with its own without a word
+        # (rollout_corr_helper.apply_bypass_mode); here the combination is refused
+        raise ValueError(
+            f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
+            f"bring their own loss), got {args.correction!r}"
+        )
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
     local_batch_sizes(args, world_size)
@@ -974,8 +988,11 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                         logprobs, advantages, pg_mask
                     )
                 else:
-                    # PPO's clipped surrogate of r = pi_theta / pi_old (clip-higher, dual-clip)
-                    pg_losses, pg_metrics = corrections.ppo_clip_token_loss(
+                    # --policy-loss, by default PPO's clipped surrogate of r = pi_theta / pi_old
+                    # (clip-higher, dual-clip); gspo clips one ratio per sequence, cispo weights
+                    # REINFORCE by a clipped ratio
+                    policy_loss = corrections.POLICY_LOSSES[args.policy_loss]
+                    pg_losses, pg_metrics = policy_loss(
                         logprobs,
                         old_logprobs,
                         advantages,

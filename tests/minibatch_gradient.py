@@ -67,7 +67,7 @@ def fixed_batch(model, tokenizer):
     return batch
 
 
-def minibatch_gradient(micro, mode, rank=0, world_size=1):
+def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla"):
     """The gradient of the one minibatch (all 64 sequences over all ranks) with micro-batch size
     `micro`."""
     model, tokenizer = rewards.build_tiny_model(None, arch="qwen2")
@@ -83,6 +83,7 @@ def minibatch_gradient(micro, mode, rank=0, world_size=1):
         ppo_micro_batch_size_per_gpu=micro,
         max_grad_norm=1e30,
         loss_agg_mode=mode,
+        policy_loss=policy_loss,
         entropy_coeff=0.01,
     )
     correction = corrections.RolloutCorrection.from_name("decoupled_token_is")

@@ -34,6 +34,10 @@ def float64_default():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class VerlActorConfig(types.SimpleNamespace):
+    """Stands in for verl's ActorConfig (gspo and cispo assert isinstance(config, ActorConfig))."""
+
+
 def _load_verl():
     root = verl_root()
     if root is None:
@@ -60,7 +64,8 @@ def _load_verl():
         "math": math,
         "Optional": Optional,
         "Any": Any,
-        "ActorConfig": Any,
+        "ActorConfig": VerlActorConfig,
+        "DictConfig": Any,
         "DataProto": Any,
         "RolloutCorrectionConfig": Any,
         "PolicyLossConfig": Any,
@@ -90,7 +95,13 @@ def _load_verl():
     )
     extract(
         "trainer/ppo/core_algos.py",
-        {"agg_loss", "compute_policy_loss_vanilla", "kl_penalty_forward"},
+        {
+            "agg_loss",
+            "compute_policy_loss_vanilla",
+            "compute_policy_loss_gspo",
+            "compute_policy_loss_cispo",
+            "kl_penalty_forward",
+        },
         ns,
     )
     extract(
@@ -520,6 +531,75 @@ def test_ppo_clip_loss_matches_verl(mode):
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     for key in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
         assert ours_m[key] == pytest.approx(theirs_m[f"actor/{key}"], abs=1e-6)
+
+
+@needs_verl
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
+    """corrections.POLICY_LOSSES[name], times decoupled IS weights and aggregated with agg_loss,
+    against verl 0.9.1's compute_policy_loss_<name> run from its source: the loss, its gradient
+    with respect to the current logprobs, and the metrics, on padded rows of different lengths
+    (an empty one included), clip-higher, per-sequence advantages with all-equal groups, and inputs
+    rounded to bf16 (then computed in float32, as a bf16 forward's fp32 logprobs)."""
+    train, rollout, mask = random_batch(B=8, T=10, scale=0.4, seed=11, empty_rows=True)
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(8, generator=g)
+    adv[4:6] = 0.0  # an all-equal group: advantage 0
+    adv = adv[:, None].expand(8, 10).clone()
+    if dtype == torch.bfloat16:
+        train, rollout = train.to(dtype).float(), rollout.to(dtype).float()
+        adv, mask = adv.float(), mask.float()
+    w, _ = C.compute_is_weights(train - rollout, mask, "token", 2.0)
+    function = VERL[f"compute_policy_loss_{name}"]
+    config = VerlActorConfig(
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={}
+    )
+    ours_lp = train.clone().requires_grad_(True)
+    losses, ours_m = C.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
+    ours = C.agg_loss(losses * w, mask, mode)
+    ours.backward()
+    theirs_lp = train.clone().requires_grad_(True)
+    theirs, theirs_m = function(
+        old_log_prob=rollout,
+        log_prob=theirs_lp,
+        advantages=adv,
+        response_mask=mask.bool(),
+        loss_agg_mode=mode,
+        config=config,
+        rollout_is_weights=w,
+    )
+    theirs.backward()
+    tol = 1e-6 if dtype == torch.float64 else 1e-5
+    assert ours.item() == pytest.approx(theirs.item(), abs=tol, rel=tol)
+    assert torch.allclose(ours_lp.grad, theirs_lp.grad, atol=tol, rtol=tol)
+    assert ours_lp.grad.abs().sum() > 0
+    for key in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        assert ours_m[key] == pytest.approx(float(theirs_m[f"actor/{key}"]), abs=tol)
+
+
+def test_gspo_clips_whole_sequences_and_cispo_keeps_clipped_gradients():
+    """Hand-checked: GSPO's ratio is one per sequence (the geometric mean of its tokens' ratios),
+    so a sequence whose mean log-ratio is beyond the clip has no gradient on any token, though
+    one token alone moved little; CISPO's clipped token keeps the gradient -w A grad log pi with
+    w the clipped ratio."""
+    lp = torch.tensor([[0.0, 0.0], [0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-0.5, 0.0], [-0.1, 0.0]])  # mean log-ratios 0.25 (e^.25 = 1.28) and 0.05
+    adv = torch.ones(2, 2)
+    mask = torch.ones(2, 2)
+    losses, metrics = C.gspo_token_loss(lp, old, adv, mask, 0.2, 0.2)
+    assert losses.detach().flatten().tolist() == pytest.approx([-1.2, -1.2] + [-math.exp(0.05)] * 2)
+    losses.sum().backward()
+    assert lp.grad[0].tolist() == [0.0, 0.0]
+    assert lp.grad[1].tolist() == pytest.approx([-math.exp(0.05)] * 2)
+    assert metrics["pg_clipfrac"] == 0.5
+    lp.grad = None
+    losses, metrics = C.cispo_token_loss(lp, old, adv, mask, 0.2, 0.2)
+    losses.sum().backward()
+    # token (0, 0): r = e^0.5 = 1.65 -> weight 1.2, still a gradient; the others r <= e^0.1
+    assert lp.grad.flatten().tolist() == pytest.approx([-1.2, -1.0, -math.exp(0.1), -1.0])
+    assert metrics["pg_clipfrac"] == 0.25
 
 
 def test_tis_paper_estimators_at_equal_policies():

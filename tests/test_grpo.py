@@ -333,7 +333,8 @@ def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(
         seen.append((logprobs.detach().clone(), old_logprobs.detach().clone()))
         return real(logprobs, old_logprobs, *a, **kw)
 
-    monkeypatch.setattr(grpo.corrections, "ppo_clip_token_loss", spy)
+    # update_policy looks the loss up by --policy-loss (vanilla: ppo_clip_token_loss)
+    monkeypatch.setitem(corrections.POLICY_LOSSES, "vanilla", spy)
     _run_update(model, args, batch, "decoupled_token_is")
     decoupled, seen[:] = list(seen), []
     _run_update(model, args, batch, "bypass_ppo_clip")
@@ -553,6 +554,19 @@ def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
     a, b = (
         minibatch_gradient.minibatch_gradient(8, mode),
         minibatch_gradient.minibatch_gradient(64, mode),
+    )
+    assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+def test_the_other_policy_losses_are_micro_batch_invariant_too(policy_loss):
+    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO is per
+    token: micro-batch 8 and 64 give the same minibatch gradient (token-mean)."""
+    import minibatch_gradient
+
+    a, b = (
+        minibatch_gradient.minibatch_gradient(8, "token-mean", policy_loss=policy_loss),
+        minibatch_gradient.minibatch_gradient(64, "token-mean", policy_loss=policy_loss),
     )
     assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
 
@@ -859,6 +873,12 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         (dict(mismatch="int2"), ValueError, "^--mismatch must be one of"),
         (dict(loss_agg_mode="mean"), ValueError, "^--loss-agg-mode must be one of"),
         (dict(precision="fp8"), ValueError, "^--precision must be one of auto, fp32, bf16, fp16"),
+        (dict(policy_loss="ppo"), ValueError, "^--policy-loss must be one of vanilla, gspo, cispo"),
+        (
+            dict(policy_loss="gspo", correction="bypass_ppo_clip"),
+            ValueError,
+            "^--policy-loss gspo needs a decoupled --correction",
+        ),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "--ppo-micro-batch-size-per-gpu 7"),
         (
