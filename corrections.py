@@ -918,15 +918,6 @@ def cispo_token_loss(
     return losses, {k: float(v) for k, v in metrics.items()}
 
 
-# --policy-loss: the PPO-family losses a decoupled update can use, looked up by name where grpo.py's
-# update computes its policy loss (verl's policy_loss.loss_mode names)
-POLICY_LOSSES = {
-    "vanilla": ppo_clip_token_loss,
-    "gspo": gspo_token_loss,
-    "cispo": cispo_token_loss,
-}
-
-
 def reinforce_token_loss(logprobs, advantages, mask):
     """The REINFORCE term per token (verl core_algos.compute_policy_loss_reinforce, bypass mode
     loss_type "reinforce"):
@@ -940,6 +931,27 @@ def reinforce_token_loss(logprobs, advantages, mask):
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     return -torch.where(valid, advantages, zero) * torch.where(valid, logprobs, zero), {}
+
+
+def gpg_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """GPG's policy loss (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
+    Baseline for Model Reasoning", arXiv:2504.02546; verl core_algos.compute_policy_loss_gpg):
+    plain REINFORCE, l_t = -A_t log pi_theta(a_t) (reinforce_token_loss). pi_old, the clip and
+    clip_c are not used, so nothing bounds an update on data from an older policy (ppo_epochs > 1,
+    several minibatches per step). Returns (l (B, T), {}): no clip metrics, as verl."""
+    return reinforce_token_loss(logprobs, advantages, mask)
+
+
+# --policy-loss: the policy losses a decoupled update can use, looked up by name where grpo.py's
+# update computes its policy loss (verl's policy_loss.loss_mode names)
+POLICY_LOSSES = {
+    "vanilla": ppo_clip_token_loss,
+    "gspo": gspo_token_loss,
+    "cispo": cispo_token_loss,
+    "gpg": gpg_token_loss,
+}
 
 
 # --------------------------------------------------------------------------------------------------

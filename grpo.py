@@ -179,7 +179,7 @@ class Args:
     # --- loss
     policy_loss: str = "vanilla"
     """The policy loss (corrections.POLICY_LOSSES, verl policy_loss.loss_mode): vanilla (PPO-clip),
-    gspo (one clipped ratio per sequence) or cispo (REINFORCE with a clipped, detached ratio)."""
+    gspo (a clipped ratio per sequence), cispo (a clipped, detached ratio) or gpg (REINFORCE)."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -990,7 +990,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                 else:
                     # --policy-loss, by default PPO's clipped surrogate of r = pi_theta / pi_old
                     # (clip-higher, dual-clip); gspo clips one ratio per sequence, cispo weights
-                    # REINFORCE by a clipped ratio
+                    # REINFORCE by a clipped ratio, gpg is REINFORCE
                     policy_loss = corrections.POLICY_LOSSES[args.policy_loss]
                     pg_losses, pg_metrics = policy_loss(
                         logprobs,

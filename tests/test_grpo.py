@@ -558,10 +558,10 @@ def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
     assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "gpg"])
 def test_the_other_policy_losses_are_micro_batch_invariant_too(policy_loss):
-    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO is per
-    token: micro-batch 8 and 64 give the same minibatch gradient (token-mean)."""
+    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO and GPG are
+    per token: micro-batch 8 and 64 give the same minibatch gradient (token-mean)."""
     import minibatch_gradient
 
     a, b = (
@@ -873,7 +873,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         (dict(mismatch="int2"), ValueError, "^--mismatch must be one of"),
         (dict(loss_agg_mode="mean"), ValueError, "^--loss-agg-mode must be one of"),
         (dict(precision="fp8"), ValueError, "^--precision must be one of auto, fp32, bf16, fp16"),
-        (dict(policy_loss="ppo"), ValueError, "^--policy-loss must be one of vanilla, gspo, cispo"),
+        (dict(policy_loss="ppo"), ValueError, "^--policy-loss must be one of vanilla, gspo, cis"),
         (
             dict(policy_loss="gspo", correction="bypass_ppo_clip"),
             ValueError,
