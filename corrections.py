@@ -850,74 +850,6 @@ def ppo_clip_token_loss(
     return losses, {k: float(v) for k, v in metrics.items()}
 
 
-def gspo_token_loss(
-    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
-):
-    """GSPO's clipped surrogate with one ratio per sequence (Zheng et al. 2025, "Group Sequence
-    Policy Optimization", arXiv:2507.18071; verl core_algos.compute_policy_loss_gspo before its IS
-    weights and aggregation):
-
-        s_i   = exp(mean_t (log pi_theta(a_t) - log pi_old(a_t)))    the geometric-mean ratio
-        s_i,t = sg(s_i) * pi_theta(a_t) / sg(pi_theta(a_t))     value s_i, gradient s_i grad log pi
-        l_t   = max(-A_t s_i,t, -A_t clip(s_i,t, 1 - clip_low, 1 + clip_high))
-
-    So every token of a sequence is clipped together, by how far the whole sequence moved. log s_i,t
-    is capped at 10 (verl); there is no dual clip (clip_c is ignored, as in verl). The paper clips
-    at about 3e-4 / 4e-4 with seq-mean-token-mean; verl's defaults are the PPO clip and the
-    trainer's loss_agg_mode. Padded entries are zeroed first. Returns (l (B, T), metrics):
-    pg_clipfrac (tokens whose sequence is clipped), ppo_kl (mean of old - new log prob, per token),
-    pg_clipfrac_lower = 0.
-    """
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    logprobs = torch.where(valid, logprobs, zero)
-    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
-    advantages = torch.where(valid, advantages, zero)
-    lengths = valid.sum(-1).clamp(min=1)
-    seq_log_ratio = log_ratio.sum(-1) / lengths  # (B,)
-    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]
-    ratio = torch.exp(token_log_ratio.clamp(max=10.0))
-    losses_unclipped = -advantages * ratio
-    losses_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    metrics = {
-        "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), valid),
-        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
-        "pg_clipfrac_lower": zero,
-    }
-    losses = torch.maximum(losses_unclipped, losses_clipped)
-    return losses, {k: float(v) for k, v in metrics.items()}
-
-
-def cispo_token_loss(
-    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
-):
-    """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio (MiniMax 2025,
-    "MiniMax-M1", arXiv:2506.13585, section 3.1; verl core_algos.compute_policy_loss_cispo):
-
-        r_t = exp(log pi_theta(a_t) - log pi_old(a_t))        (log-ratio clamped to +-20)
-        l_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi_theta(a_t)
-
-    Unlike PPO's clip, which drops the gradient of a clipped token, every token keeps its gradient;
-    the clip only bounds its weight. The loss value holds log pi itself, so its size is not
-    comparable with the ratio losses'. No dual clip (clip_c is ignored, as in verl). Returns
-    (l (B, T), metrics): pg_clipfrac (tokens whose weight was clipped, either side), ppo_kl,
-    pg_clipfrac_lower = 0.
-    """
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
-    advantages = torch.where(valid, advantages, zero)
-    losses = -clipped_ratio * advantages * torch.where(valid, logprobs, zero)
-    metrics = {
-        "pg_clipfrac": masked_mean((ratio != clipped_ratio).float(), valid),
-        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
-        "pg_clipfrac_lower": zero,
-    }
-    return losses, {k: float(v) for k, v in metrics.items()}
-
-
 def reinforce_token_loss(logprobs, advantages, mask):
     """The REINFORCE term per token (verl core_algos.compute_policy_loss_reinforce, bypass mode
     loss_type "reinforce"):
@@ -931,27 +863,6 @@ def reinforce_token_loss(logprobs, advantages, mask):
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     return -torch.where(valid, advantages, zero) * torch.where(valid, logprobs, zero), {}
-
-
-def gpg_token_loss(
-    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
-):
-    """GPG's policy loss (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
-    Baseline for Model Reasoning", arXiv:2504.02546; verl core_algos.compute_policy_loss_gpg):
-    plain REINFORCE, l_t = -A_t log pi_theta(a_t) (reinforce_token_loss). pi_old, the clip and
-    clip_c are not used, so nothing bounds an update on data from an older policy (ppo_epochs > 1,
-    several minibatches per step). Returns (l (B, T), {}): no clip metrics, as verl."""
-    return reinforce_token_loss(logprobs, advantages, mask)
-
-
-# --policy-loss: the policy losses a decoupled update can use, looked up by name where grpo.py's
-# update computes its policy loss (verl's policy_loss.loss_mode names)
-POLICY_LOSSES = {
-    "vanilla": ppo_clip_token_loss,
-    "gspo": gspo_token_loss,
-    "cispo": cispo_token_loss,
-    "gpg": gpg_token_loss,
-}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ step, numbered as there:
     2. score: a rule-based outcome reward (rewards.py), minus DAPO's overlong penalty when it is on,
        placed on the last valid response token; DAPO's dynamic sampling repeats steps 1-2 on more
        prompts until train_batch_size groups whose rewards differ are in hand
-    3. advantages: per-prompt-group (score - mean) / (std + eps)   (std off for Dr.GRPO)
+    3. advantages: per-prompt-group (score - mean) / (std + eps) (std off for Dr.GRPO), or another
+       estimator of objectives.py (--adv-estimator: RLOO, REINFORCE++, ReMax, OPO, pass@k)
     4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
        (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on
     5. update: PPO's clipped surrogate (clip-higher, dual-clip) times the correction's IS weights,
@@ -34,7 +35,8 @@ verl's "Mathematical Formulations of Rollout Correction Methods" (docs/algo/roll
 decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your Efficient RL Framework Secretly
 Brings You Off-Policy RL Training" (the rollout/trainer mismatch), DAPO (Yu et al. 2025,
 arXiv:2503.14476: dynamic sampling, overlong shaping, clip-higher) and Qi et al. 2025
-(arXiv:2510.26788, --precision fp16). The loss and correction math lives in corrections.py.
+(arXiv:2510.26788, --precision fp16). The loss and correction math lives in corrections.py, the
+other estimators and losses in objectives.py.
 """
 
 import collections
@@ -52,6 +54,7 @@ import torch
 
 import corrections
 import harness
+import objectives
 import rewards
 import rollout
 
@@ -178,8 +181,8 @@ class Args:
 
     # --- loss
     policy_loss: str = "vanilla"
-    """The policy loss (corrections.POLICY_LOSSES, verl policy_loss.loss_mode): vanilla (PPO-clip),
-    gspo (a clipped ratio per sequence), cispo (a clipped, detached ratio) or gpg (REINFORCE)."""
+    """objectives.POLICY_LOSSES (verl loss_mode): vanilla (PPO-clip), gspo, cispo, gpg or sapo
+    (sapo needs --loss-agg-mode seq-mean-token-mean, the only mode verl aggregates it with)."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -197,8 +200,11 @@ class Args:
     """KL estimator (corrections.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (verl default 0); entropy is always logged."""
+    adv_estimator: str = "grpo"
+    """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
+    remax (baseline: the greedy answer's score, generated each step), opo or grpo_passk."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide by the group std (GRPO); False is Dr.GRPO (score - group mean)."""
+    """Divide by the group std (grpo, grpo_passk); False is Dr.GRPO (score - group mean)."""
 
     # --- DAPO (Yu et al. 2025, arXiv:2503.14476): dynamic sampling, overlong reward shaping
     dynamic_sampling: bool = False
@@ -473,7 +479,8 @@ def check_args(args, world_size=1):
         "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
         "precision": rollout.PRECISIONS,
         "correction": corrections.ALL_PRESET_NAMES,
-        "policy_loss": tuple(corrections.POLICY_LOSSES),
+        "policy_loss": tuple(objectives.POLICY_LOSSES),
+        "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
     }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
@@ -506,14 +513,17 @@ def check_args(args, world_size=1):
         refuse("val_size", ">= 1 for the copy and arith tasks")
     if args.overlong_buffer_len > args.max_response_length:
         refuse("overlong_buffer_len", f"<= --max-response-length {args.max_response_length}")
+    if args.policy_loss == "sapo" and args.loss_agg_mode != "seq-mean-token-mean":
+        refuse("loss_agg_mode", "seq-mean-token-mean with --policy-loss sapo (verl's only mode)")
+    if args.adv_estimator == "grpo_passk" and args.rollout_n < 2:
+        refuse("rollout_n", ">= 2 for --adv-estimator grpo_passk (it compares the two best)")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
     if (
         args.policy_loss != "vanilla"
         and corrections.RolloutCorrection.from_name(args.correction).bypass_mode
     ):
-        # verl's bypass mode would replace the loss with its own without a word
-        # (rollout_corr_helper.apply_bypass_mode); here the combination is refused
+        # verl's bypass mode silently swaps in its own loss (apply_bypass_mode); refused here
         raise ValueError(
             f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
             f"bring their own loss), got {args.correction!r}"
@@ -817,30 +827,19 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     return corr_metrics
 
 
-def compute_grpo_advantages(scores, group_ids, eps=1e-6, norm_by_std=True):
-    """One advantage per sequence from outcome scores, normalised within each prompt's group (verl
-    compute_grpo_outcome_advantage):
-
-        A_i = (score_i - mean_g) / (std_g + eps)     GRPO (std unbiased, as torch.std)
-        A_i =  score_i - mean_g                      Dr.GRPO (norm_by_std=False)
-
-    A group of one gets mean 0 and std 1 (verl), so its advantage is its score / (1 + eps); an
-    all-equal group gets 0. group_ids may be any ints, in any order (e.g. global prompt indices):
-    vectorised over groups with index_add.
-    """
-    scores = torch.as_tensor(scores, dtype=torch.float32)
-    group_ids = torch.as_tensor(group_ids, device=scores.device)
-    _, group = torch.unique(group_ids, return_inverse=True)  # (B,) 0..G-1
-    count = torch.bincount(group).to(scores.dtype)  # (G,)
-    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
-    sq_dev = torch.zeros_like(count).index_add_(0, group, (scores - mean[group]) ** 2)
-    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
-    mean = mean.masked_fill(count == 1, 0.0)  # a group of one (verl)
-    std = std.masked_fill(count == 1, 1.0)
-    advantages = scores - mean[group]
-    if norm_by_std:
-        advantages = advantages / (std[group] + eps)
-    return advantages
+def score_responses(response_ids, examples, tokenizer, reward_fn, args):
+    """(B,) float scores: the rule-based reward of each response for its example, minus DAPO's
+    overlong penalty when --overlong-buffer-len is on."""
+    texts = [response_text(tokenizer, ids) for ids in response_ids]
+    scores = torch.tensor([reward_fn(text, example) for text, example in zip(texts, examples)])
+    if args.overlong_buffer_len:
+        scores += rewards.overlong_penalty(
+            torch.tensor([len(ids) for ids in response_ids]),
+            args.max_response_length,
+            args.overlong_buffer_len,
+            args.overlong_penalty_factor,
+        )
+    return scores
 
 
 def as_groups(indices, response_ids, rollout_logprobs, finish_reasons, scores, gen_batch, rank):
@@ -991,7 +990,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                     # --policy-loss, by default PPO's clipped surrogate of r = pi_theta / pi_old
                     # (clip-higher, dual-clip); gspo clips one ratio per sequence, cispo weights
                     # REINFORCE by a clipped ratio, gpg is REINFORCE
-                    policy_loss = corrections.POLICY_LOSSES[args.policy_loss]
+                    policy_loss = objectives.POLICY_LOSSES[args.policy_loss]
                     pg_losses, pg_metrics = policy_loss(
                         logprobs,
                         old_logprobs,
@@ -1194,8 +1193,7 @@ def step_metrics(step, args, seq_scores, lengths, finish_reasons, prompt_ids, ad
         "response_length/clip_ratio": sum(f == "length" for f in finish_reasons)
         / len(finish_reasons),
         "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
-        # verl logs the lr its scheduler returns after stepping (engine_workers.train_batch): the
-        # next step's
+        # the next step's lr, as verl logs it (engine_workers.train_batch)
         "actor/lr": args.lr * lr_factor(step + 1, args),
     }
     if args.overlong_buffer_len:
@@ -1326,8 +1324,7 @@ def train(args, backend=None):
             world_size,
         )
 
-    # Validation before training (verl trainer.val_before_train): the initial policy, logged as step
-    # 0.
+    # Validation before training (verl val_before_train): the initial policy, as step 0.
     if args.val_every and args.val_before_train and start_step == 0:
         log_step(log, {"step": 0, **run_validation(-1)}, args.total_steps, rank)
 
@@ -1342,8 +1339,7 @@ def train(args, backend=None):
         groups, gen_batches = [], 0
         timing = {"timing/generate": 0.0}
         while True:
-            # 1. Rollout: this rank's prompts, n samples each, with the sampler's logprobs
-            #    (pi_rollout).
+            # 1. Rollout: this rank's prompts, n samples each, with pi_rollout's logprobs.
             t0 = time.time()
             indices = step_prompt_indices(
                 step, len(train_examples), args, rank, world_size, gen_batches
@@ -1359,17 +1355,9 @@ def train(args, backend=None):
 
             # 2. Rewards: each response's rule-based score, minus DAPO's overlong penalty when on.
             example_ids = [i for i in indices for _ in range(args.rollout_n)]  # each one's prompt
-            texts = [response_text(tokenizer, ids) for ids in response_ids]
-            scores = torch.tensor(
-                [reward_fn(text, train_examples[i]) for text, i in zip(texts, example_ids)]
+            scores = score_responses(
+                response_ids, [train_examples[i] for i in example_ids], tokenizer, reward_fn, args
             )
-            if args.overlong_buffer_len:
-                scores += rewards.overlong_penalty(
-                    torch.tensor([len(ids) for ids in response_ids]),
-                    args.max_response_length,
-                    args.overlong_buffer_len,
-                    args.overlong_penalty_factor,
-                )
             new_groups = as_groups(
                 indices, response_ids, rollout_logprobs, finish_reasons, scores, gen_batches, rank
             )
@@ -1419,9 +1407,22 @@ def train(args, backend=None):
         token_level_scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
         seq_scores = token_level_scores.sum(-1)
 
-        # 3. Advantages: one per response, normalised within its prompt's group.
-        batch["advantages"] = compute_grpo_advantages(
-            seq_scores, torch.tensor(group_ids), norm_by_std=args.norm_adv_by_std_in_grpo
+        # 3. Advantages: one per response (GRPO: normalised within its prompt's group); ReMax's
+        #    baseline is the score of the policy's greedy answer to the same prompt.
+        baselines = None
+        if args.adv_estimator == "remax":
+            greedy_ids, _, _ = backend.generate(
+                prompt_ids, 1, args.max_response_length, 0.0, sampling_seed(args, step, rank) + 2
+            )
+            greedy_examples = [train_examples[group["prompt"]] for group in groups]
+            greedy_scores = score_responses(greedy_ids, greedy_examples, tokenizer, reward_fn, args)
+            baselines = greedy_scores.repeat_interleave(args.rollout_n)
+        batch["advantages"] = objectives.ADV_ESTIMATORS[args.adv_estimator](
+            seq_scores,
+            torch.tensor(group_ids),
+            lengths,
+            baselines,
+            norm_by_std=args.norm_adv_by_std_in_grpo,
         ).to(device)
 
         # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
@@ -1431,8 +1432,7 @@ def train(args, backend=None):
         corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
         timing["timing/logprobs"] = time.time() - t0
 
-        # 5. Update: the clipped surrogate with the correction's weights and mask, entropy and KL
-        # terms.
+        # 5. Update: the policy loss with the correction's weights and mask, entropy and KL terms.
         t0 = time.time()
         actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size, scaler)
         timing["timing/update"] = time.time() - t0

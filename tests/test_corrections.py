@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import corrections as C
+import objectives as O
 import rollout
 from verl_source import verl_root
 
@@ -101,6 +102,7 @@ def _load_verl():
             "compute_policy_loss_gspo",
             "compute_policy_loss_cispo",
             "compute_policy_loss_gpg",
+            "compute_policy_loss_sapo",
             "kl_penalty_forward",
         },
         ns,
@@ -535,11 +537,11 @@ def test_ppo_clip_loss_matches_verl(mode):
 
 
 @needs_verl
-@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg"])
+@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "sapo"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
-    """corrections.POLICY_LOSSES[name], times decoupled IS weights and aggregated with agg_loss,
+    """objectives.POLICY_LOSSES[name], times decoupled IS weights and aggregated with agg_loss,
     against verl 0.9.1's compute_policy_loss_<name> run from its source: the loss, its gradient
     with respect to the current logprobs, and the metrics, on padded rows of different lengths
     (an empty one included), clip-higher, per-sequence advantages with all-equal groups, and inputs
@@ -555,11 +557,18 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
     w, _ = C.compute_is_weights(train - rollout, mask, "token", 2.0)
     function = VERL[f"compute_policy_loss_{name}"]
     config = VerlActorConfig(
-        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, global_batch_info={}
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        global_batch_info={},
+        tau_pos=O.SAPO_TAU_POS,
+        tau_neg=O.SAPO_TAU_NEG,
     )
     ours_lp = train.clone().requires_grad_(True)
-    losses, ours_m = C.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
-    ours = C.agg_loss(losses * w, mask, mode)
+    losses, ours_m = O.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
+    # verl aggregates SAPO with seq-mean-token-mean whatever the mode (grpo.py refuses the others)
+    ours_mode = "seq-mean-token-mean" if name == "sapo" else mode
+    ours = C.agg_loss(losses * w, mask, ours_mode)
     ours.backward()
     theirs_lp = train.clone().requires_grad_(True)
     theirs, theirs_m = function(
@@ -590,14 +599,14 @@ def test_gspo_clips_whole_sequences_and_cispo_keeps_clipped_gradients():
     old = torch.tensor([[-0.5, 0.0], [-0.1, 0.0]])  # mean log-ratios 0.25 (e^.25 = 1.28) and 0.05
     adv = torch.ones(2, 2)
     mask = torch.ones(2, 2)
-    losses, metrics = C.gspo_token_loss(lp, old, adv, mask, 0.2, 0.2)
+    losses, metrics = O.gspo_token_loss(lp, old, adv, mask, 0.2, 0.2)
     assert losses.detach().flatten().tolist() == pytest.approx([-1.2, -1.2] + [-math.exp(0.05)] * 2)
     losses.sum().backward()
     assert lp.grad[0].tolist() == [0.0, 0.0]
     assert lp.grad[1].tolist() == pytest.approx([-math.exp(0.05)] * 2)
     assert metrics["pg_clipfrac"] == 0.5
     lp.grad = None
-    losses, metrics = C.cispo_token_loss(lp, old, adv, mask, 0.2, 0.2)
+    losses, metrics = O.cispo_token_loss(lp, old, adv, mask, 0.2, 0.2)
     losses.sum().backward()
     # token (0, 0): r = e^0.5 = 1.65 -> weight 1.2, still a gradient; the others r <= e^0.1
     assert lp.grad.flatten().tolist() == pytest.approx([-1.2, -1.0, -math.exp(0.1), -1.0])
@@ -961,3 +970,28 @@ def test_lm_head_tf32_error_on_smollm2_is_within_a_quarter_of_bf16_logits():
     assert errors["fp32 (IEEE)"][0] < 1e-4
     assert errors["TF32"][0] <= bf16[0] / 4 and errors["TF32"][1] <= bf16[1] / 4
     assert errors["bf16 inputs, fp32 output"][0] > bf16[0] / 4
+
+
+def test_sapo_gate_has_the_ratios_gradient_at_one_and_fades_away_from_it():
+    """Hand-checked SAPO: at r = 1 the loss is -A * 2 / tau and its gradient -A (the ratio's own),
+    for either sign of A; at r = e^2 (a token that moved far) the gradient is far smaller, and
+    smaller still for a negative advantage (tau_neg > tau_pos)."""
+    lp = torch.zeros(2, 2, requires_grad=True)
+    old = torch.tensor([[0.0, -2.0], [0.0, -2.0]])  # r = 1 and r = e^2
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    losses, metrics = O.sapo_token_loss(lp, old, adv, torch.ones(2, 2))
+    losses.sum().backward()
+    tau_pos, tau_neg = O.SAPO_TAU_POS, O.SAPO_TAU_NEG
+    assert losses[0, 0].item() == pytest.approx(-2 / tau_pos)
+    assert losses[1, 0].item() == pytest.approx(2 / tau_neg)
+    assert lp.grad[:, 0].tolist() == pytest.approx([-1.0, 1.0])
+
+    def gate_slope(tau):  # d/dlogpi of (4 / tau) sigmoid(tau (r - 1)) at r = e^2
+        r = math.exp(2.0)
+        sig = torch.sigmoid(torch.tensor(tau * (r - 1))).item()
+        return 4 * sig * (1 - sig) * r
+
+    assert lp.grad[0, 1].item() == pytest.approx(-gate_slope(tau_pos))
+    assert lp.grad[1, 1].item() == pytest.approx(gate_slope(tau_neg))
+    assert abs(lp.grad[1, 1].item()) < abs(lp.grad[0, 1].item()) < 0.1
+    assert metrics["pg_clipfrac"] == 0.0 and metrics["ppo_kl"] == pytest.approx(-1.0)

@@ -21,6 +21,7 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/minibatch_gradient.py
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import objectives  # noqa: E402
 import rollout  # noqa: E402
 import rewards  # noqa: E402
 from verl_source import verl_root  # noqa: E402
@@ -227,7 +228,7 @@ def test_grpo_advantages_hand_computed():
     # groups: 7 -> {1, 0, 0.5} interleaved, 42 -> singleton, 9 -> all equal, -3 -> {1, 0}
     scores = [1.0, 0.3, 0.0, 0.3, 0.5, 1.0, 0.3, 0.0]
     ids = [7, 9, 7, 9, 7, -3, 42, -3]
-    adv = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids))
+    adv = objectives.grpo_advantages(torch.tensor(scores), torch.tensor(ids))
     # group 7: mean 0.5, unbiased std 0.5 -> (1, -1, 0); group -3: mean 0.5, std sqrt(0.5)
     s2 = 0.5**0.5
     expected = [
@@ -243,13 +244,13 @@ def test_grpo_advantages_hand_computed():
     assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
     assert torch.allclose(adv, torch.tensor(_reference_advantages(scores, ids)), atol=1e-6)
     # Dr.GRPO
-    dr = grpo.compute_grpo_advantages(torch.tensor(scores), torch.tensor(ids), norm_by_std=False)
+    dr = objectives.grpo_advantages(torch.tensor(scores), torch.tensor(ids), norm_by_std=False)
     assert torch.allclose(dr, torch.tensor([0.5, 0.0, -0.5, 0.0, 0.0, 0.5, 0.3, -0.5]), atol=1e-6)
     g = torch.Generator().manual_seed(1)
     many_scores = torch.rand(200, generator=g)
     many_ids = torch.randint(-1000, 1000, (200,), generator=g) * 37
     assert torch.allclose(
-        grpo.compute_grpo_advantages(many_scores, many_ids),
+        objectives.grpo_advantages(many_scores, many_ids),
         torch.tensor(_reference_advantages(many_scores.tolist(), many_ids.tolist())),
         atol=1e-5,
     )
@@ -280,7 +281,7 @@ def rollout_batch(tiny):
     # any non-constant score
     scores = torch.tensor([len(r) / args.max_response_length for r in responses])
     group_ids = torch.arange(len(prompts)).repeat_interleave(args.rollout_n)
-    batch["advantages"] = grpo.compute_grpo_advantages(scores, group_ids)
+    batch["advantages"] = objectives.grpo_advantages(scores, group_ids)
     return args, batch
 
 
@@ -334,7 +335,7 @@ def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(
         return real(logprobs, old_logprobs, *a, **kw)
 
     # update_policy looks the loss up by --policy-loss (vanilla: ppo_clip_token_loss)
-    monkeypatch.setitem(corrections.POLICY_LOSSES, "vanilla", spy)
+    monkeypatch.setitem(objectives.POLICY_LOSSES, "vanilla", spy)
     _run_update(model, args, batch, "decoupled_token_is")
     decoupled, seen[:] = list(seen), []
     _run_update(model, args, batch, "bypass_ppo_clip")
@@ -558,15 +559,24 @@ def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
     assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "gpg"])
-def test_the_other_policy_losses_are_micro_batch_invariant_too(policy_loss):
-    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO and GPG are
-    per token: micro-batch 8 and 64 give the same minibatch gradient (token-mean)."""
+@pytest.mark.parametrize(
+    "policy_loss, mode",
+    [
+        ("gspo", "token-mean"),
+        ("cispo", "token-mean"),
+        ("gpg", "token-mean"),
+        ("sapo", "seq-mean-token-mean"),
+    ],
+)
+def test_the_other_policy_losses_are_micro_batch_invariant_too(policy_loss, mode):
+    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO, GPG and
+    SAPO are per token: micro-batch 8 and 64 give the same minibatch gradient (SAPO with the only
+    aggregation it allows)."""
     import minibatch_gradient
 
     a, b = (
-        minibatch_gradient.minibatch_gradient(8, "token-mean", policy_loss=policy_loss),
-        minibatch_gradient.minibatch_gradient(64, "token-mean", policy_loss=policy_loss),
+        minibatch_gradient.minibatch_gradient(8, mode, policy_loss=policy_loss),
+        minibatch_gradient.minibatch_gradient(64, mode, policy_loss=policy_loss),
     )
     assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
 
@@ -878,6 +888,17 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
             dict(policy_loss="gspo", correction="bypass_ppo_clip"),
             ValueError,
             "^--policy-loss gspo needs a decoupled --correction",
+        ),
+        (dict(adv_estimator="ppo"), ValueError, "^--adv-estimator must be one of grpo, rloo, "),
+        (
+            dict(policy_loss="sapo"),
+            ValueError,
+            "^--loss-agg-mode must be seq-mean-token-mean with --policy-loss sapo",
+        ),
+        (
+            dict(adv_estimator="grpo_passk", rollout_n=1),
+            ValueError,
+            "^--rollout-n must be >= 2 for --adv-estimator grpo_passk",
         ),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "--ppo-micro-batch-size-per-gpu 7"),

@@ -1,0 +1,322 @@
+"""The GRPO family's objectives as a catalogue: every advantage estimator and every policy loss
+grpo.py can use, one small function each, with its formula, its paper and the verl 0.9.1 function
+it follows (verl/trainer/ppo/core_algos.py).
+
+An objective has two halves:
+
+    advantage estimator   outcome scores of a step's responses -> one advantage A_i per response
+                          (--adv-estimator NAME: ADV_ESTIMATORS[NAME])
+    policy loss           logprobs, pi_old's logprobs, A, mask -> a loss per token
+                          (--policy-loss NAME: POLICY_LOSSES[NAME])
+
+grpo.py looks both up by name at the line that uses them (step 3 and step 5 of its loop), so the
+loop's story stays the same whichever is chosen. PPO's clipped surrogate (the "vanilla" loss) and
+the REINFORCE term live in corrections.py beside the IS weights and masks that multiply every loss
+here; ppo_rlhf.py's GAE is in ppo_rlhf.py.
+
+Every estimator assumes what grpo.py trains with: one outcome reward per response, on its last
+token, and gamma = 1 (verl's default), so a response's return is its score at every token and one
+number per response says everything. Shapes: scores (B,) float, group_ids (B,) ints (which prompt
+a response answers; responses of a group need not be adjacent), lengths (B,) response lengths in
+tokens, baselines (B,) or None. Each returns advantages (B,) float32; grpo.py broadcasts them over
+the response's tokens, as verl's (B, T) advantages are.
+"""
+
+import torch
+import torch.distributed as dist
+
+from corrections import SAFETY_BOUND, masked_mean, ppo_clip_token_loss, reinforce_token_loss
+
+# --------------------------------------------------------------------------------------------------
+# 1. Advantage estimators (verl algorithm.adv_estimator)
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_stats(scores, group_ids):
+    """(group (B,) 0..G-1, count (G,), mean (G,), unbiased std (G,)) of each prompt's group,
+    vectorised with index_add (group ids may be any ints, in any order)."""
+    _, group = torch.unique(torch.as_tensor(group_ids, device=scores.device), return_inverse=True)
+    count = torch.bincount(group).to(scores.dtype)
+    mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    sq_dev = torch.zeros_like(count).index_add_(0, group, (scores - mean[group]) ** 2)
+    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))  # torch.std (unbiased), as verl
+    return group, count, mean, std
+
+
+def _global_whiten(values, lengths, eps=1e-8):
+    """verl's masked_whiten of a (B, T) tensor whose rows are constant (value i on each of the
+    lengths[i] tokens of row i), computed per row: token-weighted mean and unbiased variance over
+    the whole batch, (v - mean) / sqrt(var + eps). With torchrun the sums run over every rank, so
+    the result is the one a single process would give on the global batch (verl computes
+    advantages on the driver, over the whole batch)."""
+    weights = lengths.to(values.dtype)
+    totals = torch.stack([(weights * values).sum(), weights.sum()])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    mean = totals[0] / (totals[1] + 1e-8)  # verl masked_mean's + 1e-8
+    sq_dev = (weights * (values - mean) ** 2).sum()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sq_dev)
+    var = sq_dev / (totals[1] + 1e-8) * totals[1] / (totals[1] - 1)  # Bessel, as masked_var
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def grpo_advantages(scores, group_ids, lengths=None, baselines=None, eps=1e-6, norm_by_std=True):
+    """GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300, section 4.1.2; verl
+    compute_grpo_outcome_advantage):
+
+        A_i = (s_i - mean_g) / (std_g + eps)     GRPO (std unbiased, as torch.std)
+        A_i =  s_i - mean_g                      Dr.GRPO (norm_by_std=False; Liu et al. 2025,
+                                                 arXiv:2503.20783, section 3.1)
+
+    A group of one gets mean 0 and std 1 (verl), so its advantage is s_i / (1 + eps); an all-equal
+    group gets 0."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group, count, mean, std = _group_stats(scores, group_ids)
+    mean = mean.masked_fill(count == 1, 0.0)
+    std = std.masked_fill(count == 1, 1.0)
+    advantages = scores - mean[group]
+    if norm_by_std:
+        advantages = advantages / (std[group] + eps)
+    return advantages
+
+
+def rloo_advantages(scores, group_ids, lengths=None, baselines=None, eps=1e-6, norm_by_std=True):
+    """RLOO, REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics",
+    arXiv:2402.14740, section 3.3; verl compute_rloo_outcome_advantage): the baseline of a response
+    is the mean score of the other n - 1 responses of its group,
+
+        A_i = s_i - (sum_g - s_i) / (n - 1) = n / (n - 1) * (s_i - mean_g)
+
+    A group of one keeps its raw score (verl). Not divided by a std: norm_by_std is not used."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group, count, mean, _ = _group_stats(scores, group_ids)
+    n = count[group]
+    return torch.where(n > 1, (scores - mean[group]) * n / (n - 1).clamp(min=1), scores)
+
+
+def reinforce_plus_plus_advantages(
+    scores, group_ids, lengths, baselines=None, eps=1e-6, norm_by_std=True
+):
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262, section 3; verl
+    compute_reinforce_plus_plus_outcome_advantage): no per-prompt baseline; the return (the score,
+    with gamma = 1) is whitened over every response token of the batch,
+
+        A_i = (s_i - mean_tokens) / sqrt(var_tokens + 1e-8)
+
+    where each response counts once per token (a long response weighs more in the mean and
+    variance), as verl's masked_whiten of the (B, T) returns. Global: over every rank's batch."""
+    return _global_whiten(torch.as_tensor(scores, dtype=torch.float32), lengths)
+
+
+def reinforce_plus_plus_baseline_advantages(
+    scores, group_ids, lengths, baselines=None, eps=1e-6, norm_by_std=True
+):
+    """REINFORCE++ with a group baseline (Hu et al. 2025, arXiv:2501.03262, "REINFORCE++-baseline";
+    verl compute_reinforce_plus_plus_baseline_outcome_advantage): subtract the group's mean score,
+    then whiten over every response token of the batch (as reinforce_plus_plus_advantages),
+
+        A_i = whiten_tokens(s_i - mean_g)
+
+    A group of one has mean 0 (verl)."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group, count, mean, _ = _group_stats(scores, group_ids)
+    centred = scores - mean.masked_fill(count == 1, 0.0)[group]
+    return _global_whiten(centred, lengths)
+
+
+def remax_advantages(scores, group_ids, lengths, baselines, eps=1e-6, norm_by_std=True):
+    """ReMax (Li et al. 2024, arXiv:2310.10505, Algorithm 1; verl compute_remax_outcome_advantage):
+    the baseline is the score of the policy's greedy answer to the same prompt, generated in the
+    same step (grpo.py step 2 makes it when --adv-estimator remax),
+
+        A_i = s_i - s_greedy(prompt_i)
+
+    Not whitened, not divided by a std."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    return scores - torch.as_tensor(baselines, dtype=torch.float32, device=scores.device)
+
+
+def opo_advantages(scores, group_ids, lengths, baselines=None, eps=1e-6, norm_by_std=True):
+    """OPO, on-policy RL with the optimal baseline (Hao et al. 2025, arXiv:2505.23585, section 3.2;
+    verl compute_opo_outcome_advantage): the baseline is the group's length-weighted mean score,
+
+        A_i = s_i - sum_g(len_j s_j) / sum_g(len_j)
+
+    A group of one keeps its raw score (verl). Not divided by a std."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    weights = torch.as_tensor(lengths, dtype=torch.float32, device=scores.device)
+    group, count, _, _ = _group_stats(scores, group_ids)
+    weighted = torch.zeros_like(count).index_add_(0, group, weights * scores)
+    total_length = torch.zeros_like(count).index_add_(0, group, weights)
+    baseline = (weighted / total_length).masked_fill(count == 1, 0.0)
+    return scores - baseline[group]
+
+
+def grpo_passk_advantages(
+    scores, group_ids, lengths=None, baselines=None, eps=1e-6, norm_by_std=True
+):
+    """GRPO for pass@k (Chen et al. 2025, "Pass@k Training", arXiv:2503.19595; verl
+    compute_grpo_passk_outcome_advantage): only the best response of each group is pushed, by how
+    much it beats the second best,
+
+        A_best = (s_max - s_second) / (std_g + eps)     (no division when norm_by_std=False)
+        A_i    = 0 for every other response
+
+    so a prompt contributes only when its best answer is better than all the others. Needs groups
+    of at least 2 (verl raises; grpo.py refuses --rollout-n 1). With a tie at the top the advantage
+    is 0 whichever of them is "best"."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group, count, _, std = _group_stats(scores, group_ids)
+    if bool((count < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 responses per prompt group")
+    advantages = torch.zeros_like(scores)
+    for g in range(len(count)):
+        rows = (group == g).nonzero().squeeze(-1)
+        top2, top2_at = torch.topk(scores[rows], 2)
+        gap = top2[0] - top2[1]
+        advantages[rows[top2_at[0]]] = gap / (std[g] + eps) if norm_by_std else gap
+    return advantages
+
+
+# --adv-estimator: verl's algorithm.adv_estimator names
+ADV_ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "remax": remax_advantages,
+    "opo": opo_advantages,
+    "grpo_passk": grpo_passk_advantages,
+}
+
+# --------------------------------------------------------------------------------------------------
+# 2. Policy losses (verl actor.policy_loss.loss_mode). Each takes (logprobs, old_logprobs,
+#    advantages, mask, clip_low, clip_high, clip_c) as (B, T) tensors and returns (loss per token
+#    (B, T), metrics); the caller multiplies by the correction's IS weights and reduces with
+#    corrections.agg_loss, as verl does after its loss function.
+# --------------------------------------------------------------------------------------------------
+
+
+def gspo_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """GSPO's clipped surrogate with one ratio per sequence (Zheng et al. 2025, "Group Sequence
+    Policy Optimization", arXiv:2507.18071; verl core_algos.compute_policy_loss_gspo before its IS
+    weights and aggregation):
+
+        s_i   = exp(mean_t (log pi_theta(a_t) - log pi_old(a_t)))    the geometric-mean ratio
+        s_i,t = sg(s_i) * pi_theta(a_t) / sg(pi_theta(a_t))     value s_i, gradient s_i grad log pi
+        l_t   = max(-A_t s_i,t, -A_t clip(s_i,t, 1 - clip_low, 1 + clip_high))
+
+    So every token of a sequence is clipped together, by how far the whole sequence moved. log s_i,t
+    is capped at 10 (verl); there is no dual clip (clip_c is ignored, as in verl). The paper clips
+    at about 3e-4 / 4e-4 with seq-mean-token-mean; verl's defaults are the PPO clip and the
+    trainer's loss_agg_mode. Padded entries are zeroed first. Returns (l (B, T), metrics):
+    pg_clipfrac (tokens whose sequence is clipped), ppo_kl (mean of old - new log prob, per token),
+    pg_clipfrac_lower = 0.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(valid, logprobs, zero)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
+    advantages = torch.where(valid, advantages, zero)
+    lengths = valid.sum(-1).clamp(min=1)
+    seq_log_ratio = log_ratio.sum(-1) / lengths  # (B,)
+    token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]
+    ratio = torch.exp(token_log_ratio.clamp(max=10.0))
+    losses_unclipped = -advantages * ratio
+    losses_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    metrics = {
+        "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": zero,
+    }
+    losses = torch.maximum(losses_unclipped, losses_clipped)
+    return losses, {k: float(v) for k, v in metrics.items()}
+
+
+def cispo_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio (MiniMax 2025,
+    "MiniMax-M1", arXiv:2506.13585, section 3.1; verl core_algos.compute_policy_loss_cispo):
+
+        r_t = exp(log pi_theta(a_t) - log pi_old(a_t))        (log-ratio clamped to +-20)
+        l_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi_theta(a_t)
+
+    Unlike PPO's clip, which drops the gradient of a clipped token, every token keeps its gradient;
+    the clip only bounds its weight. The loss value holds log pi itself, so its size is not
+    comparable with the ratio losses'. No dual clip (clip_c is ignored, as in verl). Returns
+    (l (B, T), metrics): pg_clipfrac (tokens whose weight was clipped, either side), ppo_kl,
+    pg_clipfrac_lower = 0.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()
+    advantages = torch.where(valid, advantages, zero)
+    losses = -clipped_ratio * advantages * torch.where(valid, logprobs, zero)
+    metrics = {
+        "pg_clipfrac": masked_mean((ratio != clipped_ratio).float(), valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": zero,
+    }
+    return losses, {k: float(v) for k, v in metrics.items()}
+
+
+def gpg_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """GPG's policy loss (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
+    Baseline for Model Reasoning", arXiv:2504.02546; verl core_algos.compute_policy_loss_gpg):
+    plain REINFORCE, l_t = -A_t log pi_theta(a_t) (reinforce_token_loss). pi_old, the clip and
+    clip_c are not used, so nothing bounds an update on data from an older policy (ppo_epochs > 1,
+    several minibatches per step). Returns (l (B, T), {}): no clip metrics, as verl."""
+    return reinforce_token_loss(logprobs, advantages, mask)
+
+
+SAPO_TAU_POS = 1.0  # verl ActorConfig.tau_pos
+SAPO_TAU_NEG = 1.05  # verl ActorConfig.tau_neg
+
+
+def sapo_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """SAPO, soft adaptive policy optimisation: a smooth gate on the ratio instead of a hard clip
+    (Gao et al. 2025, arXiv:2511.20347; verl core_algos.compute_policy_loss_sapo):
+
+        r_t   = exp(log pi_theta(a_t) - log pi_old(a_t))          (log-ratio clamped to +-20)
+        tau_t = SAPO_TAU_POS if A_t > 0 else SAPO_TAU_NEG          (1.0 and 1.05, verl's defaults)
+        l_t   = -A_t * (4 / tau_t) * sigmoid(tau_t (r_t - 1))
+
+    At r = 1 the gate's gradient is 1 (that of the ratio itself), and it fades smoothly as r moves
+    away, faster for negative advantages (tau_neg > tau_pos), where PPO's clip cuts the gradient
+    off at once. The clip settings are not used. verl always aggregates SAPO with
+    seq-mean-token-mean, whatever loss_agg_mode says; grpo.py refuses another --loss-agg-mode
+    with it instead. Returns (l (B, T), metrics): ppo_kl, and pg_clipfrac = pg_clipfrac_lower = 0
+    (as verl: nothing is clipped)."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    advantages = torch.where(valid, advantages, zero)
+    tau = torch.where(advantages > 0, SAPO_TAU_POS, SAPO_TAU_NEG).to(logprobs.dtype)
+    gates = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    metrics = {
+        "pg_clipfrac": zero,
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": zero,
+    }
+    return -gates * advantages, {k: float(v) for k, v in metrics.items()}
+
+
+# --policy-loss: the policy losses a decoupled update can use, looked up by name where grpo.py's
+# update computes its policy loss (verl's policy_loss.loss_mode names); vanilla is PPO's clip
+POLICY_LOSSES = {
+    "vanilla": ppo_clip_token_loss,
+    "gspo": gspo_token_loss,
+    "cispo": cispo_token_loss,
+    "gpg": gpg_token_loss,
+    "sapo": sapo_token_loss,
+}

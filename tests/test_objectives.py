@@ -1,0 +1,231 @@
+"""objectives.py: every advantage estimator against verl 0.9.1's own function (run from its source),
+hand-computed values, and the estimators inside a GRPO step."""
+
+import ast
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from collections import defaultdict
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import objectives as O
+from verl_source import verl_root
+
+VERL_ESTIMATORS = {
+    "grpo": "compute_grpo_outcome_advantage",
+    "rloo": "compute_rloo_outcome_advantage",
+    "reinforce_plus_plus": "compute_reinforce_plus_plus_outcome_advantage",
+    "reinforce_plus_plus_baseline": "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "remax": "compute_remax_outcome_advantage",
+    "opo": "compute_opo_outcome_advantage",
+    "grpo_passk": "compute_grpo_passk_outcome_advantage",
+}
+
+
+def _load_verl():
+    """verl's estimators and the masked reductions they use, parsed out of its source with ast
+    (decorators dropped: the registry would import verl's config classes)."""
+    root = verl_root()
+    if root is None:
+        return None
+
+    def extract(relpath, names, namespace):
+        tree = ast.parse((root / relpath).read_text())
+        keep = []
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                node.decorator_list = []
+                keep.append(node)
+        code = compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec")
+        exec(code, namespace)
+        return namespace
+
+    base = {"torch": torch, "np": np, "defaultdict": defaultdict, "Optional": Optional}
+    reductions = {"masked_sum", "masked_mean", "masked_var", "masked_whiten"}
+    functional = extract("utils/torch_functional.py", reductions, dict(base))
+    verl_F = types.SimpleNamespace(**{name: functional[name] for name in reductions})
+    ns = dict(base, verl_F=verl_F, AlgoConfig=Any)
+    return extract("trainer/ppo/core_algos.py", set(VERL_ESTIMATORS.values()), ns)
+
+
+VERL = _load_verl()
+needs_verl = pytest.mark.skipif(
+    VERL is None, reason="no verl source (scripts/setup_cpu.sh unpacks it)"
+)
+
+
+def random_rollout(seed, min_group=1, T=12, bf16=False):
+    """A step's responses: groups of 1-8 in a shuffled order (group ids are not adjacent), scores
+    from a few levels so that some groups are all equal, response lengths 1..T (padded rows), and
+    the outcome score on each response's last token, as grpo.py places it."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(min_group, 9, (10,), generator=g).tolist()
+    sizes[3] = max(sizes[3], 3)
+    group_ids = torch.tensor([i for i, size in enumerate(sizes) for _ in range(size)])
+    group_ids = group_ids[torch.randperm(len(group_ids), generator=g)]
+    B = len(group_ids)
+    levels = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    scores = levels[torch.randint(0, 4, (B,), generator=g)]
+    scores[group_ids == 3] = 0.5  # an all-equal group
+    scores = scores + 0.1 * torch.randn(B, generator=g) * (group_ids % 2 == 0)
+    if bf16:
+        scores = scores.to(torch.bfloat16).float()
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+    token_level_rewards = torch.zeros(B, T)
+    token_level_rewards[torch.arange(B), lengths - 1] = scores
+    baselines = levels[torch.randint(0, 4, (int(group_ids.max()) + 1,), generator=g)][group_ids]
+    return scores, group_ids, lengths, mask, token_level_rewards, baselines
+
+
+def verl_advantages(name, token_level_rewards, mask, group_ids, baselines, norm_by_std):
+    function = VERL[VERL_ESTIMATORS[name]]
+    index = group_ids.numpy()
+    if name == "grpo":
+        return function(
+            token_level_rewards.clone(), mask, index, norm_adv_by_std_in_grpo=norm_by_std
+        )[0]
+    if name == "reinforce_plus_plus":
+        return function(token_level_rewards.clone(), mask, config=types.SimpleNamespace(gamma=1.0))[
+            0
+        ]
+    if name == "remax":
+        return function(token_level_rewards.clone(), baselines, mask)[0]
+    if name == "grpo_passk":
+        config = {"norm_adv_by_std_in_grpo": norm_by_std}
+        return function(token_level_rewards.clone(), mask, index, config=config)[0]
+    return function(token_level_rewards.clone(), mask, index, config=None)[0]
+
+
+@needs_verl
+@pytest.mark.parametrize("name", list(O.ADV_ESTIMATORS))
+@pytest.mark.parametrize("norm_by_std", [True, False])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_estimators_match_verl(name, norm_by_std, bf16):
+    """objectives.ADV_ESTIMATORS[name] against verl 0.9.1's compute_<name>_outcome_advantage on 5
+    random steps each: groups of different sizes (of one too, except pass@k, which needs two) in
+    a shuffled order, an all-equal group, padded responses of different lengths, scores rounded
+    to bf16. verl's (B, T) advantages must be ours broadcast over each response's tokens, to
+    float32 rounding."""
+    for seed in range(5):
+        min_group = 2 if name == "grpo_passk" else 1
+        scores, group_ids, lengths, mask, token_rewards, baselines = random_rollout(
+            seed, min_group, bf16=bf16
+        )
+        ours = O.ADV_ESTIMATORS[name](
+            scores, group_ids, lengths, baselines, norm_by_std=norm_by_std
+        )
+        theirs = verl_advantages(name, token_rewards, mask, group_ids, baselines, norm_by_std)
+        assert ours.shape == scores.shape and ours.dtype == torch.float32
+        assert torch.allclose(ours[:, None] * mask, theirs.float(), atol=2e-6, rtol=1e-5), (
+            name,
+            seed,
+        )
+        if name in ("grpo", "rloo", "opo", "grpo_passk"):
+            assert (ours[group_ids == 3] == 0).all()  # all-equal group: no signal
+
+
+def test_estimators_hand_values():
+    """One group {1, 0, 0.5} (lengths 2, 4, 2) and a group of one (score 0.3, length 4)."""
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.3])
+    ids = torch.tensor([5, 5, 5, 9])
+    lengths = torch.tensor([2, 4, 2, 4])
+    baselines = torch.tensor([0.5, 0.5, 0.5, 1.0])
+    get = O.ADV_ESTIMATORS
+    # RLOO: the mean of the other two; a group of one keeps its score
+    assert get["rloo"](scores, ids, lengths).tolist() == pytest.approx([0.75, -0.75, 0.0, 0.3])
+    # OPO: baseline (2*1 + 4*0 + 2*0.5) / 8 = 0.375
+    assert get["opo"](scores, ids, lengths).tolist() == pytest.approx([0.625, -0.375, 0.125, 0.3])
+    # ReMax: score - the greedy answer's score
+    assert get["remax"](scores, ids, lengths, baselines).tolist() == pytest.approx(
+        [0.5, -0.5, 0.0, -0.7]
+    )
+    # pass@k: only the best of the group moves, by (1 - 0.5) / std = 0.5 / 0.5
+    passk = get["grpo_passk"](scores[:3], ids[:3], lengths[:3])
+    assert passk.tolist() == pytest.approx([1.0, 0.0, 0.0], abs=1e-5)
+    # REINFORCE++: whitened over 12 tokens, each response once per token
+    token_scores = torch.tensor([1.0] * 2 + [0.0] * 4 + [0.5] * 2 + [0.3] * 4)
+    mean, std = token_scores.mean(), token_scores.std()
+    expected = (scores - mean) / torch.sqrt(std**2 + 1e-8)
+    assert torch.allclose(get["reinforce_plus_plus"](scores, ids, lengths), expected, atol=1e-6)
+    # REINFORCE++-baseline: centred in the group first (the group of one: mean 0)
+    centred = torch.tensor([0.5] * 2 + [-0.5] * 4 + [0.0] * 2 + [0.3] * 4)
+    expected = (torch.tensor([0.5, -0.5, 0.0, 0.3]) - centred.mean()) / centred.std()
+    out = get["reinforce_plus_plus_baseline"](scores, ids, lengths)
+    assert torch.allclose(out, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="at least 2"):
+        get["grpo_passk"](scores, ids, lengths)
+
+
+@pytest.mark.parametrize("name", [n for n in O.ADV_ESTIMATORS if n != "grpo"])
+def test_every_estimator_runs_grpo_tiny(tmp_path, name):
+    """`grpo.py tiny --adv-estimator NAME` on a small batch for 3 steps: every step logs finite
+    metrics and the weights move (ReMax generates its greedy baseline answers in the step). The
+    logged samples (4 of the first prompt's group) carry the estimator's advantages: RLOO's
+    differences are n / (n - 1) times the scores'; pass@k's at most one non-zero."""
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny"][1],
+        cuda=False,
+        output_dir=str(tmp_path),
+        adv_estimator=name,
+        train_batch_size=8,
+        ppo_mini_batch_size=4,
+        rollout_n=8,
+        total_steps=3,
+        val_every=0,
+        save_every=0,
+        log_samples_every=1,
+    )
+    metrics_path = grpo.train(args)
+    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = [r for r in rows if "reward/mean" in r]
+    assert len(rows) == 3
+    for row in rows:
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/advantages/mean", "reward/mean"):
+            assert math.isfinite(row[key]), (key, row)
+    assert any(row["actor/grad_norm"] > 0 for row in rows)
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    for step in (1, 2, 3):
+        group = [r for r in samples if r["step"] == step][:4]
+        scores = [r["score"] for r in group]
+        advantages = [r["advantage"] for r in group]
+        if name == "rloo":
+            assert advantages[0] - advantages[1] == pytest.approx(
+                (scores[0] - scores[1]) * 8 / 7, abs=1e-6
+            )
+        if name == "grpo_passk":
+            assert sum(a != 0 for a in advantages) <= 1
+        if name == "remax":  # score - the greedy answer's score: one baseline per prompt
+            assert len({round(a - s, 6) for s, a in zip(scores, advantages)}) == 1
+
+
+def test_whitening_estimators_use_the_whole_batch_over_two_ranks(tmp_path):
+    """REINFORCE++ (and its baseline variant) whiten over every response token of the batch: two
+    gloo processes holding half a batch each give exactly the advantages one process gives for
+    the whole batch (tests/objective_ranks.py)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [os.path.join(root, "tests", "objective_ranks.py"), str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sys.path.insert(0, os.path.join(root, "tests"))
+    from objective_ranks import whole_batch
+
+    scores, group_ids, lengths = whole_batch()
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        two_ranks = torch.tensor(reports[0][name] + reports[1][name])
+        one_rank = O.ADV_ESTIMATORS[name](scores, group_ids, lengths)
+        assert torch.allclose(two_ranks, one_rank, atol=1e-6), name
+        halves = O.ADV_ESTIMATORS[name](scores[:16], group_ids[:16], lengths[:16])
+        assert not torch.allclose(halves, one_rank[:16], atol=1e-3)  # local stats would differ
