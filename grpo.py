@@ -181,8 +181,8 @@ class Args:
 
     # --- loss
     policy_loss: str = "vanilla"
-    """objectives.POLICY_LOSSES (verl loss_mode): vanilla (PPO-clip), gspo, cispo, gpg or sapo
-    (sapo needs --loss-agg-mode seq-mean-token-mean, the only mode verl aggregates it with)."""
+    """objectives.POLICY_LOSSES (verl loss_mode): vanilla (PPO-clip), gspo, cispo, gpg, sapo,
+    geo_mean, clip_cov or kl_cov (sapo, geo_mean: --loss-agg-mode seq-mean-token-mean only)."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -513,21 +513,22 @@ def check_args(args, world_size=1):
         refuse("val_size", ">= 1 for the copy and arith tasks")
     if args.overlong_buffer_len > args.max_response_length:
         refuse("overlong_buffer_len", f"<= --max-response-length {args.max_response_length}")
-    if args.policy_loss == "sapo" and args.loss_agg_mode != "seq-mean-token-mean":
-        refuse("loss_agg_mode", "seq-mean-token-mean with --policy-loss sapo (verl's only mode)")
+    if args.policy_loss in ("sapo", "geo_mean") and args.loss_agg_mode != "seq-mean-token-mean":
+        refuse("loss_agg_mode", f"seq-mean-token-mean with --policy-loss {args.policy_loss}")
     if args.adv_estimator == "grpo_passk" and args.rollout_n < 2:
         refuse("rollout_n", ">= 2 for --adv-estimator grpo_passk (it compares the two best)")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
         refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
-    if (
-        args.policy_loss != "vanilla"
-        and corrections.RolloutCorrection.from_name(args.correction).bypass_mode
-    ):
+    correction = corrections.RolloutCorrection.from_name(args.correction)
+    if args.policy_loss != "vanilla" and correction.bypass_mode:
         # verl's bypass mode silently swaps in its own loss (apply_bypass_mode); refused here
         raise ValueError(
             f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
             f"bring their own loss), got {args.correction!r}"
         )
+    if args.policy_loss == "geo_mean" and correction.rollout_is == "token":
+        # verl weights GMPO by the geometric mean of token IS weights; per-token weights differ
+        refuse("correction", "a preset without token-level IS weights with --policy-loss geo_mean")
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
     local_batch_sizes(args, world_size)
@@ -988,8 +989,8 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                     )
                 else:
                     # --policy-loss, by default PPO's clipped surrogate of r = pi_theta / pi_old
-                    # (clip-higher, dual-clip); gspo clips one ratio per sequence, cispo weights
-                    # REINFORCE by a clipped ratio, gpg is REINFORCE
+                    # (clip-higher, dual-clip); the others (gspo, cispo, gpg, sapo, geo_mean,
+                    # clip_cov, kl_cov) are in objectives.py, each with its formula
                     policy_loss = objectives.POLICY_LOSSES[args.policy_loss]
                     pg_losses, pg_metrics = policy_loss(
                         logprobs,
@@ -1232,18 +1233,16 @@ def log_step(log, metrics, total_steps, rank):
 
 def sample_rows(step, args, tokenizer, prompt_ids, response_ids, seq_scores, advantages):
     """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl)."""
-    rows = []
-    for i in range(min(args.num_log_samples, len(response_ids))):
-        rows.append(
-            {
-                "step": step,
-                "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
-                "response": response_text(tokenizer, response_ids[i]),
-                "score": seq_scores[i].item(),
-                "advantage": advantages[i].item(),
-            }
-        )
-    return rows
+    return [
+        {
+            "step": step,
+            "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
+            "response": response_text(tokenizer, response_ids[i]),
+            "score": seq_scores[i].item(),
+            "advantage": advantages[i].item(),
+        }
+        for i in range(min(args.num_log_samples, len(response_ids)))
+    ]
 
 
 def save(args, rank, model, tokenizer, optimizer, scaler, step):

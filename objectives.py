@@ -311,6 +311,135 @@ def sapo_token_loss(
     return -gates * advantages, {k: float(v) for k, v in metrics.items()}
 
 
+def geo_mean_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """GMPO, geometric-mean policy optimisation (Zhao et al. 2025, arXiv:2507.20673; verl
+    core_algos.compute_policy_loss_geo_mean): one ratio per sequence, the geometric mean of its
+    tokens' ratios, each clipped in log space on the side its advantage's sign makes pessimistic:
+
+        d_t   = log pi_theta(a_t) - log pi_old(a_t)
+        d'_t  = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t, -clip_low, clip_high))
+        L_i   = -A_i exp(mean_t d'_t)                      (A_i: the sequence's mean advantage)
+
+    Returned as L_i on every valid token of sequence i, so that seq-mean-token-mean (the only
+    --loss-agg-mode grpo.py allows with it) gives the mean over sequences, verl's torch.mean. Two
+    differences from verl, both refused or avoided in grpo.py rather than copied: verl multiplies
+    L_i by the geometric mean of token IS weights (grpo.py multiplies per token, which for the
+    sequence-level weights it allows here is the same number), and verl's plain mean over each
+    micro-batch ignores its global normalisation, so its gradient grows with the number of
+    micro-batches (ours: seq-mean-token-mean over the minibatch, micro-batch invariant). No
+    log-ratio clamp (verl). Returns (l (B, T), metrics): pg_clipfrac / pg_clipfrac_lower (tokens
+    whose log-ratio was clipped, with A > 0 / A < 0), ppo_kl."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
+    advantages = torch.where(valid, advantages, zero)
+    sign = torch.sign(advantages)
+    clipped = log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    lengths = valid.sum(-1)
+    seq_ratio = torch.exp(torch.where(valid, pessimistic, zero).sum(-1) / (lengths + 1e-8))
+    seq_advantage = advantages.sum(-1) / (lengths + 1e-8)
+    seq_loss = -seq_advantage * seq_ratio  # (B,)
+    was_clipped = (log_ratio != clipped).float()
+    metrics = {
+        "pg_clipfrac": masked_mean(was_clipped * (advantages > 0), valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": masked_mean(was_clipped * (advantages < 0), valid),
+    }
+    losses = torch.where(valid, seq_loss[:, None], zero)
+    return losses, {k: float(v) for k, v in metrics.items()}
+
+
+# Clip-Cov and KL-Cov settings: verl's actor.yaml policy_loss defaults
+CLIP_COV_RATIO = 0.0002  # share of the tokens whose gradient Clip-Cov cuts
+CLIP_COV_LB = 1.0  # ... chosen among tokens whose covariance lies in (lb, ub)
+CLIP_COV_UB = 5.0
+KL_COV_RATIO = 0.0002  # share of the tokens KL-Cov penalises (those of largest covariance)
+PPO_KL_COEF = 0.1  # KL-Cov's penalty coefficient on |log r|
+
+
+def _token_covariance(logprobs, advantages, valid):
+    """Each valid token's centred product (A_t - mean A) (log pi_t - mean log pi), the means over
+    the valid tokens of the call: its share of Cov(log pi, A), which drives the entropy down
+    (Cui et al. 2025, section 4). Detached; padded entries are -inf."""
+    logprobs = logprobs.detach()
+    centred = (advantages - masked_mean(advantages, valid)) * (
+        logprobs - masked_mean(logprobs, valid)
+    )
+    return torch.where(valid, centred, torch.full_like(centred, -torch.inf))
+
+
+def clip_cov_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models", arXiv:2505.22617, section 5; verl core_algos.compute_policy_loss_clip_cov):
+    PPO's clipped surrogate, and the gradient of a few more tokens cut, drawn at random among the
+    tokens PPO did not clip whose covariance (A_t - mean A)(log pi_t - mean log pi) lies in
+    (CLIP_COV_LB, CLIP_COV_UB): those that push the entropy down the most.
+
+        l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)) * c_t
+        c_t = 0 for max(1, int(CLIP_COV_RATIO * tokens)) such tokens, else 1
+
+    The means, the token count and the draw (torch.randperm, the global RNG) are over the tokens of
+    one call, i.e. one micro-batch, as in verl: the loss is NOT micro-batch invariant (the
+    invariance test leaves it out by name). No dual clip and no log-ratio clamp (verl). Returns
+    (l (B, T), metrics): pg_clipfrac (the share of tokens cut by the covariance rule), ppo_kl.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
+    advantages = torch.where(valid, advantages, zero)
+    ratio = torch.exp(log_ratio)
+    losses_unclipped = -advantages * ratio
+    losses_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    covariance = _token_covariance(torch.where(valid, logprobs, zero), advantages, valid)
+    clipped_by_ppo = (losses_clipped > losses_unclipped) & valid
+    candidates = (covariance > CLIP_COV_LB) & (covariance < CLIP_COV_UB) & ~clipped_by_ppo
+    candidates = torch.nonzero(candidates)  # (K, 2) row, column
+    count = max(int(CLIP_COV_RATIO * valid.sum().item()), 1)
+    chosen = candidates[torch.randperm(len(candidates))[:count]] if len(candidates) else candidates
+    keep = torch.ones_like(advantages)
+    keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    metrics = {
+        "pg_clipfrac": masked_mean((keep == 0).float(), valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+    }
+    losses = torch.maximum(losses_unclipped, losses_clipped) * keep
+    return losses, {k: float(v) for k, v in metrics.items()}
+
+
+def kl_cov_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617, section 5; verl
+    core_algos.compute_policy_loss_kl_cov): the unclipped surrogate -A_t r_t, plus a penalty on
+    how far the ratio moved, PPO_KL_COEF * |log r_t|, on the max(1, int(KL_COV_RATIO * tokens))
+    tokens of largest covariance (A_t - mean A)(log pi_t - mean log pi):
+
+        l_t = -A_t r_t + PPO_KL_COEF * |log r_t| * [t among the top tokens]
+
+    No clip at all (the clip settings are not used, as in verl). The means and the top-k are over
+    one call (one micro-batch): NOT micro-batch invariant (left out of the invariance test by
+    name). Returns (l (B, T), metrics): ppo_kl = the mean |log r| (verl logs the absolute value
+    under this name)."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
+    advantages = torch.where(valid, advantages, zero)
+    losses = -advantages * torch.exp(log_ratio)
+    covariance = _token_covariance(torch.where(valid, logprobs, zero), advantages, valid)
+    count = max(1, int(valid.sum().item() * KL_COV_RATIO))
+    top = torch.topk(covariance.flatten(), min(count, int(valid.sum().item()))).indices
+    penalised = torch.zeros(covariance.numel(), dtype=torch.bool, device=covariance.device)
+    penalised[top] = True
+    penalty = PPO_KL_COEF * log_ratio.abs()
+    losses = torch.where(penalised.view_as(losses), losses + penalty, losses)
+    return losses, {"ppo_kl": float(masked_mean(log_ratio.abs().detach(), valid))}
+
+
 # --policy-loss: the policy losses a decoupled update can use, looked up by name where grpo.py's
 # update computes its policy loss (verl's policy_loss.loss_mode names); vanilla is PPO's clip
 POLICY_LOSSES = {
@@ -319,4 +448,7 @@ POLICY_LOSSES = {
     "cispo": cispo_token_loss,
     "gpg": gpg_token_loss,
     "sapo": sapo_token_loss,
+    "geo_mean": geo_mean_token_loss,
+    "clip_cov": clip_cov_token_loss,
+    "kl_cov": kl_cov_token_loss,
 }

@@ -103,6 +103,9 @@ def _load_verl():
             "compute_policy_loss_cispo",
             "compute_policy_loss_gpg",
             "compute_policy_loss_sapo",
+            "compute_policy_loss_clip_cov",
+            "compute_policy_loss_geo_mean",
+            "compute_policy_loss_kl_cov",
             "kl_penalty_forward",
         },
         ns,
@@ -537,7 +540,7 @@ def test_ppo_clip_loss_matches_verl(mode):
 
 
 @needs_verl
-@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "sapo"])
+@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "sapo", "clip_cov", "kl_cov"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
@@ -551,6 +554,9 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
     adv = torch.randn(8, generator=g)
     adv[4:6] = 0.0  # an all-equal group: advantage 0
     adv = adv[:, None].expand(8, 10).clone()
+    if name in ("clip_cov", "kl_cov"):
+        # larger advantages: some tokens' covariance falls in Clip-Cov's (1, 5) window
+        adv = adv * 3
     if dtype == torch.bfloat16:
         train, rollout = train.to(dtype).float(), rollout.to(dtype).float()
         adv, mask = adv.float(), mask.float()
@@ -563,14 +569,26 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
         global_batch_info={},
         tau_pos=O.SAPO_TAU_POS,
         tau_neg=O.SAPO_TAU_NEG,
+        policy_loss=types.SimpleNamespace(
+            clip_cov_ratio=0.05,  # 0.0002 (the default) x 72 tokens would cut only one
+            clip_cov_lb=O.CLIP_COV_LB,
+            clip_cov_ub=O.CLIP_COV_UB,
+            kl_cov_ratio=0.05,
+            ppo_kl_coef=O.PPO_KL_COEF,
+        ),
     )
     ours_lp = train.clone().requires_grad_(True)
-    losses, ours_m = O.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
+    torch.manual_seed(5)  # Clip-Cov's random draw (the global RNG, as verl)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(O, "CLIP_COV_RATIO", 0.05)
+        patch.setattr(O, "KL_COV_RATIO", 0.05)
+        losses, ours_m = O.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
     # verl aggregates SAPO with seq-mean-token-mean whatever the mode (grpo.py refuses the others)
     ours_mode = "seq-mean-token-mean" if name == "sapo" else mode
     ours = C.agg_loss(losses * w, mask, ours_mode)
     ours.backward()
     theirs_lp = train.clone().requires_grad_(True)
+    torch.manual_seed(5)
     theirs, theirs_m = function(
         old_log_prob=rollout,
         log_prob=theirs_lp,
@@ -588,6 +606,11 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
     assert set(ours_m) == {k.removeprefix("actor/") for k in theirs_m}
     for key in ours_m:
         assert ours_m[key] == pytest.approx(float(theirs_m[f"actor/{key}"]), abs=tol)
+    if name == "clip_cov":  # the covariance rule cut some tokens
+        assert ours_m["pg_clipfrac"] > 0
+    if name == "kl_cov":  # the penalised tokens changed the loss
+        plain = C.agg_loss(-adv * torch.exp(train - rollout) * mask * w, mask, mode)
+        assert abs(ours.item() - plain.item()) > 1e-6
 
 
 def test_gspo_clips_whole_sequences_and_cispo_keeps_clipped_gradients():
@@ -995,3 +1018,48 @@ def test_sapo_gate_has_the_ratios_gradient_at_one_and_fades_away_from_it():
     assert lp.grad[1, 1].item() == pytest.approx(gate_slope(tau_neg))
     assert abs(lp.grad[1, 1].item()) < abs(lp.grad[0, 1].item()) < 0.1
     assert metrics["pg_clipfrac"] == 0.0 and metrics["ppo_kl"] == pytest.approx(-1.0)
+
+
+@needs_verl
+@pytest.mark.parametrize("weights", [None, "sequence"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_geo_mean_matches_verl_values_gradients_and_metrics(weights, dtype):
+    """GMPO: O.geo_mean_token_loss aggregated with seq-mean-token-mean (the only mode grpo.py
+    allows with it) against verl 0.9.1's compute_policy_loss_geo_mean, on one micro-batch with no
+    empty row (verl's plain torch.mean over rows is then the same mean), clip-higher, mixed-sign
+    advantages (both clip sides), with no IS weights and with sequence-level ones (whose
+    geometric mean per sequence, verl's, is the weight itself)."""
+    train, rollout, mask = random_batch(B=8, T=10, scale=0.4, seed=12)
+    g = torch.Generator().manual_seed(4)
+    adv = torch.randn(8, generator=g)[:, None].expand(8, 10).clone()
+    if dtype == torch.bfloat16:
+        train, rollout = train.to(dtype).float(), rollout.to(dtype).float()
+        adv, mask = adv.float(), mask.float()
+    w = None
+    if weights == "sequence":
+        w, _ = C.compute_is_weights(train - rollout, mask, "sequence", 2.0)
+    config = VerlActorConfig(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    ours_lp = train.clone().requires_grad_(True)
+    losses, ours_m = O.geo_mean_token_loss(ours_lp, rollout, adv, mask, 0.2, 0.28)
+    if w is not None:
+        losses = losses * w
+    ours = C.agg_loss(losses, mask, "seq-mean-token-mean")
+    ours.backward()
+    theirs_lp = train.clone().requires_grad_(True)
+    theirs, theirs_m = VERL["compute_policy_loss_geo_mean"](
+        old_log_prob=rollout,
+        log_prob=theirs_lp,
+        advantages=adv,
+        response_mask=mask,
+        config=config,
+        rollout_is_weights=w,
+    )
+    theirs.backward()
+    tol = 1e-6 if dtype == torch.float64 else 1e-5
+    assert ours.item() == pytest.approx(theirs.item(), abs=tol, rel=tol)
+    assert torch.allclose(ours_lp.grad, theirs_lp.grad, atol=tol, rtol=tol)
+    assert ours_lp.grad.abs().sum() > 0
+    assert set(ours_m) == {k.removeprefix("actor/") for k in theirs_m}
+    for key in ours_m:
+        assert ours_m[key] == pytest.approx(float(theirs_m[f"actor/{key}"]), abs=tol)
+    assert ours_m["pg_clipfrac"] > 0 and ours_m["pg_clipfrac_lower"] > 0

@@ -891,9 +891,18 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         ),
         (dict(adv_estimator="ppo"), ValueError, "^--adv-estimator must be one of grpo, rloo, "),
         (
+            dict(
+                policy_loss="geo_mean",
+                loss_agg_mode="seq-mean-token-mean",
+                correction="decoupled_token_is",
+            ),
+            ValueError,
+            "^--correction must be a preset without token-level IS weights with --policy-loss geo",
+        ),
+        (
             dict(policy_loss="sapo"),
             ValueError,
-            "^--loss-agg-mode must be seq-mean-token-mean with --policy-loss sapo",
+            "^--loss-agg-mode must be seq-mean-token-mean with --policy-loss sapo, got",
         ),
         (
             dict(adv_estimator="grpo_passk", rollout_n=1),
