@@ -18,10 +18,10 @@ step, numbered as there:
        estimator of objectives.py (--adv-estimator: RLOO, REINFORCE++, ReMax, OPO, pass@k)
     4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
        (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on
-    5. update: PPO's clipped surrogate (clip-higher, dual-clip) times the correction's IS weights,
-       over the tokens its rejection mask keeps, + the KL-to-reference and entropy terms;
-       minibatches of micro-batches, gradients averaged over ranks and clipped, one optimizer step
-       per minibatch (update_policy)
+    5. update: PPO's clipped surrogate (clip-higher, dual-clip; or a loss of objectives.py, with
+       --policy-loss) times the correction's IS weights, over the tokens its rejection mask keeps,
+       + the KL-to-reference and entropy terms; minibatches of micro-batches, gradients averaged
+       over ranks and clipped, one optimizer step per minibatch (update_policy)
     6. sync: push the updated weights into the rollout engine, so validation and the next rollout
        use them
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
@@ -1416,13 +1416,14 @@ def train(args, backend=None):
             greedy_examples = [train_examples[group["prompt"]] for group in groups]
             greedy_scores = score_responses(greedy_ids, greedy_examples, tokenizer, reward_fn, args)
             baselines = greedy_scores.repeat_interleave(args.rollout_n)
+        # on the device: REINFORCE++'s whitening all-reduces its sums (NCCL needs CUDA tensors)
         batch["advantages"] = objectives.ADV_ESTIMATORS[args.adv_estimator](
-            seq_scores,
+            seq_scores.to(device),
             torch.tensor(group_ids),
-            lengths,
+            lengths.to(device),
             baselines,
             norm_by_std=args.norm_adv_by_std_in_grpo,
-        ).to(device)
+        )
 
         # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
         #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL

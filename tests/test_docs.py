@@ -31,7 +31,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf", "grpo", "rollout")
+CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf", "grpo", "rollout", "objectives")
 GLOSSARY_ROW = re.compile(r"^\|([^|]*)\|")
 BACKTICKED = re.compile(r"`([^`]+)`")
 
