@@ -44,14 +44,15 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "objectives_tiny.png"))
     args = parser.parse_args()
 
-    figure, (reward_axis, entropy_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (reward_axis, entropy_axis) = plt.subplots(1, 2, figsize=(14, 5))
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours; solid and dashed alternate
     seeds = " / ".join(str(s) for s in args.seeds)
     print(
         f"| objective | last-10 reward (seeds {seeds}) | final greedy val | learns | "
         "`actor/entropy` at step 30 |"
     )
     print("| --- | --- | --- | --- | --- |")
-    for item in args.objectives:
+    for index, item in enumerate(args.objectives):
         label, name = item.split("=", 1)
         runs = [read_rows(os.path.join(args.runs_dir, f"{name}_hf_s{s}")) for s in args.seeds]
         last10 = [mean([r["reward/mean"] for r in rows[-10:]]) for rows, _ in runs]
@@ -70,10 +71,17 @@ def main():
         steps = sorted(common)
         for axis, key in ((reward_axis, "reward/mean"), (entropy_axis, "actor/entropy")):
             by_step = [{r["step"]: r[key] for r in rows} for rows, _ in runs]
-            axis.plot(steps, [mean([run[s] for run in by_step]) for s in steps], label=label)
+            axis.plot(
+                steps,
+                [mean([run[s] for run in by_step]) for s in steps],
+                label=label,
+                color=colors[(2 * index) % 20 + (index // 10) % 2],
+                linestyle="-" if index % 2 == 0 else "--",
+                linewidth=1.2,
+            )
     reward_axis.set(xlabel="step", ylabel="reward/mean (mean of seeds)", ylim=(0, 1.02))
     entropy_axis.set(xlabel="step", ylabel="actor/entropy (mean of seeds)", yscale="log")
-    reward_axis.legend(fontsize=8, ncol=2)
+    entropy_axis.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.suptitle(f"grpo.py tiny, every objective, seeds {seeds} (HF rollouts)")
     figure.tight_layout()
     figure.savefig(args.out, dpi=110)
