@@ -6,14 +6,17 @@ curve (the mean over seeds) per objective, from runs that scripts/seed_table.py 
     # the table and the figure (docs/objectives.md): LABEL=NAME for runs/seed_table/NAME_hf_sS
     .venv/bin/python scripts/objectives_figure.py grpo=grpo8 rloo=rloo ... --out docs/img/objectives_tiny.png
 
-Per objective: the last-10 mean of reward/mean and the final greedy val/accuracy of each seed, how
-many seeds learn (both >= 0.8, the criterion of docs/grpo.md), and actor/entropy at step 30 (how
-fast the policy became deterministic). The figure has two panels, reward/mean and actor/entropy
+Per objective: the last-10 mean of reward/mean and the greedy val/accuracy before training and at
+the end, for each seed; how many seeds learn (last-10 reward and final val both >= 0.8, the
+criterion of docs/grpo.md for the tiny task); actor/entropy at --entropy-step (how fast the policy
+became deterministic). The figure has two panels (--metrics, default reward/mean and actor/entropy)
 against the step, one line per objective: the mean over its seeds at each step all of them logged.
+Other runs (the SmolLM2 rows of docs/objectives.md) name their folders with --pattern.
 """
 
 import argparse
 import json
+import math
 import os
 
 import matplotlib
@@ -25,15 +28,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_rows(run_dir):
-    """The training rows of a grpo.py run (those with reward/mean) and its last val/accuracy."""
+    """The training rows of a grpo.py run (those with reward/mean) and its val/accuracy rows."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    return [r for r in rows if "reward/mean" in r], (val[-1] if val else float("nan"))
+    return [r for r in rows if "reward/mean" in r], [r for r in rows if "val/accuracy" in r]
 
 
 def mean(values):
     return sum(values) / len(values)
+
+
+def joined(values):
+    return " / ".join(f"{x:.2f}" for x in values)
 
 
 def main():
@@ -41,36 +47,40 @@ def main():
     parser.add_argument("objectives", nargs="+", help="LABEL=NAME (runs/seed_table/NAME_hf_sS)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "seed_table"))
+    parser.add_argument("--pattern", default="{name}_hf_s{seed}", help="a run's folder name")
+    parser.add_argument("--metrics", nargs=2, default=["reward/mean", "actor/entropy"])
+    parser.add_argument("--entropy-step", type=int, default=30)
+    parser.add_argument("--title", default="grpo.py tiny, every objective (HF rollouts)")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "objectives_tiny.png"))
     args = parser.parse_args()
 
-    figure, (reward_axis, entropy_axis) = plt.subplots(1, 2, figsize=(14, 5))
+    figure, axes = plt.subplots(1, 2, figsize=(14, 5))
     colors = plt.get_cmap("tab20").colors  # 20 distinct colours; solid and dashed alternate
     seeds = " / ".join(str(s) for s in args.seeds)
     print(
-        f"| objective | last-10 reward (seeds {seeds}) | final greedy val | learns | "
-        "`actor/entropy` at step 30 |"
+        f"| objective | last-10 reward (seeds {seeds}) | greedy val before | final greedy val | "
+        f"learns | `actor/entropy` at step {args.entropy_step} |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for index, item in enumerate(args.objectives):
         label, name = item.split("=", 1)
-        runs = [read_rows(os.path.join(args.runs_dir, f"{name}_hf_s{s}")) for s in args.seeds]
+        folders = [args.pattern.format(name=name, seed=s) for s in args.seeds]
+        runs = [read_rows(os.path.join(args.runs_dir, folder)) for folder in folders]
         last10 = [mean([r["reward/mean"] for r in rows[-10:]]) for rows, _ in runs]
-        vals = [val for _, val in runs]
-        learns = sum(r >= 0.8 and v >= 0.8 for r, v in zip(last10, vals))
-        entropy30 = [
-            next((r["actor/entropy"] for r in rows if r["step"] == 30), float("nan"))
+        first_val = [val[0]["val/accuracy"] for _, val in runs]
+        final_val = [val[-1]["val/accuracy"] for _, val in runs]
+        learns = sum(r >= 0.8 and v >= 0.8 for r, v in zip(last10, final_val))
+        entropy = [
+            next((r["actor/entropy"] for r in rows if r["step"] == args.entropy_step), math.nan)
             for rows, _ in runs
         ]
         print(
-            f"| {label} | {' / '.join(f'{x:.2f}' for x in last10)} | "
-            f"{' / '.join(f'{x:.2f}' for x in vals)} | {learns} of {len(runs)} | "
-            f"{' / '.join(f'{x:.2f}' for x in entropy30)} |"
+            f"| {label} | {joined(last10)} | {joined(first_val)} | {joined(final_val)} | "
+            f"{learns} of {len(runs)} | {joined(entropy)} |"
         )
-        common = set.intersection(*({r["step"] for r in rows} for rows, _ in runs))
-        steps = sorted(common)
-        for axis, key in ((reward_axis, "reward/mean"), (entropy_axis, "actor/entropy")):
-            by_step = [{r["step"]: r[key] for r in rows} for rows, _ in runs]
+        for axis, key in zip(axes, args.metrics):
+            by_step = [{r["step"]: r[key] for r in rows + val if key in r} for rows, val in runs]
+            steps = sorted(set.intersection(*(set(run) for run in by_step)))
             axis.plot(
                 steps,
                 [mean([run[s] for run in by_step]) for s in steps],
@@ -78,11 +88,15 @@ def main():
                 color=colors[(2 * index) % 20 + (index // 10) % 2],
                 linestyle="-" if index % 2 == 0 else "--",
                 linewidth=1.2,
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
             )
-    reward_axis.set(xlabel="step", ylabel="reward/mean (mean of seeds)", ylim=(0, 1.02))
-    entropy_axis.set(xlabel="step", ylabel="actor/entropy (mean of seeds)", yscale="log")
-    entropy_axis.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    figure.suptitle(f"grpo.py tiny, every objective, seeds {seeds} (HF rollouts)")
+    for axis, key in zip(axes, args.metrics):
+        axis.set(xlabel="step", ylabel=f"{key} (mean of seeds)")
+        if key == "actor/entropy":
+            axis.set_yscale("log")
+    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    figure.suptitle(f"{args.title}, seeds {seeds}")
     figure.tight_layout()
     figure.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
