@@ -1,7 +1,6 @@
 """corrections.py: hand-computed values, parity with verl 0.9.1's own source, gradients, and padding
 properties."""
 
-import ast
 import math
 import types
 from pathlib import Path
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 import corrections as C
 import objectives as O
 import rollout
-from verl_source import verl_root
+from verl_source import load_functions, verl_root
 
 
 @pytest.fixture(autouse=True)
@@ -45,20 +44,9 @@ def _load_verl():
         return None
 
     def extract(relpath, names, namespace):
-        tree = ast.parse((root / relpath).read_text())
-        keep = []
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name in names:
-                node.decorator_list = []
-                keep.append(node)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and relpath.endswith(
-                "rollout_corr_helper.py"
-            ):
-                keep.append(node)  # SAFETY_BOUND and the option sets
-        exec(
-            compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec"), namespace
-        )
-        return namespace
+        # rollout_corr_helper.py's functions read its SAFETY_BOUND and option sets
+        constants = relpath.endswith("rollout_corr_helper.py")
+        return load_functions(root, relpath, names, namespace, keep_assignments=constants)
 
     base = {
         "torch": torch,
@@ -539,6 +527,19 @@ def test_ppo_clip_loss_matches_verl(mode):
         assert ours_m[key] == pytest.approx(theirs_m[f"actor/{key}"], abs=1e-6)
 
 
+def assert_loss_matches_verl(ours, ours_lp, ours_m, theirs, theirs_lp, theirs_m, dtype):
+    """A policy loss and verl's agree: the value, the (non-zero) gradient with respect to the
+    current logprobs, and the metrics, key for key (verl's carry an "actor/" prefix); float32
+    rounding for bf16-rounded inputs."""
+    tol = 1e-6 if dtype == torch.float64 else 1e-5
+    assert ours.item() == pytest.approx(theirs.item(), abs=tol, rel=tol)
+    assert torch.allclose(ours_lp.grad, theirs_lp.grad, atol=tol, rtol=tol)
+    assert ours_lp.grad.abs().sum() > 0
+    assert set(ours_m) == {k.removeprefix("actor/") for k in theirs_m}
+    for key in ours_m:
+        assert ours_m[key] == pytest.approx(float(theirs_m[f"actor/{key}"]), abs=tol)
+
+
 @needs_verl
 @pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "sapo", "clip_cov", "kl_cov"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -599,13 +600,7 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
         rollout_is_weights=w,
     )
     theirs.backward()
-    tol = 1e-6 if dtype == torch.float64 else 1e-5
-    assert ours.item() == pytest.approx(theirs.item(), abs=tol, rel=tol)
-    assert torch.allclose(ours_lp.grad, theirs_lp.grad, atol=tol, rtol=tol)
-    assert ours_lp.grad.abs().sum() > 0
-    assert set(ours_m) == {k.removeprefix("actor/") for k in theirs_m}
-    for key in ours_m:
-        assert ours_m[key] == pytest.approx(float(theirs_m[f"actor/{key}"]), abs=tol)
+    assert_loss_matches_verl(ours, ours_lp, ours_m, theirs, theirs_lp, theirs_m, dtype)
     if name == "clip_cov":  # the covariance rule cut some tokens
         assert ours_m["pg_clipfrac"] > 0
     if name == "kl_cov":  # the penalised tokens changed the loss
@@ -1055,11 +1050,5 @@ def test_geo_mean_matches_verl_values_gradients_and_metrics(weights, dtype):
         rollout_is_weights=w,
     )
     theirs.backward()
-    tol = 1e-6 if dtype == torch.float64 else 1e-5
-    assert ours.item() == pytest.approx(theirs.item(), abs=tol, rel=tol)
-    assert torch.allclose(ours_lp.grad, theirs_lp.grad, atol=tol, rtol=tol)
-    assert ours_lp.grad.abs().sum() > 0
-    assert set(ours_m) == {k.removeprefix("actor/") for k in theirs_m}
-    for key in ours_m:
-        assert ours_m[key] == pytest.approx(float(theirs_m[f"actor/{key}"]), abs=tol)
+    assert_loss_matches_verl(ours, ours_lp, ours_m, theirs, theirs_lp, theirs_m, dtype)
     assert ours_m["pg_clipfrac"] > 0 and ours_m["pg_clipfrac_lower"] > 0

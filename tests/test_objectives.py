@@ -1,7 +1,6 @@
 """objectives.py: every advantage estimator against verl 0.9.1's own function (run from its source),
 hand-computed values, and the estimators inside a GRPO step."""
 
-import ast
 import dataclasses
 import json
 import math
@@ -18,7 +17,7 @@ import torch
 
 import grpo
 import objectives as O
-from verl_source import verl_root
+from verl_source import load_functions, verl_root
 
 VERL_ESTIMATORS = {
     "grpo": "compute_grpo_outcome_advantage",
@@ -32,29 +31,18 @@ VERL_ESTIMATORS = {
 
 
 def _load_verl():
-    """verl's estimators and the masked reductions they use, parsed out of its source with ast
-    (decorators dropped: the registry would import verl's config classes)."""
+    """verl's estimators and the masked reductions they use, run from its source
+    (verl_source.load_functions)."""
     root = verl_root()
     if root is None:
         return None
 
-    def extract(relpath, names, namespace):
-        tree = ast.parse((root / relpath).read_text())
-        keep = []
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name in names:
-                node.decorator_list = []
-                keep.append(node)
-        code = compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec")
-        exec(code, namespace)
-        return namespace
-
     base = {"torch": torch, "np": np, "defaultdict": defaultdict, "Optional": Optional}
     reductions = {"masked_sum", "masked_mean", "masked_var", "masked_whiten"}
-    functional = extract("utils/torch_functional.py", reductions, dict(base))
+    functional = load_functions(root, "utils/torch_functional.py", reductions, dict(base))
     verl_F = types.SimpleNamespace(**{name: functional[name] for name in reductions})
     ns = dict(base, verl_F=verl_F, AlgoConfig=Any)
-    return extract("trainer/ppo/core_algos.py", set(VERL_ESTIMATORS.values()), ns)
+    return load_functions(root, "trainer/ppo/core_algos.py", set(VERL_ESTIMATORS.values()), ns)
 
 
 VERL = _load_verl()

@@ -19,3 +19,23 @@ def verl_root():
     if spec is not None and spec.origin is not None:
         return Path(spec.origin).parent
     return None
+
+
+def load_functions(root, relpath, names, namespace, keep_assignments=False):
+    """Run the top-level functions `names` of verl's file `relpath` (under `root`) in `namespace`,
+    decorators dropped (verl's registries would import its config classes), and return it. With
+    keep_assignments, the file's top-level assignments run too (module constants the functions
+    read, e.g. rollout_corr_helper.py's SAFETY_BOUND)."""
+    import ast
+
+    tree = ast.parse((root / relpath).read_text())
+    keep = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            node.decorator_list = []
+            keep.append(node)
+        elif keep_assignments and isinstance(node, (ast.Assign, ast.AnnAssign)):
+            keep.append(node)
+    code = compile(ast.Module(body=keep, type_ignores=[]), str(root / relpath), "exec")
+    exec(code, namespace)
+    return namespace
