@@ -128,7 +128,7 @@ def reinforce_plus_plus_baseline_advantages(
 def remax_advantages(scores, group_ids, lengths, baselines, eps=1e-6, norm_by_std=True):
     """ReMax (Li et al. 2024, arXiv:2310.10505, Algorithm 1; verl compute_remax_outcome_advantage):
     the baseline is the score of the policy's greedy answer to the same prompt, generated in the
-    same step (grpo.py step 2 makes it when --adv-estimator remax),
+    same step (grpo.py step 3 makes it when --adv-estimator remax),
 
         A_i = s_i - s_greedy(prompt_i)
 
