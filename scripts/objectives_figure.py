@@ -50,6 +50,12 @@ def main():
     parser.add_argument("--pattern", default="{name}_hf_s{seed}", help="a run's folder name")
     parser.add_argument("--metrics", nargs=2, default=["reward/mean", "actor/entropy"])
     parser.add_argument("--entropy-step", type=int, default=30)
+    parser.add_argument(
+        "--no-criterion",
+        dest="criterion",
+        action="store_false",
+        help="leave out the learns column (the tiny task's criterion)",
+    )
     parser.add_argument("--title", default="grpo.py tiny, every objective (HF rollouts)")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "objectives_tiny.png"))
     args = parser.parse_args()
@@ -57,11 +63,11 @@ def main():
     figure, axes = plt.subplots(1, 2, figsize=(14, 5))
     colors = plt.get_cmap("tab20").colors  # 20 distinct colours; solid and dashed alternate
     seeds = " / ".join(str(s) for s in args.seeds)
-    print(
-        f"| objective | last-10 reward (seeds {seeds}) | greedy val before | final greedy val | "
-        f"learns | `actor/entropy` at step {args.entropy_step} |"
-    )
-    print("| --- | --- | --- | --- | --- | --- |")
+    columns = ["objective", f"last-10 reward (seeds {seeds})", "greedy val before"]
+    columns += ["final greedy val"] + (["learns"] if args.criterion else [])
+    columns += [f"`actor/entropy` at step {args.entropy_step}"]
+    print("| " + " | ".join(columns) + " |")
+    print("| --- " * len(columns) + "|")
     for index, item in enumerate(args.objectives):
         label, name = item.split("=", 1)
         folders = [args.pattern.format(name=name, seed=s) for s in args.seeds]
@@ -74,10 +80,9 @@ def main():
             next((r["actor/entropy"] for r in rows if r["step"] == args.entropy_step), math.nan)
             for rows, _ in runs
         ]
-        print(
-            f"| {label} | {joined(last10)} | {joined(first_val)} | {joined(final_val)} | "
-            f"{learns} of {len(runs)} | {joined(entropy)} |"
-        )
+        cells = [label, joined(last10), joined(first_val), joined(final_val)]
+        cells += [f"{learns} of {len(runs)}"] if args.criterion else []
+        print("| " + " | ".join(cells + [joined(entropy)]) + " |")
         for axis, key in zip(axes, args.metrics):
             by_step = [{r["step"]: r[key] for r in rows + val if key in r} for rows, val in runs]
             steps = sorted(set.intersection(*(set(run) for run in by_step)))
