@@ -170,13 +170,16 @@ def grpo_passk_advantages(
     group, count, _, std = _group_stats(scores, group_ids)
     if bool((count < 2).any()):
         raise ValueError("grpo_passk needs at least 2 responses per prompt group")
-    advantages = torch.zeros_like(scores)
-    for g in range(len(count)):
-        rows = (group == g).nonzero().squeeze(-1)
-        top2, top2_at = torch.topk(scores[rows], 2)
-        gap = top2[0] - top2[1]
-        advantages[rows[top2_at[0]]] = gap / (std[g] + eps) if norm_by_std else gap
-    return advantages
+    minus_inf = torch.full_like(count, -torch.inf)
+    best = minus_inf.scatter_reduce(0, group, scores, "amax")  # (G,)
+    is_best = scores == best[group]
+    best_count = torch.zeros_like(count).index_add_(0, group, is_best.to(count.dtype))
+    second = minus_inf.scatter_reduce(0, group, scores.masked_fill(is_best, -torch.inf), "amax")
+    # a tie at the top: the second best equals the best, so the gap is 0
+    gap = torch.where(best_count > 1, torch.zeros_like(best), best - second)
+    if norm_by_std:
+        gap = gap / (std + eps)
+    return torch.where(is_best, gap[group], torch.zeros_like(scores))
 
 
 # --adv-estimator: verl's algorithm.adv_estimator names
