@@ -83,8 +83,7 @@ class Args:
     cuda: bool = True
     """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo)."""
     torch_threads: int = 0
-    """torch.set_num_threads on CPU (0 = torch's default; the tiny preset's matmuls run fastest on
-    1)."""
+    """torch.set_num_threads on CPU (0 = torch's default; tiny presets run fastest on 1)."""
     track: bool = False
     """Log to Weights & Biases (wandb is imported only when this is set)."""
     wandb_project: str = "grpo"
@@ -94,8 +93,11 @@ class Args:
 
     # --- model and task
     model_name_or_path: str = TINY_MODEL
-    """HF hub name or local directory of the policy; "tiny" builds an offline tiny Qwen2
-    (rewards.build_tiny_model)."""
+    """HF hub name or local directory of the policy; "tiny" builds an offline tiny random-init model
+    (rewards.build_tiny_model, --tiny-arch)."""
+    tiny_arch: str = "qwen2"
+    """Architecture of the "tiny" model: qwen2 (RoPE positions, as the Qwen2.5 presets) or gpt2
+    (learned absolute positions: the tiny preset's, docs/grpo.md "Does the first run learn")."""
     task: str = "copy"
     """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
     (Countdown-Tasks-3to4)."""
@@ -136,8 +138,7 @@ class Args:
     train_batch_size: int = 32
     """Prompts per step (verl data.train_batch_size); sequences per step = train_batch_size * n."""
     ppo_mini_batch_size: int = 16
-    """Prompts per optimizer step (verl ppo_mini_batch_size, multiplied by n inside, as verl
-    does)."""
+    """Prompts per optimizer step (verl ppo_mini_batch_size; times n inside, as in verl)."""
     ppo_micro_batch_size_per_gpu: int = 32
     """Sequences per forward/backward on one rank (gradient accumulation over a minibatch)."""
     ppo_epochs: int = 1
@@ -157,21 +158,17 @@ class Args:
     """Linear warmup from lr 0 over this many steps; <= 0 defers to lr_warmup_steps_ratio (verl
     actor.optim)."""
     lr_warmup_steps_ratio: float = 0.0
-    """Warmup steps = int(ratio * total_steps) when lr_warmup_steps <= 0 (verl's default 0: no
-    warmup)."""
+    """Warmup steps = int(ratio * total_steps) if lr_warmup_steps <= 0 (verl's default: 0)."""
     lr_scheduler_type: str = "constant"
-    """After warmup: constant (verl's default) or cosine (decays towards lr * min_lr_ratio at
-    total_steps)."""
+    """After warmup: constant (verl's default) or cosine (to lr * min_lr_ratio at the end)."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr (verl actor.optim.min_lr_ratio)."""
     num_cycles: float = 0.5
-    """Cosine waves over the decay (verl's default 0.5: one half-cosine from lr down to the
-    floor)."""
+    """Cosine waves over the decay (verl's 0.5: one half-cosine from lr down to the floor)."""
     weight_decay: float = 0.0
     """AdamW weight decay (verl's actor default is 0.01)."""
     max_grad_norm: float = 1.0
-    """Gradient clipping (verl actor grad_clip=1.0); a non-finite norm skips the optimizer step, as
-    in verl."""
+    """Gradient clipping (verl grad_clip=1.0); a non-finite norm skips the step, as in verl."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (verl enable_gradient_checkpointing)."""
     precision: str = "auto"
@@ -277,15 +274,17 @@ class Args:
 
 # Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
 PRESETS = {
-    # The copy task from scratch: 3 letters + EOS in up to 6 new tokens, AdamW 1e-3 (a random-init
-    # model needs a large lr), groups of 32 samples for 16 prompts (a run whose entropy collapses
-    # before it samples EOS or every letter never learns them; larger groups sample them in time,
-    # docs/grpo.md), two optimizer steps per rollout batch, no KL (beta = 0: no reference model).
-    # CPU, so fp32.
+    # The copy task from scratch: 3 letters + EOS in up to 6 new tokens, a GPT-2-architecture tiny
+    # model (its learned position embeddings let each answer position find its own letter; the
+    # RoPE-only Qwen2 often settles on repeating one letter first and learns the copy in about half
+    # the seeds, docs/grpo.md), AdamW 1e-3 (a random-init model needs a large lr), groups of 32
+    # samples for 16 prompts (larger groups sample EOS and a fading letter in time), two optimizer
+    # steps per rollout batch, no KL (beta = 0: no reference model). CPU, so fp32.
     "tiny": (
-        "Offline CPU run: tiny random-init Qwen2 learns the copy task from scratch.",
+        "Offline CPU run: a tiny random-init GPT-2 learns the copy task from scratch.",
         Args(
             exp_name="grpo_tiny",
+            tiny_arch="gpt2",
             torch_threads=1,
             rollout_n=32,
             train_batch_size=16,
@@ -481,6 +480,7 @@ def check_args(args, world_size=1):
         "correction": corrections.ALL_PRESET_NAMES,
         "policy_loss": tuple(objectives.POLICY_LOSSES),
         "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
+        "tiny_arch": ("qwen2", "gpt2"),
     }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
@@ -1083,7 +1083,7 @@ def policy_path(args, rank, world_size):
     path = os.path.join(args.output_dir, "tiny_model")
     if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
         rewards.build_tiny_model(
-            path, arch="qwen2", max_positions=TINY_MAX_POSITIONS, seed=args.seed
+            path, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
         )
     if world_size > 1:
         harness.barrier()

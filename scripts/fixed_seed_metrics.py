@@ -25,29 +25,31 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 
-# grpo.py tiny's groups before the preset took groups of 32 (docs/grpo.md, "Does the first run
-# learn in every seed?"): pinned, so records made before that change still compare
-GRPO_GROUPS = ["--rollout-n", "8", "--train-batch-size", "32", "--ppo-mini-batch-size", "16"]
+# grpo.py tiny's groups and model before the preset took groups of 32 and the GPT-2 tiny model
+# (docs/grpo.md, "Does the first run learn in every seed?"): pinned, so records made before those
+# changes still compare
+GRPO_PINNED = ["--rollout-n", "8", "--train-batch-size", "32", "--ppo-mini-batch-size", "16"]
+GRPO_PINNED += ["--tiny-arch", "qwen2"]
 
 # name -> (script and arguments, the weight files whose tensors are digested, relative to the output
 # folder)
 RUNS = {
     "grpo_tiny_hf_20": (
-        ["grpo.py", "tiny", "--total-steps", "20", *GRPO_GROUPS],
+        ["grpo.py", "tiny", "--total-steps", "20", *GRPO_PINNED],
         ["checkpoint/model.safetensors"],
     ),
     "grpo_tiny_vllm_10": (
-        ["grpo.py", "tiny", "--backend", "vllm", "--total-steps", "10", *GRPO_GROUPS],
+        ["grpo.py", "tiny", "--backend", "vllm", "--total-steps", "10", *GRPO_PINNED],
         ["checkpoint/model.safetensors"],
     ),
     "grpo_seq_is_rs_int8_6": (
         ["grpo.py", "tiny", "--total-steps", "6", "--correction", "decoupled_seq_is_rs"]
-        + ["--mismatch", "int8", *GRPO_GROUPS],
+        + ["--mismatch", "int8", *GRPO_PINNED],
         ["checkpoint/model.safetensors"],
     ),
     "grpo_bypass_pg_staleness_kl_6": (
         ["grpo.py", "tiny", "--total-steps", "6", "--correction", "bypass_pg_geo_rs_token_tis"]
-        + ["--rollout-staleness", "1", "--kl-loss-coef", "0.01", *GRPO_GROUPS],
+        + ["--rollout-staleness", "1", "--kl-loss-coef", "0.01", *GRPO_PINNED],
         ["checkpoint/model.safetensors"],
     ),
     "ppo_rlhf_tiny_10": (

@@ -636,6 +636,9 @@ def test_tiny_run_learns(tmp_path):
         "val/score_mean",
         "timing/validate",
     }
+    # the tiny preset's policy is the GPT-2-architecture tiny model (--tiny-arch gpt2)
+    with open(tmp_path / "tiny_model" / "config.json") as f:
+        assert json.load(f)["model_type"] == "gpt2"
     rewards_ = [r["reward/mean"] for r in rows]
     first, last = sum(rewards_[:4]) / 4, sum(rewards_[-4:]) / 4
     print(f"tiny: first-4 reward {first:.3f}, last-4 {last:.3f}")
@@ -890,6 +893,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
             "^--policy-loss gspo needs a decoupled --correction",
         ),
         (dict(adv_estimator="ppo"), ValueError, "^--adv-estimator must be one of grpo, rloo, "),
+        (dict(tiny_arch="llama"), ValueError, "^--tiny-arch must be one of qwen2, gpt2"),
         (
             dict(
                 policy_loss="geo_mean",
