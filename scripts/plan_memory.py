@@ -104,14 +104,14 @@ def read_config(name):
 
 def load_model_config(trainer, args):
     """(the policy's name, its config): the trainers' tiny models are built in memory
-    (rewards.build_tiny_model, as grpo.py builds its tiny Qwen2 and `rewards.py tiny` saves
-    ppo_rlhf's tiny gpt2), anything else is read_config."""
+    (rewards.build_tiny_model, as grpo.py builds its tiny model of --tiny-arch and `rewards.py tiny`
+    saves ppo_rlhf's tiny gpt2), anything else is read_config."""
     if trainer == "grpo":
         if args.model_name_or_path == grpo.TINY_MODEL:
             model = rewards.build_tiny_model(
-                None, arch="qwen2", max_positions=grpo.TINY_MAX_POSITIONS
+                None, arch=args.tiny_arch, max_positions=grpo.TINY_MAX_POSITIONS
             )[0]
-            return "tiny qwen2", model.config
+            return f"tiny {args.tiny_arch}", model.config
         return args.model_name_or_path, read_config(args.model_name_or_path)
     if not args.base_model:
         return "tiny gpt2", rewards.build_tiny_model(None, arch="gpt2")[0].config

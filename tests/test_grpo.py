@@ -1255,3 +1255,25 @@ def test_torchrun_dynamic_sampling_gives_every_rank_the_same_batch_size(tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0
     assert max(r["filter_groups/gen_batches"] for r in rows) > 1
+
+
+def test_copy_positions_counts_matches_and_repeats():
+    """scripts/copy_positions.py (docs/grpo.md's table of what the tiny models sample early) on
+    four hand-made samples: per-position matches, repeats among prompts whose letters differ, and
+    the mean score."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import copy_positions
+
+    samples = [
+        {"prompt": "abc=", "response": "abc", "score": 1.0},
+        # one letter repeated: right at the first position only
+        {"prompt": "abc=", "response": "aaaaaa", "score": 1 / 6},
+        # the prompt repeats its letter: not counted among the repeat candidates
+        {"prompt": "aaa=", "response": "aaa", "score": 1.0},
+        # too short to repeat
+        {"prompt": "dcb=", "response": "d", "score": 1 / 3},
+    ]
+    rates, repeats, score = copy_positions.window_stats(samples)
+    assert rates == [1.0, 0.5, 0.5]
+    assert repeats == pytest.approx(1 / 3)
+    assert score == pytest.approx(0.625)
