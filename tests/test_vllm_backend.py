@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import random
+import subprocess
 import sys
 
 import numpy as np
@@ -321,6 +322,9 @@ def test_engines_sample_the_same_statistics_from_identical_weights(setup, tmp_pa
 
     args = dataclasses.replace(
         grpo.PRESETS["tiny"][1],
+        # this module's engine holds the Qwen2 tiny model; the GPT-2 preset's replay is in
+        # docs/grpo.md (scripts/engine_pairs.py)
+        tiny_arch="qwen2",
         output_dir=str(tmp_path / "run"),
         cuda=False,
         total_steps=16,
@@ -380,6 +384,8 @@ def _train(backend, tmp_path, **overrides):
 
     args = dataclasses.replace(
         grpo.PRESETS["tiny"][1],
+        # this module's engine holds the Qwen2 tiny model (the preset's GPT-2 one: the test below)
+        tiny_arch="qwen2",
         backend="vllm",
         output_dir=str(tmp_path),
         save_every=0,
@@ -598,3 +604,23 @@ def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
 
 if __name__ == "__main__":
     _torchrun_main(sys.argv[1])
+
+
+def test_gpt2_tiny_preset_runs_with_vllm_as_a_user_starts_it(tmp_path):
+    """`grpo.py tiny --backend vllm` as a user runs it (its own process and engine), 12 steps of the
+    preset's GPT-2 tiny model: the engine's probabilities equal the trainer's (fp32) at every step
+    and the reward goes up."""
+    _import_backend()
+    out = tmp_path / "run"
+    command = [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "vllm"]
+    command += ["--total-steps", "12", "--val-every", "0", "--output-dir", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with open(out / "tiny_model" / "config.json") as f:
+        assert json.load(f)["model_type"] == "gpt2"
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if '"reward/mean"' in line]
+    diffs = [r["training/rollout_probs_diff_max"] for r in rows]
+    rewards_ = [r["reward/mean"] for r in rows]
+    assert len(rows) == 12 and max(diffs) <= 1e-3, diffs
+    assert sum(rewards_[-3:]) / 3 - sum(rewards_[:3]) / 3 > 0.05, rewards_
