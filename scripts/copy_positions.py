@@ -1,7 +1,9 @@
 """What a grpo.py copy-task run samples early on: per answer position, how often the sampled letter
 is the prompt's letter there, and how often a response only repeats one letter.
 
-    .venv/bin/python scripts/copy_positions.py runs/seed_table/mechq_hf_s4 --steps 1 30
+    .venv/bin/python grpo.py tiny --seed 4 --tiny-arch qwen2 --log-samples-every 1 \
+        --num-log-samples 64 --output-dir runs/copy_qwen2_s4
+    .venv/bin/python scripts/copy_positions.py runs/copy_qwen2_s4 --steps 11 30
 
 The run must log many samples per step (`--log-samples-every 1 --num-log-samples 64`: two prompts'
 groups of 32 per step); samples.jsonl holds each prompt, response and score. Printed per window of
