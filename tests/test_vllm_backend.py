@@ -602,10 +602,6 @@ def test_torchrun_grpo_train_with_vllm_two_ranks(tmp_path, request):
     assert max(r["training/rollout_probs_diff_max"] for r in rows[1:]) <= 1e-3
 
 
-if __name__ == "__main__":
-    _torchrun_main(sys.argv[1])
-
-
 def test_gpt2_tiny_preset_runs_with_vllm_as_a_user_starts_it(tmp_path):
     """`grpo.py tiny --backend vllm` as a user runs it (its own process and engine), 12 steps of the
     preset's GPT-2 tiny model: the engine's probabilities equal the trainer's (fp32) at every step
@@ -619,8 +615,12 @@ def test_gpt2_tiny_preset_runs_with_vllm_as_a_user_starts_it(tmp_path):
     with open(out / "tiny_model" / "config.json") as f:
         assert json.load(f)["model_type"] == "gpt2"
     with open(out / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if '"reward/mean"' in line]
+        rows = [row for row in map(json.loads, f) if "reward/mean" in row]
     diffs = [r["training/rollout_probs_diff_max"] for r in rows]
     rewards_ = [r["reward/mean"] for r in rows]
     assert len(rows) == 12 and max(diffs) <= 1e-3, diffs
     assert sum(rewards_[-3:]) / 3 - sum(rewards_[:3]) / 3 > 0.05, rewards_
+
+
+if __name__ == "__main__":
+    _torchrun_main(sys.argv[1])
