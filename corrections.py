@@ -1,5 +1,5 @@
 """Rollout correction: importance sampling (IS), rejection sampling (RS) and the veto, as small
-functions; and the policy-loss terms and aggregation the trainers build their objective from.
+functions, with the numerics they need (padding-safe reductions, fp32 token logprobs).
 
 Why this file exists. A fast rollout engine (vLLM) and the trainer compute different token
 probabilities for the same weights (other kernels, other precision, quantised rollouts), so the
@@ -20,12 +20,12 @@ Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or fl
 otherwise. Padding is sacred: values at padded positions (which may be NaN or inf) never reach a
 result or a gradient.
 
-Reading order: masked reductions -> token logprobs/entropy (fp32/TF32 heads) -> divergences and KL
-penalties -> IS weights -> rejection masks -> veto -> diagnostics -> policy-loss terms and
-aggregation -> the TIS paper's estimators side by side -> RolloutCorrection presets ->
-apply_rollout_correction (IS weights, mask and metrics in one call). The trainers compose the
-objective from these pieces in their own update (grpo.update_policy, ppo_rlhf.update_policy); GPU
-memory planning is scripts/plan_memory.py.
+Reading order: masked reductions -> token logprobs/entropy (fp32/TF32 heads) -> divergences -> IS
+weights -> rejection masks -> veto -> diagnostics -> RolloutCorrection presets ->
+apply_rollout_correction (IS weights, mask and metrics in one call). The loss terms the weights
+multiply (PPO-clip, REINFORCE, the KL penalty, the aggregation) are in objectives.py; each trainer
+composes its objective in one function (grpo.grpo_loss, ppo_rlhf.ppo_loss); GPU memory planning is
+scripts/plan_memory.py.
 """
 
 import math
@@ -212,7 +212,7 @@ def token_logprobs_and_entropy(
 
 
 # --------------------------------------------------------------------------------------------------
-# 2. Divergences: per-token statistics for RS, and KL penalties for losses
+# 2. Divergences: per-token statistics for RS and the diagnostics
 # --------------------------------------------------------------------------------------------------
 
 
@@ -227,30 +227,6 @@ def token_divergences(log_ratio):
     Returns (k1, k2, k3)."""
     log_rho = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     return -log_rho, 0.5 * log_rho.square(), torch.expm1(log_rho) - log_rho
-
-
-KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-
-
-def kl_penalty(logprobs, ref_logprobs, kind="k1"):
-    """Per-token KL(pi_theta || pi_ref) estimate for a loss or a reward penalty (verl
-    core_algos.kl_penalty), with d = logprobs - ref_logprobs on tokens sampled from pi_theta:
-        "k1" / "kl"         d                (the RLHF reward penalty, RLHF blog detail 5.2)
-        "abs"               |d|
-        "k2" / "mse"        0.5 * d^2
-        "k3" / "low_var_kl" exp(-d) - 1 + d  (-d clamped to +-20, the result to [-10, 10], as verl)
-    """
-    d = logprobs - ref_logprobs
-    if kind in ("k1", "kl"):
-        return d
-    if kind == "abs":
-        return d.abs()
-    if kind in ("k2", "mse"):
-        return 0.5 * d.square()
-    if kind in ("k3", "low_var_kl"):
-        neg_d = (-d).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        return (torch.exp(neg_d) - neg_d - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"kl penalty kind must be one of {KL_PENALTY_KINDS}, got {kind!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -734,180 +710,7 @@ def _masked_pearson(train_logprobs, rollout_logprobs, valid):
 
 
 # --------------------------------------------------------------------------------------------------
-# 7. Policy losses and loss aggregation
-# --------------------------------------------------------------------------------------------------
-
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "token-sum",
-)
-
-
-def agg_loss(
-    loss_mat,
-    mask,
-    mode="token-mean",
-    norm_constant=None,
-    dp_size=1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-):
-    """Reduce a (B, T) per-token loss to a scalar (verl core_algos.agg_loss):
-
-        token-mean               sum_{i,t} l / #valid tokens           (DAPO; verl's default)
-        seq-mean-token-sum       sum_i (sum_t l) / #sequences          (a sequence with no valid
-                                                                        token adds nothing)
-        seq-mean-token-mean      sum_i (sum_t l / T_i) / #sequences    (original GRPO; an empty
-                                                                        sequence adds nothing)
-        seq-mean-token-sum-norm  sum_i (sum_t l) / #sequences / norm_constant   (Dr.GRPO: a
-                                 constant instead of T_i; norm_constant defaults to T, the padded
-                                 length: keep it fixed during training)
-        token-sum                sum_{i,t} l
-
-    With the defaults the counts are this batch's. For one micro-batch of a minibatch spread over
-    micro-batches and dp_size ranks (verl's global_batch_info) they are the whole minibatch's:
-    batch_num_tokens (valid tokens, all ranks; token-mean) and global_batch_size (sequences, all
-    ranks; verl passes ppo_mini_batch_size * n), and the result is multiplied by dp_size (the ranks'
-    gradients are averaged): the micro-batch losses then simply add up and give the gradient of the
-    minibatch's loss whatever the micro-batch size or number of ranks (token-sum: the local sum
-    times dp_size). Rejected or padded tokens contribute nothing; an all-rejected batch gives
-    exactly 0.
-    """
-    valid = mask.bool()
-    if mode == "token-mean":
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError(
-                    "agg_loss: token-mean over dp_size > 1 ranks needs the global batch_num_tokens"
-                )
-            return masked_mean(loss_mat, valid)
-        return masked_sum(loss_mat, valid) / max(float(batch_num_tokens), 1.0) * dp_size
-    if mode == "token-sum":
-        return masked_sum(loss_mat, valid) * dp_size
-    if mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
-    seq_sums = masked_sum(loss_mat, valid, dim=-1)  # (B,)
-    seq_valid = valid.any(-1)
-    if mode == "seq-mean-token-mean":
-        seq_sums = seq_sums / valid.sum(-1).clamp(min=1)
-    if global_batch_size is None:
-        if dp_size > 1:
-            raise ValueError(
-                "agg_loss: the seq-mean modes over dp_size > 1 ranks need the global_batch_size"
-            )
-        loss = masked_mean(seq_sums, seq_valid)
-    else:
-        loss = masked_sum(seq_sums, seq_valid) / max(float(global_batch_size), 1.0) * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        loss = loss / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
-    return loss
-
-
-def ppo_clip_token_loss(
-    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
-):
-    """PPO's clipped surrogate per token, with clip-higher and dual-clip (verl
-    core_algos.compute_policy_loss_vanilla before its IS weights and aggregation):
-
-        r_t = pi_theta / pi_old = exp(logprobs - old_logprobs)      (log-ratio clamped to +-20)
-        l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
-        l_t = min(l_t, -A_t * clip_c)    where A_t < 0, if clip_c is set
-
-    The clip is Schulman et al. 2017's (DAPO's clip-higher: clip_high > clip_low); the dual clip (Ye
-    et al. 2020) bounds the loss of a huge ratio on a bad action.
-
-    The caller multiplies l_t by the IS weights (after clipping: decoupled PPO) and reduces it with
-    agg_loss. `advantages` is (B, T): broadcast a per-sequence advantage with adv[:, None]. Padded
-    entries are zeroed before any arithmetic, so NaN/inf there reach neither the loss nor the
-    gradient. Returns (l (B, T), metrics): pg_clipfrac (tokens where clipping was active),
-    pg_clipfrac_lower (dual-clip active), ppo_kl (mean of old - new log prob), as floats.
-    """
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    advantages = torch.where(valid, advantages, zero)
-    ratio = torch.exp(log_ratio)
-    losses_unclipped = -advantages * ratio
-    losses_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    losses = torch.maximum(losses_unclipped, losses_clipped)
-    metrics = {
-        "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), valid),
-        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
-        "pg_clipfrac_lower": zero,
-    }
-    if clip_c is not None:
-        if clip_c <= 1.0:
-            raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_c}")
-        losses_dual = -advantages * clip_c
-        negative = advantages < 0
-        metrics["pg_clipfrac_lower"] = masked_mean(
-            ((losses > losses_dual) & negative).float(), valid
-        )
-        losses = torch.where(negative, torch.minimum(losses, losses_dual), losses)
-    return losses, {k: float(v) for k, v in metrics.items()}
-
-
-def reinforce_token_loss(logprobs, advantages, mask):
-    """The REINFORCE term per token (verl core_algos.compute_policy_loss_reinforce, bypass mode
-    loss_type "reinforce"):
-
-        l_t = -A_t * log pi_theta(a_t)     with IS weights: -stopgrad(w_t) * A_t * log pi_theta(a_t)
-
-    The caller multiplies by the weights, which compute_is_weights returns detached: the gradient is
-    then -w_t * A_t * grad log pi_theta, without the log pi * grad w term that would optimise the
-    correction factor instead of the objective (verl math doc 3.2.2). Padded entries are zeroed.
-    Returns (l (B, T), {})."""
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    return -torch.where(valid, advantages, zero) * torch.where(valid, logprobs, zero), {}
-
-
-# --------------------------------------------------------------------------------------------------
-# 8. The TIS paper's estimators side by side (Yao et al. 2025; per-token losses, aggregate with
-#    agg_loss) sampler = pi_rollout (vLLM), learner = the trainer; old = the learner before this
-#    update (pi_old)
-# --------------------------------------------------------------------------------------------------
-
-
-def naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip=0.2):
-    """Incorrect: PPO as if the trainer had sampled the tokens. r = pi_learner / pi_old_learner;
-    pi_rollout ignored."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
-
-
-def vanilla_is_token_loss(logprobs, rollout_logprobs, advantages):
-    """Vanilla IS (REINFORCE): -(pi_learner / pi_sampler) * A * log pi_learner, the weight a
-    stop-gradient. Unbiased but a token sampled with low probability gets a huge weight: variance
-    grows with its square."""
-    weight = torch.exp((logprobs.detach() - rollout_logprobs).clamp(max=SAFETY_BOUND))
-    return -weight * advantages * logprobs
-
-
-def ppo_is_token_loss(logprobs, rollout_logprobs, advantages, clip=0.2):
-    """PPO-IS: PPO whose ratio is taken against the sampler, r = pi_learner / pi_sampler. Even at
-    theta = theta_old r != 1 under mismatch, so clipping fires on the mismatch itself and the update
-    loses information."""
-    ratio = torch.exp((logprobs - rollout_logprobs).clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
-
-
-def tis_ppo_token_loss(logprobs, old_logprobs, rollout_logprobs, advantages, clip=0.2, cap=2.0):
-    """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios
-    are clipped separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so
-    PPO's trust region is intact. cap=math.inf is vanilla IS in the PPO form, the paper's ablation
-    (preset decoupled_token_vanilla_is)."""
-    weight = (
-        torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
-    )
-    return weight * naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip)
-
-
-# --------------------------------------------------------------------------------------------------
-# 9. Presets: RolloutCorrection (verl's RolloutCorrectionConfig)
+# 7. Presets: RolloutCorrection (verl's RolloutCorrectionConfig)
 # --------------------------------------------------------------------------------------------------
 
 LOSS_TYPES = ("ppo_clip", "reinforce")
@@ -1056,7 +859,7 @@ ALL_PRESET_NAMES = tuple(PRESET_SETTINGS) + tuple(PRESET_ALIASES)
 
 
 # --------------------------------------------------------------------------------------------------
-# 10. The whole pipeline: what the trainers call
+# 8. The whole pipeline: what the trainers call
 # --------------------------------------------------------------------------------------------------
 
 
@@ -1070,7 +873,7 @@ def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
         mask      = veto_mask(log_ratio, mask, ...)        if config.rollout_token_veto_threshold
     IS weights and RS are computed on the original mask (independent filters), then combined.
     Decoupled mode: once per batch with the trainer's recompute of pi_old (grpo.py step 4,
-    ppo_rlhf.py step 7); bypass: per micro-batch with the current logprobs (their update_policy).
+    ppo_rlhf.py step 7); bypass: per micro-batch with the current logprobs (grpo_loss, ppo_loss).
     Returns (weights or None, new_mask, metrics with the rollout_corr/ prefix as floats).
     """
     if old_logprobs.shape != rollout_logprobs.shape or old_logprobs.shape != mask.shape:

@@ -6,28 +6,31 @@ through.
     torchrun --standalone --nproc_per_node 2 grpo.py tiny --output-dir runs/grpo_ddp     # 2 CPUs
     torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k  # 8 GPUs
 
-Read it top to bottom: Args and presets -> checks -> the task -> logprobs, advantages and dynamic
-sampling -> the policy update -> train() -> main(). train() is the table of contents; one training
-step, numbered as there:
+Read it top to bottom: Args (the knobs, in the order the algorithm uses them) -> rollouts and
+scores -> logprobs and pi_old -> the objective (grpo_loss) and the update -> train() -> checks,
+setup and logging -> PRESETS -> main(). train() is the table of contents; one training step,
+numbered as there:
     1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's
        logprobs (pi_rollout)
-    2. score: a rule-based outcome reward (rewards.py), minus DAPO's overlong penalty when it is on,
-       placed on the last valid response token; DAPO's dynamic sampling repeats steps 1-2 on more
-       prompts until train_batch_size groups whose rewards differ are in hand
-    3. advantages: per-prompt-group (score - mean) / (std + eps) (std off for Dr.GRPO), or another
-       estimator of objectives.py (--adv-estimator: RLOO, REINFORCE++, ReMax, OPO, pass@k)
+    2. score: each response's rule-based reward (tasks.py), minus DAPO's overlong penalty when it
+       is on; DAPO's dynamic sampling repeats steps 1-2 on more prompts until train_batch_size
+       groups whose rewards differ are in hand
+    3. advantages: per prompt group (score - mean) / (std + eps), objectives.grpo_advantages (std
+       off for Dr.GRPO), or another estimator of objectives.py (--adv-estimator: RLOO, REINFORCE++,
+       ReMax, OPO, pass@k)
     4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
        (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on
-    5. update: PPO's clipped surrogate (clip-higher, dual-clip; or a loss of objectives.py, with
-       --policy-loss) times the correction's IS weights, over the tokens its rejection mask keeps,
-       + the KL-to-reference and entropy terms; minibatches of micro-batches, gradients averaged
-       over ranks and clipped, one optimizer step per minibatch (update_policy)
+    5. update: grpo_loss, one micro-batch's whole objective: PPO's clipped surrogate
+       (objectives.ppo_clip_token_loss; another loss of objectives.py with --policy-loss) times the
+       correction's IS weights, over the tokens its rejection mask keeps, + the KL-to-reference and
+       entropy terms; update_policy runs it over minibatches of micro-batches, averages the
+       gradients over ranks, clips them and takes one optimizer step per minibatch
     6. sync: push the updated weights into the rollout engine, so validation and the next rollout
        use them
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
 
 Plumbing a first read can skip: every `harness.` call (processes, checkpoints and logs live in
-harness.py), and the section "Setup, validation and logging" near the end of this file.
+harness.py), and the section "Checks, setup, validation and logging" after train().
 
 Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advantage,
 compute_policy_loss_vanilla, agg_loss; verl/trainer/ppo/ray_trainer.py: the loop and the masks),
@@ -35,13 +38,12 @@ verl's "Mathematical Formulations of Rollout Correction Methods" (docs/algo/roll
 decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your Efficient RL Framework Secretly
 Brings You Off-Policy RL Training" (the rollout/trainer mismatch), DAPO (Yu et al. 2025,
 arXiv:2503.14476: dynamic sampling, overlong shaping, clip-higher) and Qi et al. 2025
-(arXiv:2510.26788, --precision fp16). The loss and correction math lives in corrections.py, the
-other estimators and losses in objectives.py.
+(arXiv:2510.26788, --precision fp16). The objective's terms live in objectives.py (the GRPO family:
+estimators and losses), the rollout correction in corrections.py, the tasks in tasks.py.
 """
 
 import collections
 import contextlib
-import functools
 import math
 import os
 import sys
@@ -55,82 +57,33 @@ import torch
 import corrections
 import harness
 import objectives
-import rewards
 import rollout
+import tasks
 
-TASKS = ("copy", "gsm8k", "countdown", "arith")
 LR_SCHEDULERS = ("constant", "cosine")
-# model_name_or_path value that means: build rewards.build_tiny_model into <output_dir>/tiny_model
+# model_name_or_path value that means: build tasks.build_tiny_model into <output_dir>/tiny_model
 TINY_MODEL = "tiny"
 TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model (checked before building it)
 
 
 # --------------------------------------------------------------------------------------------------
-# Arguments and presets
+# Arguments (the presets are at the end of the file, beside main())
 # --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Args:
-    # --- experiment
-    exp_name: str = "grpo"
-    """Name of this run (the wandb run name starts with it)."""
-    seed: int = 1
-    """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's
-    RNG."""
-    output_dir: str = "runs/grpo"
-    """Where metrics.jsonl, samples.jsonl, args.json, checkpoint/ (and the tiny model) go."""
-    cuda: bool = True
-    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo)."""
-    torch_threads: int = 0
-    """torch.set_num_threads on CPU (0 = torch's default; tiny presets run fastest on 1)."""
-    track: bool = False
-    """Log to Weights & Biases (wandb is imported only when this is set)."""
-    wandb_project: str = "grpo"
-    """wandb project name."""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team); None = your default entity."""
-
-    # --- model and task
-    model_name_or_path: str = TINY_MODEL
-    """HF hub name or local directory of the policy; "tiny" builds an offline tiny random-init model
-    (rewards.build_tiny_model, --tiny-arch)."""
-    tiny_arch: str = "qwen2"
-    """Architecture of the "tiny" model: qwen2 (RoPE positions, as the Qwen2.5 presets) or gpt2
-    (learned absolute positions: the tiny preset's, docs/grpo.md "Does the first run learn")."""
-    task: str = "copy"
-    """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
-    (Countdown-Tasks-3to4)."""
-    use_chat_template: bool = False
-    """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing
-    does)."""
-    train_size: int = 4096
-    """Training prompts: copy/arith make this many, countdown takes the dataset's first N rows,
-    gsm8k all of train."""
-    val_size: int = 64
-    """Held-out prompts: copy/arith make this many (never in training); gsm8k/countdown: the first N
-    of the test split (0 = all of it)."""
-    copy_length: int = 3
-    """copy task: letters per prompt."""
-    arith_max_steps: int = 1
-    """arith task: operations per problem, 1..arith_max_steps."""
-    arith_max_number: int = 20
-    """arith task: numbers in the problems are drawn from 2..arith_max_number."""
-    gsm8k_reward_mode: str = "strict"
-    """gsm8k/arith answer extraction (rewards.gsm8k_reward): strict (verl's default), flexible,
-    normalized."""
-
-    # --- lengths and sampling
-    max_prompt_length: int = 16
-    """Prompts longer than this (in tokens) are dropped (verl filter_overlong_prompts)."""
-    max_response_length: int = 6
-    """max_new_tokens; responses are padded to exactly this length (as verl pads them)."""
+    # --- group sampling (step 1): n responses per prompt, their temperature and lengths
     rollout_n: int = 8
     """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for
     --nnodes)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T) (top_p=1,
     top_k=0)."""
+    max_prompt_length: int = 16
+    """Prompts longer than this (in tokens) are dropped (verl filter_overlong_prompts)."""
+    max_response_length: int = 6
+    """max_new_tokens; responses are padded to exactly this length (as verl pads them)."""
     val_temperature: float = 0.0
     """Validation sampling temperature; 0 = greedy (verl val_kwargs do_sample=False)."""
 
@@ -148,6 +101,49 @@ class Args:
     logprob_chunk_size: int = 512
     """Response tokens per LM-head chunk for logprobs/entropy (~3 x chunk x vocab x 4 bytes, not a
     (B, R, V))."""
+
+    # --- the loss (step 5: grpo_loss)
+    policy_loss: str = "vanilla"
+    """objectives.POLICY_LOSSES (verl loss_mode): vanilla (PPO-clip), gspo, cispo, gpg, sapo,
+    geo_mean, clip_cov or kl_cov (sapo, geo_mean: --loss-agg-mode seq-mean-token-mean only)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low, e.g.
+    0.28)."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip constant for negative advantages (verl default 3.0); None turns dual-clip off."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
+    (verl)."""
+    kl_loss_coef: float = 0.0
+    """beta of the KL-to-reference loss (verl use_kl_loss); 0 skips the reference model entirely
+    (not even loaded)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator (objectives.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (verl default 0); entropy is always logged."""
+
+    # --- advantages (step 3)
+    adv_estimator: str = "grpo"
+    """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
+    remax (baseline: the greedy answer's score, generated each step), opo or grpo_passk."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group std (grpo, grpo_passk); False is Dr.GRPO (score - group mean)."""
+
+    # --- DAPO (Yu et al. 2025, arXiv:2503.14476): dynamic sampling, overlong reward shaping
+    dynamic_sampling: bool = False
+    """Drop prompt groups whose rewards are all equal (no gradient signal; verl filter_groups with
+    metric "reward") and roll out more prompts until train_batch_size groups remain."""
+    max_num_gen_batches: int = 10
+    """Dynamic sampling: at most this many rollouts per step; if they hold too few groups with
+    signal the run ends there, saved, in one line (verl filter_groups.max_num_gen_batches; 0 = no
+    cap)."""
+    overlong_buffer_len: int = 0
+    """Overlong shaping: the last this-many tokens before max_response_length cost up to
+    overlong_penalty_factor of reward, linearly (verl overlong_buffer.len; 0 = off)."""
+    overlong_penalty_factor: float = 1.0
+    """The overlong penalty at max_response_length tokens (verl overlong_buffer.penalty_factor)."""
 
     # --- optimisation
     total_steps: int = 150
@@ -176,48 +172,36 @@ class Args:
     FSDP mixed precision) or fp16 (float16 autocast + a gradient scaler, Qi et al. 2025); the
     rollout engine follows (--vllm-dtype auto)."""
 
-    # --- loss
-    policy_loss: str = "vanilla"
-    """objectives.POLICY_LOSSES (verl loss_mode): vanilla (PPO-clip), gspo, cispo, gpg, sapo,
-    geo_mean, clip_cov or kl_cov (sapo, geo_mean: --loss-agg-mode seq-mean-token-mean only)."""
-    clip_ratio_low: float = 0.2
-    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """PPO clip: ratio upper bound 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low, e.g.
-    0.28)."""
-    clip_ratio_c: Optional[float] = 3.0
-    """Dual-clip constant for negative advantages (verl default 3.0); None turns dual-clip off."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm | token-sum
-    (verl)."""
-    kl_loss_coef: float = 0.0
-    """beta of the KL-to-reference loss (verl use_kl_loss); 0 skips the reference model entirely
-    (not even loaded)."""
-    kl_loss_type: str = "low_var_kl"
-    """KL estimator (corrections.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus coefficient (verl default 0); entropy is always logged."""
-    adv_estimator: str = "grpo"
-    """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
-    remax (baseline: the greedy answer's score, generated each step), opo or grpo_passk."""
-    norm_adv_by_std_in_grpo: bool = True
-    """Divide by the group std (grpo, grpo_passk); False is Dr.GRPO (score - group mean)."""
+    # --- the model and the task (tasks.py)
+    model_name_or_path: str = TINY_MODEL
+    """HF hub name or local directory of the policy; "tiny" builds an offline tiny random-init model
+    (tasks.build_tiny_model, --tiny-arch)."""
+    tiny_arch: str = "qwen2"
+    """Architecture of the "tiny" model: qwen2 (RoPE positions, as the Qwen2.5 presets) or gpt2
+    (learned absolute positions: the tiny preset's, docs/grpo.md "Does the first run learn")."""
+    task: str = "copy"
+    """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
+    (Countdown-Tasks-3to4)."""
+    use_chat_template: bool = False
+    """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing
+    does)."""
+    train_size: int = 4096
+    """Training prompts: copy/arith make this many, countdown takes the dataset's first N rows,
+    gsm8k all of train."""
+    val_size: int = 64
+    """Held-out prompts: copy/arith make this many (never in training); gsm8k/countdown: the first N
+    of the test split (0 = all of it)."""
+    copy_length: int = 3
+    """copy task: letters per prompt."""
+    arith_max_steps: int = 1
+    """arith task: operations per problem, 1..arith_max_steps."""
+    arith_max_number: int = 20
+    """arith task: numbers in the problems are drawn from 2..arith_max_number."""
+    gsm8k_reward_mode: str = "strict"
+    """gsm8k/arith answer extraction (tasks.gsm8k_reward): strict (verl's default), flexible,
+    normalized."""
 
-    # --- DAPO (Yu et al. 2025, arXiv:2503.14476): dynamic sampling, overlong reward shaping
-    dynamic_sampling: bool = False
-    """Drop prompt groups whose rewards are all equal (no gradient signal; verl filter_groups with
-    metric "reward") and roll out more prompts until train_batch_size groups remain."""
-    max_num_gen_batches: int = 10
-    """Dynamic sampling: at most this many rollouts per step; if they hold too few groups with
-    signal the run ends there, saved, in one line (verl filter_groups.max_num_gen_batches; 0 = no
-    cap)."""
-    overlong_buffer_len: int = 0
-    """Overlong shaping: the last this-many tokens before max_response_length cost up to
-    overlong_penalty_factor of reward, linearly (verl overlong_buffer.len; 0 = off)."""
-    overlong_penalty_factor: float = 1.0
-    """The overlong penalty at max_response_length tokens (verl overlong_buffer.penalty_factor)."""
-
-    # --- rollout (rollout.py)
+    # --- the rollout engine (rollout.py), its mismatch, the rollout correction (corrections.py)
     backend: str = "hf"
     """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced
     every update)."""
@@ -250,7 +234,18 @@ class Args:
     """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the
     recomputed pi_old."""
 
-    # --- validation, checkpoints, logging
+    # --- the run: seeds, processes, validation, checkpoints, logging
+    exp_name: str = "grpo"
+    """Name of this run (the wandb run name starts with it)."""
+    seed: int = 1
+    """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's
+    RNG."""
+    output_dir: str = "runs/grpo"
+    """Where metrics.jsonl, samples.jsonl, args.json, checkpoint/ (and the tiny model) go."""
+    cuda: bool = True
+    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo)."""
+    torch_threads: int = 0
+    """torch.set_num_threads on CPU (0 = torch's default; tiny presets run fastest on 1)."""
     val_every: int = 10
     """Validate every N steps (and at the end); 0 = never."""
     val_before_train: bool = True
@@ -270,6 +265,936 @@ class Args:
     allow_changed_settings: bool = False
     """Resume even where settings differ from the checkpoint's (they are printed); without it such a
     resume is refused (harness.checkpoint_to_resume)."""
+    track: bool = False
+    """Log to Weights & Biases (wandb is imported only when this is set)."""
+    wandb_project: str = "grpo"
+    """wandb project name."""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team); None = your default entity."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps 1-3: prompts, rollouts, scores (DAPO's dynamic sampling) and advantages
+# --------------------------------------------------------------------------------------------------
+
+
+def step_prompt_indices(step, n_train, args, rank, world_size, gen_batch=0):
+    """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays
+    the data order. Epoch e visits the training set in the order torch.randperm(n_train, seed + e);
+    the last partial batch of an epoch is dropped (verl's dataloader drop_last). Rank r takes the
+    r-th contiguous slice of the global batch. Dynamic sampling's extra generation batches
+    (gen_batch >= 1) take the first train_batch_size prompts of a permutation seeded by (seed, step,
+    gen_batch): a function of (seed, step) too."""
+    steps_per_epoch = n_train // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"train_batch_size={args.train_batch_size} is larger than the training set ({n_train})"
+        )
+    epoch, index = divmod(step, steps_per_epoch)
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed + epoch))
+    batch = perm[index * args.train_batch_size : (index + 1) * args.train_batch_size]
+    if gen_batch > 0:
+        seed = 1_000_003 * args.seed + 1009 * step + gen_batch
+        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed))
+        batch = perm[: args.train_batch_size]
+    per_rank = args.train_batch_size // world_size
+    return batch[rank * per_rank : (rank + 1) * per_rank].tolist()
+
+
+def sampling_seed(args, step, rank, gen_batch=0):
+    """A distinct sampling seed per (rank, step, generation batch) (seed + rank * 100003 style),
+    independent of the RNG state."""
+    return args.seed + 100003 * rank + 7919 * (step + 1) + 1_000_033 * gen_batch
+
+
+def roll_out(backend, task, tokenizer, indices, seed, args):
+    """Steps 1-2 for the training prompts `indices`: (response_ids, rollout_logprobs,
+    finish_reasons, scores). Responses come grouped by prompt (prompt j's n samples are rows
+    j*n .. j*n+n-1), each with the sampler's logprob of every token (pi_rollout)."""
+    # 1. Rollout: n samples per prompt from the rollout engine, with pi_rollout's logprobs
+    response_ids, rollout_logprobs, finish_reasons = backend.generate(
+        [task.train_prompt_ids[i] for i in indices],
+        args.rollout_n,
+        args.max_response_length,
+        args.temperature,
+        seed,
+    )
+    # 2. Rewards: each response's rule-based score against its prompt's example
+    examples = [task.train[i] for i in indices for _ in range(args.rollout_n)]
+    scores = score_responses(response_ids, examples, tokenizer, task.reward_fn, args)
+    return response_ids, rollout_logprobs, finish_reasons, scores
+
+
+def score_responses(response_ids, examples, tokenizer, reward_fn, args):
+    """(B,) float scores: the rule-based reward of each response for its example, minus DAPO's
+    overlong penalty when --overlong-buffer-len is on."""
+    texts = [tasks.response_text(tokenizer, ids) for ids in response_ids]
+    scores = torch.tensor([reward_fn(text, example) for text, example in zip(texts, examples)])
+    if args.overlong_buffer_len:
+        scores += tasks.overlong_penalty(
+            torch.tensor([len(ids) for ids in response_ids]),
+            args.max_response_length,
+            args.overlong_buffer_len,
+            args.overlong_penalty_factor,
+        )
+    return scores
+
+
+def has_reward_signal(group_scores):
+    """DAPO's dynamic-sampling rule as verl 0.9.1 applies it (trainer/ppo/v1/replay_buffer.py,
+    _dapo_filtered_keys): a group of more than one response whose rewards have a standard deviation
+    of exactly 0 (all right, or all wrong) gives every response advantage 0, so no gradient; it is
+    dropped. Every other group is kept."""
+    return not (len(group_scores) > 1 and float(np.std(group_scores)) == 0.0)
+
+
+def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; verl filter_groups): steps 1-2 on one
+    generation batch of fresh prompts after another, keeping the groups whose rewards differ
+    (has_reward_signal), until train_batch_size groups are kept over all ranks. The batch is the
+    first train_batch_size kept groups in the order they were drawn (generation batch by generation
+    batch, rank by rank), rank r the r-th slice: every rank gets the same number of groups, hence
+    of micro-batches (one with fewer would leave the others waiting in a collective); the surplus
+    is discarded, as in verl.
+
+    Returns (indices, what roll_out returns for them, metrics); (None, None, metrics) when
+    --max-num-gen-batches generation batches held too few groups with signal."""
+    n = args.rollout_n
+    kept = []  # this rank's groups with signal, tagged with where they were drawn
+    gen_batch = 0
+    while True:
+        indices = step_prompt_indices(step, len(task.train), args, rank, world_size, gen_batch)
+        seed = sampling_seed(args, step, rank, gen_batch)
+        response_ids, rollout_logprobs, finish_reasons, scores = roll_out(
+            backend, task, tokenizer, indices, seed, args
+        )
+        for g, index in enumerate(indices):
+            rows = slice(g * n, (g + 1) * n)
+            group = {
+                "gen_batch": gen_batch,
+                "rank": rank,
+                "prompt": index,
+                "responses": response_ids[rows],
+                "logprobs": rollout_logprobs[rows],
+                "finish_reasons": finish_reasons[rows],
+                "scores": scores[rows].tolist(),
+            }
+            if has_reward_signal(group["scores"]):
+                kept.append(group)
+        gen_batch += 1
+        kept_groups = harness.all_sum(torch.tensor(len(kept))).item()
+        if kept_groups >= args.train_batch_size or gen_batch == args.max_num_gen_batches:
+            break
+    metrics = {"filter_groups/gen_batches": gen_batch, "filter_groups/kept_groups": kept_groups}
+    if kept_groups < args.train_batch_size:
+        return None, None, metrics
+    everyone = harness.all_gather_objects(kept)  # [rank 0's kept groups, rank 1's, ...]
+    ordered = sorted(
+        (group for rank_groups in everyone for group in rank_groups),
+        key=lambda group: (group["gen_batch"], group["rank"]),
+    )
+    per_rank = args.train_batch_size // world_size
+    mine = ordered[: args.train_batch_size][rank * per_rank : (rank + 1) * per_rank]
+    rollout_batch = (
+        [ids for group in mine for ids in group["responses"]],
+        [logprobs for group in mine for logprobs in group["logprobs"]],
+        [reason for group in mine for reason in group["finish_reasons"]],
+        torch.tensor([score for group in mine for score in group["scores"]]),
+    )
+    return [group["prompt"] for group in mine], rollout_batch, metrics
+
+
+def greedy_baselines(backend, task, tokenizer, indices, step, args, rank):
+    """ReMax's baseline (Li et al. 2024, arXiv:2310.10505): the score of the policy's greedy answer
+    to each prompt, one per response (B,), generated with the same engine and weights as step 1."""
+    greedy_ids, _, _ = backend.generate(
+        [task.train_prompt_ids[i] for i in indices],
+        1,
+        args.max_response_length,
+        0.0,
+        sampling_seed(args, step, rank) + 2,
+    )
+    examples = [task.train[i] for i in indices]
+    greedy_scores = score_responses(greedy_ids, examples, tokenizer, task.reward_fn, args)
+    return greedy_scores.repeat_interleave(args.rollout_n)
+
+
+def compute_advantages(scores, group_ids, lengths, baselines, args, device):
+    """Step 3: one advantage per response, (B,) float32, on the device (REINFORCE++'s whitening
+    all-reduces its sums, and NCCL needs CUDA tensors). A response's return is its score at every
+    token (outcome reward, gamma = 1).
+
+    GRPO (objectives.grpo_advantages, verl compute_grpo_outcome_advantage):
+        A_i = (score_i - mean of its group) / (std of its group + eps)   (no std: Dr.GRPO)
+    --adv-estimator names another estimator of objectives.ADV_ESTIMATORS (each with its formula)."""
+    scores = scores.to(device)
+    lengths = lengths.to(device)
+    if args.adv_estimator == "grpo":
+        return objectives.grpo_advantages(
+            scores, group_ids, lengths, norm_by_std=args.norm_adv_by_std_in_grpo
+        )
+    estimator = objectives.ADV_ESTIMATORS[args.adv_estimator]
+    return estimator(
+        scores, group_ids, lengths, baselines, norm_by_std=args.norm_adv_by_std_in_grpo
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 4: logprobs without a (B, T, V) float32 tensor, pi_old and pi_ref
+# --------------------------------------------------------------------------------------------------
+
+
+def compute_logprobs(
+    model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, precision="auto"
+):
+    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
+    log-softmax: the backbone's hidden states at the positions that predict a valid response token
+    (position t predicts token t+1), then the LM head chunk by chunk
+    (corrections.token_logprobs_and_entropy, checkpointed under autograd), so the extra memory is
+    one chunk's (chunk_size, V) logits. Padding positions get logprob 0 and entropy 0."""
+    if rows is not None:
+        batch = {k: v[rows] for k, v in batch.items()}
+    backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
+    R = batch["responses"].shape[1]
+    # the backbone in the forward dtype of --precision (bf16 on CUDA by default)
+    with rollout.autocast_context(batch["input_ids"].device, precision):
+        # (B, P+R, H)
+        hidden = backbone(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        ).last_hidden_state
+        # (B, R, H): the positions that predict the R response tokens
+        hidden = hidden[:, -R - 1 : -1]
+        valid = batch["response_mask"].bool()
+        # (N, H), (N,) valid response tokens only
+        hidden, tokens = (
+            hidden[valid],
+            batch["responses"][valid],
+        )
+        # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (shared with
+        # ppo_rlhf.py)
+        token_logprobs, token_entropy = corrections.token_logprobs_and_entropy(
+            hidden,
+            tokens,
+            temperature,
+            project=lm_head,
+            chunk_size=chunk_size,
+            entropy_grad=entropy_grad,
+        )
+    logprobs = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_logprobs)
+    entropy = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_entropy)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch, args):
+    """(B, R) logprobs of the whole local batch under `model`, no gradient, one micro-batch at a
+    time."""
+    micro = args.ppo_micro_batch_size_per_gpu
+    parts = []
+    for start in range(0, batch["responses"].shape[0], micro):
+        logprobs, _ = compute_logprobs(
+            model,
+            batch,
+            args.temperature,
+            args.logprob_chunk_size,
+            rows=slice(start, start + micro),
+            precision=args.precision,
+        )
+        parts.append(logprobs)
+    return torch.cat(parts)
+
+
+def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
+    """Step 4: the PPO anchor pi_old and, with beta > 0, the reference pi_ref, into the batch.
+    Returns the correction's batch metrics ({} in bypass mode).
+
+    decoupled ("disabled" included): pi_old = the trainer's no-grad recompute before the update,
+        corrected against pi_rollout once per batch (verl
+        compute_rollout_correction_and_add_to_batch): the IS weights pi_old / pi_rollout and the
+        RS/veto mask, which replaces the response mask for every loss term
+    bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy
+        corrects each micro-batch against the current policy (verl rollout_corr_math.md, 3.1)
+    """
+    model.eval()
+    batch["loss_mask"] = batch["response_mask"]
+    corr_metrics = {}
+    if correction.bypass_mode:
+        batch["old_logprobs"] = batch["rollout_logprobs"]
+    else:
+        batch["old_logprobs"] = batch_logprobs(model, batch, args)
+        is_weights, batch["loss_mask"], corr_metrics = corrections.apply_rollout_correction(
+            batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
+        )
+        if is_weights is not None:
+            batch["is_weights"] = is_weights
+    if ref_model is not None:
+        batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args)
+    return corr_metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 5: the objective of one micro-batch (grpo_loss) and the update
+# --------------------------------------------------------------------------------------------------
+
+
+def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
+    """GRPO's objective on one micro-batch, every term in this one frame (verl dp_actor.py
+    update_policy; core_algos.py compute_policy_loss_vanilla, agg_loss). Per response token t, with
+    A the response's advantage (step 3) and r_t = pi_theta(a_t) / pi_old(a_t) (pi_old: step 4):
+
+        l_t     = max(-A r_t, -A clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),
+                  at most -A clip_ratio_c when A < 0 (dual-clip)    (objectives.ppo_clip_token_loss)
+        pg_loss = agg over M of (w_t l_t)     w: the correction's IS weights (none: w = 1),
+                                              M: the response tokens its rejection mask keeps
+        loss    = pg_loss - entropy_coeff agg over M of (H_t)
+                          + kl_loss_coef agg over M of (KL_t(pi_theta || pi_ref))
+
+    agg is --loss-agg-mode over the minibatch's global counts (`global_info`, see update_policy).
+    --policy-loss swaps l_t for another loss of objectives.py; bypass mode (pi_old = pi_rollout)
+    weights and masks with this micro-batch's current logprobs, and its REINFORCE loss is
+    l_t = -A log pi_theta(a_t).
+
+    logprobs, entropy: (b, R) of the current policy. micro_batch: its rows of the step's batch.
+    Returns (loss, the terms to log, the policy loss's metrics, bypass mode's correction metrics).
+    """
+    # (b,) -> (b, R): the response's advantage at each of its tokens
+    advantages = micro_batch["advantages"][:, None].expand_as(logprobs)
+    old_logprobs = micro_batch["old_logprobs"]
+    # decoupled: step 4's RS/veto mask and IS weights pi_old / pi_rollout; bypass: the response mask
+    loss_mask = micro_batch["loss_mask"]
+    is_weights = micro_batch.get("is_weights")
+
+    # The correction in bypass mode: pi_old = pi_rollout, and the weights pi_theta / pi_rollout
+    # and the RS mask come from this micro-batch's current logprobs (verl
+    # core_algos.compute_policy_loss_bypass_mode).
+    pg_mask = loss_mask
+    corr_metrics = {}
+    if correction.bypass_mode:
+        is_weights, pg_mask, corr_metrics = corrections.apply_rollout_correction(
+            logprobs.detach(), old_logprobs, loss_mask, correction
+        )
+
+    # The policy-gradient term per token.
+    if correction.loss_type == "reinforce":
+        # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry the ratio
+        pg_losses, pg_metrics = objectives.reinforce_token_loss(logprobs, advantages, pg_mask)
+    elif args.policy_loss == "vanilla":
+        # PPO's clipped surrogate of r = pi_theta / pi_old (clip-higher, dual-clip)
+        pg_losses, pg_metrics = objectives.ppo_clip_token_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            pg_mask,
+            clip_low=args.clip_ratio_low,
+            clip_high=args.clip_ratio_high,
+            clip_c=args.clip_ratio_c,
+        )
+    else:
+        # gspo, cispo, gpg, sapo, geo_mean, clip_cov or kl_cov, each with its formula
+        policy_loss = objectives.POLICY_LOSSES[args.policy_loss]
+        pg_losses, pg_metrics = policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            pg_mask,
+            args.clip_ratio_low,
+            args.clip_ratio_high,
+            args.clip_ratio_c,
+        )
+    if correction.bypass_mode and correction.loss_type != "reinforce":
+        # r is against pi_rollout already: IS weights would count it twice (verl)
+        is_weights = None
+    if is_weights is not None:
+        # the IS weights multiply the clipped term (decoupled PPO)
+        pg_losses = pg_losses * is_weights
+    pg_loss = objectives.agg_loss(pg_losses, pg_mask, args.loss_agg_mode, **global_info)
+
+    # Entropy and KL terms over the same mask (decoupled: the corrected one, as verl's
+    # compute_rollout_correction_and_add_to_batch replaces response_mask for every loss term).
+    entropy_loss = objectives.agg_loss(entropy, loss_mask, args.loss_agg_mode, **global_info)
+    loss = pg_loss - args.entropy_coeff * entropy_loss
+    terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
+    if args.kl_loss_coef > 0:
+        # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss, not a reward
+        kl = objectives.kl_penalty(logprobs, micro_batch["ref_logprobs"], args.kl_loss_type)
+        kl_loss = objectives.agg_loss(kl, loss_mask, args.loss_agg_mode, **global_info)
+        loss = loss + args.kl_loss_coef * kl_loss
+        terms["actor/kl_loss"] = kl_loss
+    return loss, terms, pg_metrics, corr_metrics
+
+
+def update_policy(model, optimizer, batch, args, correction, world_size=1, scaler=None):
+    """Step 5: ppo_epochs x minibatches (one optimizer step each) x micro-batches (one
+    forward/backward of grpo_loss each) over this rank's batch (rollout.make_batch's tensors, the
+    advantages, step 4's old_logprobs, loss_mask, is_weights, ref_logprobs); returns the metrics
+    averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else None.
+
+    One loss normalisation for any micro-batch size or number of ranks (verl 0.9.1 agg_loss with
+    global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each
+    micro-batch's loss is divided by the minibatch's GLOBAL count (valid tokens, or
+    ppo_mini_batch_size * n sequences) and multiplied by the world size; backward sums the
+    micro-batches and the ranks' gradients are averaged: exactly the gradient of the minibatch's
+    loss (tests/test_grpo.py: micro-batch 8 vs 64, 2 ranks vs 1).
+    """
+    B = batch["responses"].shape[0]
+    _, mini = local_batch_sizes(args, world_size)
+    micro = args.ppo_micro_batch_size_per_gpu
+    params = [p for p in model.parameters() if p.requires_grad]
+    logged = collections.defaultdict(list)  # name -> values, averaged at the end
+    bypass_metrics = None  # bypass mode: the correction's metrics of the first micro-batch
+
+    model.train()  # (dropout is off in these configs; train() enables gradient checkpointing)
+    for _ in range(args.ppo_epochs):
+        for mini_start in range(0, B, mini):
+            optimizer.zero_grad(set_to_none=True)
+            mini_end = min(mini_start + mini, B)
+            # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all
+            # ranks (the corrected mask in decoupled mode: verl replaces response_mask with it, so
+            # every term counts the same tokens), and its sequences
+            minibatch_mask = batch["loss_mask"][mini_start:mini_end]
+            global_info = dict(
+                dp_size=world_size,
+                batch_num_tokens=harness.all_sum(minibatch_mask.sum().double()).item(),
+                global_batch_size=args.ppo_mini_batch_size * args.rollout_n,
+            )
+            minibatch_losses = collections.defaultdict(float)
+            for start in range(mini_start, mini_end, micro):
+                rows = slice(start, min(start + micro, B))
+                micro_batch = {name: value[rows] for name, value in batch.items()}
+                logprobs, entropy = compute_logprobs(
+                    model,
+                    micro_batch,
+                    args.temperature,
+                    args.logprob_chunk_size,
+                    entropy_grad=args.entropy_coeff != 0,
+                    precision=args.precision,
+                )
+                loss, terms, pg_metrics, corr_metrics = grpo_loss(
+                    logprobs, entropy, micro_batch, args, correction, global_info
+                )
+                if correction.bypass_mode and bypass_metrics is None:
+                    bypass_metrics = corr_metrics
+                # every term is divided by the global count and multiplied by the world size
+                # already: backward sums the micro-batches
+                if scaler is not None:
+                    # fp16: backward from loss x S, so that small gradients do not underflow
+                    # float16 (Micikevicius et al. 2018, "Mixed Precision Training")
+                    loss = scaler.scale(loss)
+                loss.backward()
+                # the minibatch's loss terms: the sum of its micro-batches' (then the mean of ranks)
+                for name, value in terms.items():
+                    minibatch_losses[name] += value.item()
+                for name, value in pg_metrics.items():  # pg_clipfrac, pg_clipfrac_lower, ppo_kl
+                    logged[f"actor/{name}"].append(value)
+            for name, value in minibatch_losses.items():
+                logged[name].append(value)
+            harness.average_gradients(params, world_size)
+            if scaler is not None:
+                # divide by S before clipping; records whether any gradient is inf or nan
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if scaler is not None:
+                logged["actor/loss_scale"].append(scaler.get_scale())
+                # skips the step if unscale_ found an inf/nan; then halves S (doubles it after 2000
+                # steps in a row without one)
+                scaler.step(optimizer)
+                scaler.update()
+            elif torch.isfinite(grad_norm):
+                optimizer.step()
+            if not torch.isfinite(grad_norm):  # verl skips the update on a non-finite norm
+                print(
+                    f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step",
+                    file=sys.stderr,
+                )
+            logged["actor/grad_norm"].append(grad_norm.item())
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {name: sum(values) / len(values) for name, values in logged.items()}
+    # bypass mode: verl logs the off-policy metrics of the first micro-batch, where pi_theta is
+    # still the pi_old a recompute would give: they measure the mismatch alone
+    metrics.update(bypass_metrics or {})
+    metrics.setdefault("actor/kl_loss", 0.0)
+    return metrics
+
+
+def lr_factor(step, args):
+    """The lr multiplier of the update of 0-based `step`, as verl's LambdaLR schedules stepped once
+    per training step (utils/torch_functional.py get_constant/cosine_schedule_with_warmup). W =
+    lr_warmup_steps or int(ratio * total):
+        step < W    step / W                   (the first update runs at lr 0)
+        constant    1
+        cosine      max(c, c + (1 - c) * 0.5 * (1 + cos(2 pi num_cycles p))),  c = min_lr_ratio,
+                    p = (step - W) / max(1, total_steps - W)
+    """
+    warmup = args.lr_warmup_steps
+    if warmup <= 0:
+        warmup = int(args.lr_warmup_steps_ratio * args.total_steps)
+    if step < warmup:
+        return step / max(1, warmup)
+    if args.lr_scheduler_type == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, args.total_steps - warmup)
+    cosine = math.cos(math.pi * args.num_cycles * 2.0 * progress)
+    return max(
+        args.min_lr_ratio,
+        cosine * (1 - args.min_lr_ratio) * 0.5 + (1 + args.min_lr_ratio) * 0.5,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def train(args, backend=None):
+    """Run GRPO; returns the path of <output_dir>/metrics.jsonl. backend: a rollout engine built by
+    the caller (tests share one vLLM engine this way), synced from the trainer before the first
+    rollout, closed by the caller."""
+    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds); then the
+    #    task, the policy (and pi_ref), the optimizer and a checkpoint to resume from, the rollout
+    #    engine, the logs.
+    rank, world_size, device = harness.setup_distributed(args.cuda)
+    check_args(args, world_size)
+    if args.torch_threads and device.type == "cpu":
+        torch.set_num_threads(args.torch_threads)
+    # a checkpoint, verified, written with these settings (or with others that may change)
+    checkpoint = harness.checkpoint_to_resume(args, changeable=changeable_settings(args))
+    correction = corrections.RolloutCorrection.from_name(args.correction)
+    task = tasks.load_task(args)
+    harness.seed_everything(args.seed)
+    model_path = policy_path(args, rank, world_size)
+    tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
+        args, model_path, checkpoint, device, rank
+    )
+    task = tasks.with_prompt_ids(task, tokenizer, args)
+    # The rollout engine. vLLM: one engine per rank, created by all ranks together after
+    # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
+    # (resumed, --mismatch-rounded) weights. --rollout-staleness K: the engine samples with a copy
+    # that trails the trainer by K updates (an asynchronous rollout worker).
+    lag = rollout.LaggedWeights(model, args.rollout_staleness) if args.rollout_staleness else None
+    rollout_model = lag.model if lag else model
+    own_backend = backend is None
+    if own_backend:
+        backend = make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
+    elif lag and getattr(backend, "model", None) is model:
+        raise ValueError(
+            "rollout_staleness: the backend passed to train() samples with the trainer's own "
+            "model, so it cannot lag; let train() build it"
+        )
+    backend.sync_weights(rollout_model)
+    log = harness.start_logs(args, "grpo", rank, world_size, start_step if checkpoint else None)
+
+    # Validation before training (verl val_before_train): the initial policy, as step 0.
+    if args.val_every and args.val_before_train and start_step == 0:
+        val_metrics = validate(backend, lag, tokenizer, task, args, -1, rank, world_size)
+        log_step(log, {"step": 0, **val_metrics}, args.total_steps, rank)
+
+    for step in range(start_step, args.total_steps):
+        t_step = time.time()
+        # verl's warmup/cosine schedule, a pure function of step
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * lr_factor(step, args)
+
+        # 1-2. Rollout and rewards (roll_out): this rank's prompts, n samples each with pi_rollout's
+        #      logprobs, and each response's score. With --dynamic-sampling (DAPO) both repeat on
+        #      fresh prompts until train_batch_size groups whose rewards differ are in hand.
+        t0 = time.time()
+        filter_metrics = {}
+        if args.dynamic_sampling:
+            indices, rollout_batch, filter_metrics = dynamic_sampling(
+                step, backend, task, tokenizer, args, rank, world_size
+            )
+        else:
+            indices = step_prompt_indices(step, len(task.train), args, rank, world_size)
+            seed = sampling_seed(args, step, rank)
+            rollout_batch = roll_out(backend, task, tokenizer, indices, seed, args)
+        timing = {"timing/generate": time.time() - t0}
+        if rollout_batch is None:
+            # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
+            # signal (the policy answers nearly every prompt the same way, right or wrong), so the
+            # run ends after `step` steps, saved; it resumes from there with a larger cap
+            save(args, rank, model, tokenizer, optimizer, scaler, step)
+            if rank == 0:
+                print(
+                    f"stopping after step {step}: --max-num-gen-batches "
+                    f"{filter_metrics['filter_groups/gen_batches']} gave "
+                    f"{filter_metrics['filter_groups/kept_groups']} of --train-batch-size "
+                    f"{args.train_batch_size} prompt groups whose rewards differ",
+                    flush=True,
+                )
+            break
+        response_ids, rollout_logprobs, finish_reasons, scores = rollout_batch
+        # group g's responses are rows g*n .. g*n+n-1, each beside its prompt
+        prompt_ids = [task.train_prompt_ids[i] for i in indices]
+        group_ids = torch.arange(len(indices)).repeat_interleave(args.rollout_n)
+        batch = rollout.make_batch(
+            [ids for ids in prompt_ids for _ in range(args.rollout_n)],
+            response_ids,
+            rollout_logprobs,
+            tokenizer.pad_token_id,
+            args.max_response_length,
+            device,
+        )
+        lengths = batch["response_mask"].sum(-1).long().cpu()
+
+        # 3. Advantages: one per response (GRPO: normalised within its prompt's group); ReMax's
+        #    baseline is the score of the policy's greedy answer to the same prompt.
+        baselines = None
+        if args.adv_estimator == "remax":
+            baselines = greedy_baselines(backend, task, tokenizer, indices, step, args, rank)
+        batch["advantages"] = compute_advantages(
+            scores, group_ids, lengths, baselines, args, device
+        )
+
+        # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
+        #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL
+        #    loss is on.
+        t0 = time.time()
+        corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
+        timing["timing/logprobs"] = time.time() - t0
+
+        # 5. Update: grpo_loss (the policy loss with the correction's weights and mask, entropy and
+        #    KL terms) over minibatches of micro-batches, one optimizer step per minibatch.
+        t0 = time.time()
+        actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size, scaler)
+        timing["timing/update"] = time.time() - t0
+
+        # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
+        #    rollout.apply_mismatch; vLLM: load_weights + prefix cache reset). --rollout-staleness
+        #    K: the copy gets the weights after update step + 1 - K (the initial ones while fewer
+        #    updates are done).
+        t0 = time.time()
+        if lag:
+            lag.push(model)
+        backend.sync_weights(rollout_model)
+        timing["timing/sync_weights"] = time.time() - t0
+
+        # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
+        metrics = step_metrics(
+            step, args, scores, lengths, finish_reasons, prompt_ids, batch["advantages"]
+        )
+        metrics = harness.reduce_metrics(
+            {**metrics, **filter_metrics, **timing, **corr_metrics, **actor_metrics}, world_size
+        )
+        last = step + 1 == args.total_steps
+        if last:  # every rank must hold the same parameters (0.0 when in sync)
+            spread = harness.rank_checksum_spread(model.parameters(), world_size)
+            metrics["debug/rank_param_checksum_max_diff"] = spread
+        if args.val_every and ((step + 1) % args.val_every == 0 or last):
+            metrics.update(validate(backend, lag, tokenizer, task, args, step, rank, world_size))
+        metrics["timing/step"] = time.time() - t_step
+        log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
+        if args.log_samples_every and args.num_log_samples:
+            # what the policy writes
+            if (step + 1) % args.log_samples_every == 0 or step == start_step:
+                rows = sample_rows(
+                    step + 1, args, tokenizer, prompt_ids, response_ids, scores, batch["advantages"]
+                )
+                log.samples(rows)
+        if (args.save_every and (step + 1) % args.save_every == 0) or last:
+            save(args, rank, model, tokenizer, optimizer, scaler, step + 1)
+
+    log.close()
+    if own_backend and isinstance(backend, rollout.VLLMBackend):
+        # vLLM's shutdown also destroys the default process group: after the last collective
+        backend.close()
+    harness.end_processes(world_size)
+    return os.path.join(args.output_dir, "metrics.jsonl")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks, setup, validation and logging (plumbing: a first read can skip this section)
+# --------------------------------------------------------------------------------------------------
+
+
+def local_batch_sizes(args, world_size):
+    """(prompts per rank per step, sequences per rank per minibatch); ValueError if a size does not
+    divide."""
+    # verl: ppo_mini_batch_size *= rollout_n, then //= the world size
+    mini_seqs = args.ppo_mini_batch_size * args.rollout_n
+    if args.train_batch_size % world_size:
+        raise ValueError(
+            f"--train-batch-size {args.train_batch_size} must be divisible by the world size "
+            f"{world_size} (each rank rolls out whole groups)"
+        )
+    if args.train_batch_size % args.ppo_mini_batch_size:
+        raise ValueError(
+            f"--train-batch-size {args.train_batch_size} must be divisible by "
+            f"--ppo-mini-batch-size {args.ppo_mini_batch_size}"
+        )
+    micro = args.ppo_micro_batch_size_per_gpu
+    if mini_seqs % world_size or (mini_seqs // world_size) % micro:
+        raise ValueError(
+            f"--ppo-mini-batch-size x --rollout-n = {mini_seqs} sequences must be divisible by the "
+            f"world size {world_size} x --ppo-micro-batch-size-per-gpu {micro}"
+        )
+    return args.train_batch_size // world_size, mini_seqs // world_size
+
+
+def check_args(args, world_size=1):
+    """Every check that needs no weights, in one place: a bad flag fails here, in seconds, with one
+    line that names it (main prints it and exits 2), before any model loads."""
+
+    choices = {
+        "task": tasks.GRPO_TASKS,
+        "backend": rollout.BACKENDS,
+        "mismatch": rollout.MISMATCH_KINDS,
+        "loss_agg_mode": objectives.AGG_MODES,
+        "kl_loss_type": objectives.KL_PENALTY_KINDS,
+        "lr_scheduler_type": LR_SCHEDULERS,
+        "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
+        "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
+        "precision": rollout.PRECISIONS,
+        "correction": corrections.ALL_PRESET_NAMES,
+        "policy_loss": tuple(objectives.POLICY_LOSSES),
+        "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
+        "tiny_arch": ("qwen2", "gpt2"),
+    }
+    ranges = {
+        ">= 1": "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
+        "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
+        "train_size copy_length arith_max_steps vllm_max_num_seqs",
+        ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
+        "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
+        "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
+        "overlong_penalty_factor",
+        "> 0": "lr temperature max_grad_norm num_cycles",
+        "in [0, 1]": "min_lr_ratio lr_warmup_steps_ratio",
+        "in [0, 1)": "clip_ratio_low",
+        "in (0, 1]": "vllm_gpu_memory_utilization",
+        ">= 2": "arith_max_number",
+    }
+    # finite numbers, --track able to log, then the choices and ranges above
+    harness.check_flags(args, choices, ranges)
+    if args.task in ("copy", "arith") and args.val_size < 1:
+        harness.refuse(args, "val_size", ">= 1 for the copy and arith tasks")
+    if args.overlong_buffer_len > args.max_response_length:
+        rule = f"<= --max-response-length {args.max_response_length}"
+        harness.refuse(args, "overlong_buffer_len", rule)
+    if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
+        harness.refuse(args, "clip_ratio_c", "> 1 (or None: no dual-clip)")
+    # the rules that tie --policy-loss / --adv-estimator to other flags (objectives.py, section 5)
+    objectives.check_objective(args, corrections.RolloutCorrection.from_name(args.correction))
+    if args.vllm_sleep_mode and args.backend != "vllm":
+        raise ValueError("--vllm-sleep-mode needs --backend vllm")
+    local_batch_sizes(args, world_size)
+    if args.backend == "vllm":
+        # a clear message before any model loads; vllm is imported later
+        rollout.check_vllm_available()
+    if tasks.smollm2_problem(args.model_name_or_path):
+        raise ValueError(tasks.smollm2_problem(args.model_name_or_path))
+    # the model's config is readable, and prompt + response fit its context
+    max_positions = TINY_MAX_POSITIONS
+    if args.model_name_or_path != TINY_MODEL:
+        config = harness.model_config("--model-name-or-path", args.model_name_or_path)
+        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    needed = args.max_prompt_length + args.max_response_length
+    if max_positions is not None and needed > max_positions:
+        raise ValueError(
+            f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
+            f"(max_position_embeddings = {max_positions})"
+        )
+    harness.check_paths(args)
+
+
+def changeable_settings(args):
+    """The settings a resume may change (harness.checkpoint_to_resume): the number of steps where
+    the learning-rate schedule does not depend on it, and dynamic sampling's cap (a run stopped by
+    it resumes with a larger one)."""
+    schedule_uses_total = args.lr_scheduler_type != "constant" or (
+        args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
+    )
+    return ("max_num_gen_batches",) + (() if schedule_uses_total else ("total_steps",))
+
+
+def policy_path(args, rank, world_size):
+    """Where the policy loads from: --model-name-or-path, or for "tiny" the offline tiny model,
+    built once into <output_dir>/tiny_model (an engine such as vLLM loads it from disk too)."""
+    if args.model_name_or_path != TINY_MODEL:
+        return args.model_name_or_path
+    path = os.path.join(args.output_dir, "tiny_model")
+    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        tasks.build_tiny_model(
+            path, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
+        )
+    if world_size > 1:
+        harness.barrier()
+    return path
+
+
+def load_models(args, model_path, checkpoint, device, rank):
+    """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step):
+    fp32 master weights (autocast to --precision's dtype for the forward), from the checkpoint when
+    resuming, with the optimizer and scaler state and this rank's RNG state."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(
+        device
+    )
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    ref_model = None
+    if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        ref_model.requires_grad_(False)
+        # under bf16 autocast: same logprobs, ~half the memory
+        if rollout.resolve_precision(args.precision, device) == "bf16":
+            rollout.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
+        ref_model = ref_model.to(device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
+    )
+    scaler = None
+    if rollout.resolve_precision(args.precision, device) == "fp16":
+        # torch's defaults: S starts at 2^16
+        scaler = torch.amp.GradScaler(device.type)
+    start_step = 0
+    if checkpoint:
+        state = harness.load_checkpoint(checkpoint, rank)
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+        start_step = state["step"]
+        if rank == 0:
+            print(f"resuming from {checkpoint} at step {start_step}")
+    return tokenizer, model, ref_model, optimizer, scaler, start_step
+
+
+def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size):
+    """The rollout engine of --backend (rollout.make_backend), sized for prompt + response."""
+    context = (
+        getattr(rollout_model.config.get_text_config(), "max_position_embeddings", None) or math.inf
+    )
+    # vLLM refuses more
+    max_model_len = min(args.max_prompt_length + args.max_response_length, context)
+    return rollout.make_backend(
+        args.backend, model_path, rollout_model, args, tokenizer, max_model_len, world_size
+    )
+
+
+@torch.no_grad()
+def validate(backend, lag, tokenizer, task, args, step, rank, world_size):
+    """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the task's
+    held-out split; rank r answers prompts r, r + W, ...; greedy by default (val_temperature 0:
+    verl's val do_sample=False)."""
+    t0 = time.time()
+    mine = list(range(rank, len(task.val_prompt_ids), world_size))
+    responses = []
+    # validate the trainer's current weights, also when the engine lags (--rollout-staleness)
+    with lag.current(backend) if lag else contextlib.nullcontext():
+        if mine:
+            responses, _, _ = backend.generate(
+                [task.val_prompt_ids[i] for i in mine],
+                1,
+                args.max_response_length,
+                args.val_temperature,
+                sampling_seed(args, step, rank) + 1,
+            )
+    scores = [
+        task.reward_fn(tasks.response_text(tokenizer, ids), task.val[i])
+        for i, ids in zip(mine, responses)
+    ]
+    counts = {
+        "val/correct": sum(score == 1.0 for score in scores),
+        "val/total": len(scores),
+        "val/score_sum": float(sum(scores)),
+    }
+    counts = harness.reduce_metrics(counts, world_size, sum_keys=tuple(counts))
+    return {
+        "val/accuracy": counts["val/correct"] / max(counts["val/total"], 1),
+        "val/score_mean": counts["val/score_sum"] / max(counts["val/total"], 1),
+        "timing/validate": time.time() - t0,
+    }
+
+
+def step_metrics(step, args, scores, lengths, finish_reasons, prompt_ids, advantages):
+    """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*,
+    ...), and DAPO's overlong penalty when it is on."""
+    metrics = {
+        "reward/mean": scores.mean().item(),
+        "reward/max": scores.max().item(),
+        "reward/min": scores.min().item(),
+        "critic/advantages/mean": advantages.mean().item(),
+        "response_length/mean": lengths.float().mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": sum(f == "length" for f in finish_reasons)
+        / len(finish_reasons),
+        "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
+        # the next step's lr, as verl logs it (engine_workers.train_batch)
+        "actor/lr": args.lr * lr_factor(step + 1, args),
+    }
+    if args.overlong_buffer_len:
+        penalty = tasks.overlong_penalty(
+            lengths,
+            args.max_response_length,
+            args.overlong_buffer_len,
+            args.overlong_penalty_factor,
+        )
+        metrics["overlong/reward_mean"] = penalty.mean().item()
+        metrics["overlong/fraction"] = (penalty < 0).float().mean().item()
+    return metrics
+
+
+def log_step(log, metrics, total_steps, rank):
+    """One row of metrics.jsonl (and wandb), and one line printed by rank 0."""
+    log.metrics(metrics)
+    if rank != 0:
+        return
+    line = [f"step {metrics['step']}/{total_steps}"]
+    shown = [
+        ("reward/mean", "reward", ".3f"),
+        ("val/accuracy", "val_acc", ".3f"),
+        ("response_length/mean", "len", ".2f"),
+        ("actor/pg_loss", "pg_loss", "+.4f"),
+        ("actor/entropy", "entropy", ".3f"),
+        ("actor/grad_norm", "grad_norm", ".3f"),
+    ]
+    for key, short, fmt in shown:
+        if key in metrics:
+            line.append(f"{short} {metrics[key]:{fmt}}")
+    if "timing/step" in metrics:
+        line.append(f"{metrics['timing/step']:.2f}s")
+    print(" | ".join(line), flush=True)
+
+
+def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, advantages):
+    """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl)."""
+    return [
+        {
+            "step": step,
+            "prompt": tasks.response_text(tokenizer, prompt_ids[i // args.rollout_n]),
+            "response": tasks.response_text(tokenizer, response_ids[i]),
+            "score": scores[i].item(),
+            "advantage": advantages[i].item(),
+        }
+        for i in range(min(args.num_log_samples, len(response_ids)))
+    ]
+
+
+def save(args, rank, model, tokenizer, optimizer, scaler, step):
+    """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
+    and the step (harness.py adds every rank's RNG and swaps it in atomically)."""
+
+    def write_files(folder):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets and the command line
+# --------------------------------------------------------------------------------------------------
 
 
 # Each preset's settings and where they come from; what was measured with them is in docs/grpo.md.
@@ -366,7 +1291,7 @@ PRESETS = {
         "converted model: bash scripts/setup_cpu.sh).",
         Args(
             exp_name="grpo_smol_arith",
-            model_name_or_path=rewards.SMOLLM2_PATH,
+            model_name_or_path=tasks.SMOLLM2_PATH,
             task="arith",
             use_chat_template=True,
             arith_max_steps=1,
@@ -428,1066 +1353,6 @@ PRESETS["gsm8k_qwen15b"] = (
         ppo_micro_batch_size_per_gpu=8,
     ),
 )
-
-
-# --------------------------------------------------------------------------------------------------
-# Checks that run before anything is loaded
-# --------------------------------------------------------------------------------------------------
-
-
-def local_batch_sizes(args, world_size):
-    """(prompts per rank per step, sequences per rank per minibatch); ValueError if a size does not
-    divide."""
-    # verl: ppo_mini_batch_size *= rollout_n, then //= the world size
-    mini_seqs = args.ppo_mini_batch_size * args.rollout_n
-    if args.train_batch_size % world_size:
-        raise ValueError(
-            f"--train-batch-size {args.train_batch_size} must be divisible by the world size "
-            f"{world_size} (each rank rolls out whole groups)"
-        )
-    if args.train_batch_size % args.ppo_mini_batch_size:
-        raise ValueError(
-            f"--train-batch-size {args.train_batch_size} must be divisible by "
-            f"--ppo-mini-batch-size {args.ppo_mini_batch_size}"
-        )
-    micro = args.ppo_micro_batch_size_per_gpu
-    if mini_seqs % world_size or (mini_seqs // world_size) % micro:
-        raise ValueError(
-            f"--ppo-mini-batch-size x --rollout-n = {mini_seqs} sequences must be divisible by the "
-            f"world size {world_size} x --ppo-micro-batch-size-per-gpu {micro}"
-        )
-    return args.train_batch_size // world_size, mini_seqs // world_size
-
-
-def check_args(args, world_size=1):
-    """Every check that needs no weights, in one place: a bad flag fails here, in seconds, with one
-    line that names it (main prints it and exits 2), before any model loads."""
-
-    def refuse(name, rule):
-        raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
-
-    harness.check_flags(args)  # finite numbers; --track can log
-    choices = {
-        "task": TASKS,
-        "backend": rollout.BACKENDS,
-        "mismatch": rollout.MISMATCH_KINDS,
-        "loss_agg_mode": corrections.AGG_MODES,
-        "kl_loss_type": corrections.KL_PENALTY_KINDS,
-        "lr_scheduler_type": LR_SCHEDULERS,
-        "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
-        "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
-        "precision": rollout.PRECISIONS,
-        "correction": corrections.ALL_PRESET_NAMES,
-        "policy_loss": tuple(objectives.POLICY_LOSSES),
-        "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
-        "tiny_arch": ("qwen2", "gpt2"),
-    }
-    for name, allowed in choices.items():
-        if getattr(args, name) not in allowed:
-            refuse(name, "one of " + ", ".join(allowed))
-    ranges = {  # rule: (test, flags)
-        ">= 1": (
-            lambda v: v >= 1,
-            "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
-            "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
-            "train_size copy_length arith_max_steps vllm_max_num_seqs",
-        ),
-        ">= 0": (
-            lambda v: v >= 0,
-            "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
-            "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
-            "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
-            "overlong_penalty_factor",
-        ),
-        "> 0": (lambda v: v > 0, "lr temperature max_grad_norm num_cycles"),
-        "in [0, 1]": (lambda v: 0 <= v <= 1, "min_lr_ratio lr_warmup_steps_ratio"),
-        "in [0, 1)": (lambda v: 0 <= v < 1, "clip_ratio_low"),
-        "in (0, 1]": (lambda v: 0 < v <= 1, "vllm_gpu_memory_utilization"),
-        ">= 2": (lambda v: v >= 2, "arith_max_number"),
-    }
-    for rule, (test, names) in ranges.items():
-        for name in names.split():
-            if not test(getattr(args, name)):
-                refuse(name, rule)
-    if args.task in ("copy", "arith") and args.val_size < 1:
-        refuse("val_size", ">= 1 for the copy and arith tasks")
-    if args.overlong_buffer_len > args.max_response_length:
-        refuse("overlong_buffer_len", f"<= --max-response-length {args.max_response_length}")
-    if args.policy_loss in ("sapo", "geo_mean") and args.loss_agg_mode != "seq-mean-token-mean":
-        refuse("loss_agg_mode", f"seq-mean-token-mean with --policy-loss {args.policy_loss}")
-    if args.adv_estimator == "grpo_passk" and args.rollout_n < 2:
-        refuse("rollout_n", ">= 2 for --adv-estimator grpo_passk (it compares the two best)")
-    if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
-        refuse("clip_ratio_c", "> 1 (or None: no dual-clip)")
-    correction = corrections.RolloutCorrection.from_name(args.correction)
-    if args.policy_loss != "vanilla" and correction.bypass_mode:
-        # verl's bypass mode silently swaps in its own loss (apply_bypass_mode); refused here
-        raise ValueError(
-            f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
-            f"bring their own loss), got {args.correction!r}"
-        )
-    if args.policy_loss == "geo_mean" and correction.rollout_is == "token":
-        # verl weights GMPO by the geometric mean of token IS weights; per-token weights differ
-        refuse("correction", "a preset without token-level IS weights with --policy-loss geo_mean")
-    if args.vllm_sleep_mode and args.backend != "vllm":
-        raise ValueError("--vllm-sleep-mode needs --backend vllm")
-    local_batch_sizes(args, world_size)
-    if args.backend == "vllm":
-        # a clear message before any model loads; vllm is imported later
-        rollout.check_vllm_available()
-    if rewards.smollm2_problem(args.model_name_or_path):
-        raise ValueError(rewards.smollm2_problem(args.model_name_or_path))
-    # the model's config is readable, and prompt + response fit its context
-    max_positions = TINY_MAX_POSITIONS
-    if args.model_name_or_path != TINY_MODEL:
-        config = harness.model_config("--model-name-or-path", args.model_name_or_path)
-        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    needed = args.max_prompt_length + args.max_response_length
-    if max_positions is not None and needed > max_positions:
-        raise ValueError(
-            f"--max-prompt-length + --max-response-length = {needed} exceeds the model's context "
-            f"(max_position_embeddings = {max_positions})"
-        )
-    harness.check_paths(args)
-
-
-# --------------------------------------------------------------------------------------------------
-# The task: prompts, answers and the rule-based rewards (rewards.py)
-# --------------------------------------------------------------------------------------------------
-
-GSM8K_INSTRUCTION = (
-    'Let\'s think step by step and output the final answer after "####".'  # verl gsm8k.py
-)
-# arith (smol_arith): the instruction + one worked example (one-shot, as GSM8K is usually evaluated
-# few-shot), then the problem; gsm8k_reward (strict) only accepts "#### <number>" (how this prompt
-# was chosen: docs/grpo.md, smol_arith).
-ARITH_INSTRUCTION = (
-    'Solve the problem, then write the final answer as a number after "####".\n'
-    'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
-    "Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: "
-)
-# TinyZero examples/data_preprocess/countdown.py
-COUNTDOWN_SYSTEM = (
-    "You are a helpful assistant. You first thinks about the reasoning process in the mind and "
-    "then provides the user with the answer."
-)
-# TinyZero's template_type="base" (its default, used for the 3B base-model run): plain text, no chat
-# template
-COUNTDOWN_BASE_PREFIX = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves "
-    "it. The assistant first thinks about the reasoning process in the mind and then provides the "
-    "user with the answer.\nUser: "
-)
-COUNTDOWN_BASE_SUFFIX = "\nAssistant: Let me solve this step by step.\n<think>"
-
-
-def load_task(args):
-    """(train, val): lists of dicts {"prompt": str, "answer": ...}; plus reward_fn(response_text,
-    example).
-
-    copy: rewards.make_copy_task; the val letter strings are held out of training (a real held-out
-    split). gsm8k: verl's preprocessing: question + instruction; ground truth = the text after
-    "####" without commas. countdown: TinyZero's prompt; the first train_size rows train, the next
-    1024 are the test split. arith: ARITH_INSTRUCTION (one worked example) + a
-    rewards.make_arith_task problem, scored like gsm8k; val held out.
-    """
-
-    def gsm8k_reward_fn(response, example):  # the gsm8k and arith tasks score the same way
-        return float(rewards.gsm8k_reward(response, example["answer"], mode=args.gsm8k_reward_mode))
-
-    # offline; the validation prompts (seed + 1) are held out of training
-    if args.task in ("copy", "arith"):
-        if args.task == "copy":
-            instruction = ""
-            make = functools.partial(rewards.make_copy_task, length=args.copy_length)
-
-            def reward_fn(response, example):
-                return rewards.copy_reward(response, example["answer"])
-
-        else:
-            instruction = ARITH_INSTRUCTION
-            make = functools.partial(
-                rewards.make_arith_task,
-                max_steps=args.arith_max_steps,
-                max_number=args.arith_max_number,
-            )
-            reward_fn = gsm8k_reward_fn
-        val = make(args.val_size, seed=args.seed + 1)
-        held_out = {prompt for prompt, _ in val}
-        candidates = make(4 * args.train_size, seed=args.seed)
-        train = [(p, a) for p, a in candidates if p not in held_out][: args.train_size]
-
-        def as_dicts(pairs):
-            return [{"prompt": instruction + prompt, "answer": answer} for prompt, answer in pairs]
-
-        return as_dicts(train), as_dicts(val), reward_fn
-
-    import datasets
-
-    if args.task == "gsm8k":
-        dataset = datasets.load_dataset("openai/gsm8k", "main")
-
-        def convert(row):
-            return {
-                "prompt": row["question"] + " " + GSM8K_INSTRUCTION,
-                "answer": row["answer"].split("####")[-1].strip().replace(",", ""),
-            }
-
-        train = [convert(row) for row in dataset["train"]]
-        val = [convert(row) for row in dataset["test"]]
-        reward_fn = gsm8k_reward_fn
-    else:  # countdown
-        dataset = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
-
-        def convert(row):
-            nums, target = list(row["nums"]), int(row["target"])
-            prompt = (
-                f"Using the numbers {nums}, create an equation that equals {target}. You can use "
-                "basic arithmetic operations (+, -, *, /) and each number can only be used once. "
-                "Show your work in <think> </think> tags. And return the final answer in <answer> "
-                "</answer> tags, for example <answer> (1 + 2) / 3 </answer>."
-            )
-            # TinyZero's "base" template (else tokenize_prompts adds it)
-            if not args.use_chat_template:
-                prompt = COUNTDOWN_BASE_PREFIX + prompt + COUNTDOWN_BASE_SUFFIX
-            return {"prompt": prompt, "answer": target, "nums": nums}
-
-        train = [convert(dataset[i]) for i in range(min(args.train_size, len(dataset) - 1024))]
-        val_rows = range(len(train), min(len(train) + 1024, len(dataset)))
-        val = [convert(dataset[i]) for i in val_rows]
-
-        def reward_fn(response, example):
-            return float(rewards.countdown_reward(response, example["nums"], example["answer"]))
-
-    if args.val_size:
-        val = val[: args.val_size]
-    return train, val, reward_fn
-
-
-def response_text(tokenizer, response_ids):
-    """The text a rule-based reward sees: the response without its final EOS (the "stop" action),
-    decoded with every other special token kept. verl decodes with skip_special_tokens=True; we keep
-    them so that a policy cannot hide tokens that decode to nothing (on the tiny copy task it
-    learned to end with [UNK] instead of stopping)."""
-    if response_ids and response_ids[-1] == tokenizer.eos_token_id:
-        response_ids = response_ids[:-1]
-    return tokenizer.decode(response_ids, skip_special_tokens=False)
-
-
-def tokenize_prompts(tokenizer, examples, args):
-    """Token ids per prompt (chat template if asked: TinyZero/verl apply it; the copy task uses raw
-    text)."""
-    out = []
-    for example in examples:
-        text = example["prompt"]
-        if args.use_chat_template:
-            messages = [{"role": "user", "content": text}]
-            if args.task == "countdown":
-                messages.insert(0, {"role": "system", "content": COUNTDOWN_SYSTEM})
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-            if args.task == "countdown":
-                text += (
-                    "Let me solve this step by step.\n<think>"  # TinyZero primes the assistant turn
-                )
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
-
-
-def drop_overlong(examples, tokenizer, args):
-    """(examples, their prompt ids) without the prompts longer than max_prompt_length (verl
-    data.filter_overlong_prompts, applied to the train and the val dataset)."""
-    prompt_ids = tokenize_prompts(tokenizer, examples, args)
-    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= args.max_prompt_length]
-    return [examples[i] for i in keep], [prompt_ids[i] for i in keep]
-
-
-def step_prompt_indices(step, n_train, args, rank, world_size, gen_batch=0):
-    """Indices of this rank's prompts at `step`: a function of (seed, step) only, so resume replays
-    the data order. Epoch e visits the training set in the order torch.randperm(n_train, seed + e);
-    the last partial batch of an epoch is dropped (verl's dataloader drop_last). Rank r takes the
-    r-th contiguous slice of the global batch. Dynamic sampling's extra generation batches
-    (gen_batch >= 1) take the first train_batch_size prompts of a permutation seeded by (seed, step,
-    gen_batch): a function of (seed, step) too."""
-    steps_per_epoch = n_train // args.train_batch_size
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"train_batch_size={args.train_batch_size} is larger than the training set ({n_train})"
-        )
-    epoch, index = divmod(step, steps_per_epoch)
-    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed + epoch))
-    batch = perm[index * args.train_batch_size : (index + 1) * args.train_batch_size]
-    if gen_batch > 0:
-        seed = 1_000_003 * args.seed + 1009 * step + gen_batch
-        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed))
-        batch = perm[: args.train_batch_size]
-    per_rank = args.train_batch_size // world_size
-    return batch[rank * per_rank : (rank + 1) * per_rank].tolist()
-
-
-def sampling_seed(args, step, rank, gen_batch=0):
-    """A distinct sampling seed per (rank, step, generation batch) (seed + rank * 100003 style),
-    independent of the RNG state."""
-    return args.seed + 100003 * rank + 7919 * (step + 1) + 1_000_033 * gen_batch
-
-
-# --------------------------------------------------------------------------------------------------
-# Logprobs, advantages, dynamic sampling (DAPO), the learning-rate schedule
-# --------------------------------------------------------------------------------------------------
-
-
-def compute_logprobs(
-    model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, precision="auto"
-):
-    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
-    log-softmax: the backbone's hidden states at the positions that predict a valid response token
-    (position t predicts token t+1), then the LM head chunk by chunk
-    (corrections.token_logprobs_and_entropy, checkpointed under autograd), so the extra memory is
-    one chunk's (chunk_size, V) logits. Padding positions get logprob 0 and entropy 0."""
-    if rows is not None:
-        batch = {k: v[rows] for k, v in batch.items()}
-    backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
-    R = batch["responses"].shape[1]
-    # the backbone in the forward dtype of --precision (bf16 on CUDA by default)
-    with rollout.autocast_context(batch["input_ids"].device, precision):
-        # (B, P+R, H)
-        hidden = backbone(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        ).last_hidden_state
-        # (B, R, H): the positions that predict the R response tokens
-        hidden = hidden[:, -R - 1 : -1]
-        valid = batch["response_mask"].bool()
-        # (N, H), (N,) valid response tokens only
-        hidden, tokens = (
-            hidden[valid],
-            batch["responses"][valid],
-        )
-        # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (shared with
-        # ppo_rlhf.py)
-        token_logprobs, token_entropy = corrections.token_logprobs_and_entropy(
-            hidden,
-            tokens,
-            temperature,
-            project=lm_head,
-            chunk_size=chunk_size,
-            entropy_grad=entropy_grad,
-        )
-    logprobs = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_logprobs)
-    entropy = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_entropy)
-    return logprobs, entropy
-
-
-@torch.no_grad()
-def batch_logprobs(model, batch, args):
-    """(B, R) logprobs of the whole local batch under `model`, no gradient, one micro-batch at a
-    time."""
-    micro = args.ppo_micro_batch_size_per_gpu
-    parts = []
-    for start in range(0, batch["responses"].shape[0], micro):
-        logprobs, _ = compute_logprobs(
-            model,
-            batch,
-            args.temperature,
-            args.logprob_chunk_size,
-            rows=slice(start, start + micro),
-            precision=args.precision,
-        )
-        parts.append(logprobs)
-    return torch.cat(parts)
-
-
-def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
-    """Step 4: the PPO anchor pi_old and, with beta > 0, the reference pi_ref, into the batch.
-    Returns the correction's batch metrics ({} in bypass mode).
-
-    decoupled ("disabled" included): pi_old = the trainer's no-grad recompute before the update,
-        corrected against pi_rollout once per batch (verl
-        compute_rollout_correction_and_add_to_batch): the IS weights pi_old / pi_rollout and the
-        RS/veto mask, which replaces the response mask for every loss term
-    bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy
-        corrects each micro-batch against the current policy (verl rollout_corr_math.md, 3.1)
-    """
-    model.eval()
-    batch["loss_mask"] = batch["response_mask"]
-    corr_metrics = {}
-    if correction.bypass_mode:
-        batch["old_logprobs"] = batch["rollout_logprobs"]
-    else:
-        batch["old_logprobs"] = batch_logprobs(model, batch, args)
-        is_weights, batch["loss_mask"], corr_metrics = corrections.apply_rollout_correction(
-            batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
-        )
-        if is_weights is not None:
-            batch["is_weights"] = is_weights
-    if ref_model is not None:
-        batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args)
-    return corr_metrics
-
-
-def score_responses(response_ids, examples, tokenizer, reward_fn, args):
-    """(B,) float scores: the rule-based reward of each response for its example, minus DAPO's
-    overlong penalty when --overlong-buffer-len is on."""
-    texts = [response_text(tokenizer, ids) for ids in response_ids]
-    scores = torch.tensor([reward_fn(text, example) for text, example in zip(texts, examples)])
-    if args.overlong_buffer_len:
-        scores += rewards.overlong_penalty(
-            torch.tensor([len(ids) for ids in response_ids]),
-            args.max_response_length,
-            args.overlong_buffer_len,
-            args.overlong_penalty_factor,
-        )
-    return scores
-
-
-def as_groups(indices, response_ids, rollout_logprobs, finish_reasons, scores, gen_batch, rank):
-    """One rollout as a dict per prompt group (prompt index, its n responses, their sampler
-    logprobs, finish reasons and scores), tagged with where it was drawn (generation batch, rank)
-    so that dynamic sampling can keep some groups and order them over the ranks."""
-    n = len(response_ids) // len(indices)
-    return [
-        {
-            "prompt": index,
-            "responses": response_ids[g * n : (g + 1) * n],
-            "logprobs": rollout_logprobs[g * n : (g + 1) * n],
-            "finish_reasons": finish_reasons[g * n : (g + 1) * n],
-            "scores": scores[g * n : (g + 1) * n].tolist(),
-            "gen_batch": gen_batch,
-            "rank": rank,
-        }
-        for g, index in enumerate(indices)
-    ]
-
-
-def has_reward_signal(group_scores):
-    """DAPO's dynamic-sampling rule as verl 0.9.1 applies it (trainer/ppo/v1/replay_buffer.py,
-    _dapo_filtered_keys): a group of more than one response whose rewards have a standard deviation
-    of exactly 0 (all right, or all wrong) gives every response advantage 0, so no gradient; it is
-    dropped. Every other group is kept."""
-    return not (len(group_scores) > 1 and float(np.std(group_scores)) == 0.0)
-
-
-def take_groups(groups, train_batch_size, rank, world_size):
-    """Dynamic sampling's batch: the kept groups of every rank in the order they were drawn
-    (generation batch by generation batch, rank by rank), cut to the first train_batch_size; rank r
-    trains the r-th slice. So every rank gets the same number of groups, hence of micro-batches
-    (one with fewer would leave the others waiting in a collective). The surplus is discarded, as
-    in verl."""
-    everyone = harness.all_gather_objects(groups)  # [rank 0's kept groups, rank 1's, ...]
-    ordered = sorted(
-        (group for rank_groups in everyone for group in rank_groups),
-        key=lambda group: (group["gen_batch"], group["rank"]),
-    )
-    per_rank = train_batch_size // world_size
-    return ordered[:train_batch_size][rank * per_rank : (rank + 1) * per_rank]
-
-
-def lr_factor(step, args):
-    """The lr multiplier of the update of 0-based `step`, as verl's LambdaLR schedules stepped once
-    per training step (utils/torch_functional.py get_constant/cosine_schedule_with_warmup). W =
-    lr_warmup_steps or int(ratio * total):
-        step < W    step / W                   (the first update runs at lr 0)
-        constant    1
-        cosine      max(c, c + (1 - c) * 0.5 * (1 + cos(2 pi num_cycles p))),  c = min_lr_ratio,
-                    p = (step - W) / max(1, total_steps - W)
-    """
-    warmup = args.lr_warmup_steps
-    if warmup <= 0:
-        warmup = int(args.lr_warmup_steps_ratio * args.total_steps)
-    if step < warmup:
-        return step / max(1, warmup)
-    if args.lr_scheduler_type == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, args.total_steps - warmup)
-    cosine = math.cos(math.pi * args.num_cycles * 2.0 * progress)
-    return max(
-        args.min_lr_ratio,
-        cosine * (1 - args.min_lr_ratio) * 0.5 + (1 + args.min_lr_ratio) * 0.5,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# The policy update (step 5)
-# --------------------------------------------------------------------------------------------------
-
-
-def update_policy(model, optimizer, batch, args, correction, world_size=1, scaler=None):
-    """Step 5: ppo_epochs x minibatches (one optimizer step each) x micro-batches (one
-    forward/backward each) over this rank's batch: the (B, R) tensors of rollout.make_batch, the
-    advantages, and step 4's old_logprobs, loss_mask, is_weights, ref_logprobs. Returns the metrics
-    averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else None.
-
-    The loss of a micro-batch, term by term as verl's actor computes it (dp_actor.py update_policy):
-        pg_loss = agg(w * l_clip(pi_theta / pi_old, A))    over the tokens the correction keeps
-        loss    = pg_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || pi_ref))
-
-    One loss normalisation whatever the micro-batch size or the number of ranks (verl 0.9.1 agg_loss
-    with global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each
-    micro-batch's loss is divided by the minibatch's GLOBAL count (valid tokens, or
-    ppo_mini_batch_size * n sequences) and multiplied by the world size; backward sums the
-    micro-batches and the gradients are averaged over ranks: exactly the gradient of the minibatch's
-    loss (tests/test_grpo.py: micro-batch 8 vs 64, 2 ranks vs 1).
-    """
-    B = batch["responses"].shape[0]
-    _, mini = local_batch_sizes(args, world_size)
-    micro = args.ppo_micro_batch_size_per_gpu
-    params = [p for p in model.parameters() if p.requires_grad]
-    logged = collections.defaultdict(list)  # name -> values, averaged at the end
-    bypass_metrics = None  # bypass mode: the correction's metrics of the first micro-batch
-
-    model.train()  # (dropout is off in these configs; train() enables gradient checkpointing)
-    for _ in range(args.ppo_epochs):
-        for mini_start in range(0, B, mini):
-            optimizer.zero_grad(set_to_none=True)
-            mini_end = min(mini_start + mini, B)
-            # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all
-            # ranks (the corrected mask in decoupled mode: verl replaces response_mask with it, so
-            # every term counts the same tokens), and its sequences
-            minibatch_mask = batch["loss_mask"][mini_start:mini_end]
-            global_info = dict(
-                dp_size=world_size,
-                batch_num_tokens=harness.all_sum(minibatch_mask.sum().double()).item(),
-                global_batch_size=args.ppo_mini_batch_size * args.rollout_n,
-            )
-            minibatch_losses = collections.defaultdict(float)
-            for start in range(mini_start, mini_end, micro):
-                rows = slice(start, min(start + micro, B))
-                logprobs, entropy = compute_logprobs(
-                    model,
-                    batch,
-                    args.temperature,
-                    args.logprob_chunk_size,
-                    entropy_grad=args.entropy_coeff != 0,
-                    rows=rows,
-                    precision=args.precision,
-                )
-                advantages = batch["advantages"][rows, None].expand_as(logprobs)  # (B,) -> (B, R)
-                old_logprobs = batch["old_logprobs"][rows]
-                # decoupled: the RS/veto mask of step 4; bypass: the response mask
-                loss_mask = batch["loss_mask"][rows]
-                is_weights = batch["is_weights"][rows] if "is_weights" in batch else None
-
-                # The correction. Decoupled: step 4 made the IS weights and the mask once per batch.
-                # Bypass: pi_old = pi_rollout, and the weights pi_theta / pi_rollout and the RS mask
-                # come from this micro-batch's current logprobs (verl
-                # core_algos.compute_policy_loss_bypass_mode).
-                pg_mask = loss_mask
-                if correction.bypass_mode:
-                    is_weights, pg_mask, metrics = corrections.apply_rollout_correction(
-                        logprobs.detach(), old_logprobs, loss_mask, correction
-                    )
-                    if bypass_metrics is None:
-                        bypass_metrics = metrics
-                # The policy-gradient term per token.
-                if correction.loss_type == "reinforce":
-                    # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry the ratio
-                    pg_losses, pg_metrics = corrections.reinforce_token_loss(
-                        logprobs, advantages, pg_mask
-                    )
-                else:
-                    # --policy-loss, by default PPO's clipped surrogate of r = pi_theta / pi_old
-                    # (clip-higher, dual-clip); the others (gspo, cispo, gpg, sapo, geo_mean,
-                    # clip_cov, kl_cov) are in objectives.py, each with its formula
-                    policy_loss = objectives.POLICY_LOSSES[args.policy_loss]
-                    pg_losses, pg_metrics = policy_loss(
-                        logprobs,
-                        old_logprobs,
-                        advantages,
-                        pg_mask,
-                        args.clip_ratio_low,
-                        args.clip_ratio_high,
-                        args.clip_ratio_c,
-                    )
-                    if correction.bypass_mode:
-                        # r is against pi_rollout already: IS weights would count it twice (verl)
-                        is_weights = None
-                if is_weights is not None:
-                    # the IS weights multiply the clipped term (decoupled PPO)
-                    pg_losses = pg_losses * is_weights
-                pg_loss = corrections.agg_loss(
-                    pg_losses, pg_mask, args.loss_agg_mode, **global_info
-                )
-
-                # Entropy and KL terms over the same mask (decoupled: the corrected one, as verl's
-                # compute_rollout_correction_and_add_to_batch replaces response_mask for every loss
-                # term).
-                entropy_loss = corrections.agg_loss(
-                    entropy, loss_mask, args.loss_agg_mode, **global_info
-                )
-                loss = pg_loss - args.entropy_coeff * entropy_loss
-                terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
-                # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss, not a reward
-                if args.kl_loss_coef > 0:
-                    kl = corrections.kl_penalty(
-                        logprobs, batch["ref_logprobs"][rows], args.kl_loss_type
-                    )
-                    kl_loss = corrections.agg_loss(kl, loss_mask, args.loss_agg_mode, **global_info)
-                    loss = loss + args.kl_loss_coef * kl_loss
-                    terms["actor/kl_loss"] = kl_loss
-                # every term is divided by the global count and multiplied by the world size
-                # already: backward sums the micro-batches
-                if scaler is not None:
-                    # fp16: backward from loss x S, so that small gradients do not underflow
-                    # float16 (Micikevicius et al. 2018, "Mixed Precision Training")
-                    loss = scaler.scale(loss)
-                loss.backward()
-
-                # the minibatch's loss terms: the sum of its micro-batches' (then the mean of ranks)
-                for name, value in terms.items():
-                    minibatch_losses[name] += value.item()
-                for name, value in pg_metrics.items():  # pg_clipfrac, pg_clipfrac_lower, ppo_kl
-                    logged[f"actor/{name}"].append(value)
-            for name, value in minibatch_losses.items():
-                logged[name].append(value)
-            harness.average_gradients(params, world_size)
-            if scaler is not None:
-                # divide by S before clipping; records whether any gradient is inf or nan
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if scaler is not None:
-                logged["actor/loss_scale"].append(scaler.get_scale())
-                # skips the step if unscale_ found an inf/nan; then halves S (doubles it after 2000
-                # steps in a row without one)
-                scaler.step(optimizer)
-                scaler.update()
-            elif torch.isfinite(grad_norm):
-                optimizer.step()
-            if not torch.isfinite(grad_norm):  # verl skips the update on a non-finite norm
-                print(
-                    f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step",
-                    file=sys.stderr,
-                )
-            logged["actor/grad_norm"].append(grad_norm.item())
-    optimizer.zero_grad(set_to_none=True)
-    metrics = {name: sum(values) / len(values) for name, values in logged.items()}
-    # bypass mode: verl logs the off-policy metrics of the first micro-batch, where pi_theta is
-    # still the pi_old a recompute would give: they measure the mismatch alone
-    metrics.update(bypass_metrics or {})
-    metrics.setdefault("actor/kl_loss", 0.0)
-    return metrics
-
-
-# --------------------------------------------------------------------------------------------------
-# Setup, validation and logging (plumbing: a first read can skip this section)
-# --------------------------------------------------------------------------------------------------
-
-
-def policy_path(args, rank, world_size):
-    """Where the policy loads from: --model-name-or-path, or for "tiny" the offline tiny model,
-    built once into <output_dir>/tiny_model (an engine such as vLLM loads it from disk too)."""
-    if args.model_name_or_path != TINY_MODEL:
-        return args.model_name_or_path
-    path = os.path.join(args.output_dir, "tiny_model")
-    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
-        rewards.build_tiny_model(
-            path, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
-        )
-    if world_size > 1:
-        harness.barrier()
-    return path
-
-
-def load_models(args, model_path, checkpoint, device, rank):
-    """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step):
-    fp32 master weights (autocast to --precision's dtype for the forward), from the checkpoint when
-    resuming, with the optimizer and scaler state and this rank's RNG state."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(
-        device
-    )
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    ref_model = None
-    if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        ref_model.requires_grad_(False)
-        # under bf16 autocast: same logprobs, ~half the memory
-        if rollout.resolve_precision(args.precision, device) == "bf16":
-            rollout.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
-        ref_model = ref_model.to(device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
-    )
-    scaler = None
-    if rollout.resolve_precision(args.precision, device) == "fp16":
-        # torch's defaults: S starts at 2^16
-        scaler = torch.amp.GradScaler(device.type)
-    start_step = 0
-    if checkpoint:
-        state = harness.load_checkpoint(checkpoint, rank)
-        optimizer.load_state_dict(state["optimizer"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
-        start_step = state["step"]
-        if rank == 0:
-            print(f"resuming from {checkpoint} at step {start_step}")
-    return tokenizer, model, ref_model, optimizer, scaler, start_step
-
-
-def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size):
-    """The rollout engine of --backend (rollout.make_backend), sized for prompt + response."""
-    context = (
-        getattr(rollout_model.config.get_text_config(), "max_position_embeddings", None) or math.inf
-    )
-    # vLLM refuses more
-    max_model_len = min(args.max_prompt_length + args.max_response_length, context)
-    return rollout.make_backend(
-        args.backend, model_path, rollout_model, args, tokenizer, max_model_len, world_size
-    )
-
-
-@torch.no_grad()
-def validate(
-    backend, lag, tokenizer, val_prompt_ids, val_examples, reward_fn, args, step, rank, world_size
-):
-    """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the held-out
-    split; rank r answers prompts r, r + W, ...; greedy by default (val_temperature 0: verl's val
-    do_sample=False)."""
-    t0 = time.time()
-    mine = list(range(rank, len(val_prompt_ids), world_size))
-    responses = []
-    # validate the trainer's current weights, also when the engine lags (--rollout-staleness)
-    with lag.current(backend) if lag else contextlib.nullcontext():
-        if mine:
-            responses, _, _ = backend.generate(
-                [val_prompt_ids[i] for i in mine],
-                1,
-                args.max_response_length,
-                args.val_temperature,
-                sampling_seed(args, step, rank) + 1,
-            )
-    scores = [
-        reward_fn(response_text(tokenizer, ids), val_examples[i]) for i, ids in zip(mine, responses)
-    ]
-    counts = {
-        "val/correct": sum(score == 1.0 for score in scores),
-        "val/total": len(scores),
-        "val/score_sum": float(sum(scores)),
-    }
-    counts = harness.reduce_metrics(counts, world_size, sum_keys=tuple(counts))
-    return {
-        "val/accuracy": counts["val/correct"] / max(counts["val/total"], 1),
-        "val/score_mean": counts["val/score_sum"] / max(counts["val/total"], 1),
-        "timing/validate": time.time() - t0,
-    }
-
-
-def step_metrics(step, args, seq_scores, lengths, finish_reasons, prompt_ids, advantages):
-    """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*,
-    ...), and DAPO's overlong penalty when it is on."""
-    metrics = {
-        "reward/mean": seq_scores.mean().item(),
-        "reward/max": seq_scores.max().item(),
-        "reward/min": seq_scores.min().item(),
-        "critic/advantages/mean": advantages.mean().item(),
-        "response_length/mean": lengths.float().mean().item(),
-        "response_length/max": lengths.max().item(),
-        "response_length/min": lengths.min().item(),
-        "response_length/clip_ratio": sum(f == "length" for f in finish_reasons)
-        / len(finish_reasons),
-        "prompt_length/mean": sum(len(p) for p in prompt_ids) / len(prompt_ids),
-        # the next step's lr, as verl logs it (engine_workers.train_batch)
-        "actor/lr": args.lr * lr_factor(step + 1, args),
-    }
-    if args.overlong_buffer_len:
-        penalty = rewards.overlong_penalty(
-            lengths,
-            args.max_response_length,
-            args.overlong_buffer_len,
-            args.overlong_penalty_factor,
-        )
-        metrics["overlong/reward_mean"] = penalty.mean().item()
-        metrics["overlong/fraction"] = (penalty < 0).float().mean().item()
-    return metrics
-
-
-def log_step(log, metrics, total_steps, rank):
-    """One row of metrics.jsonl (and wandb), and one line printed by rank 0."""
-    log.metrics(metrics)
-    if rank != 0:
-        return
-    line = [f"step {metrics['step']}/{total_steps}"]
-    shown = [
-        ("reward/mean", "reward", ".3f"),
-        ("val/accuracy", "val_acc", ".3f"),
-        ("response_length/mean", "len", ".2f"),
-        ("actor/pg_loss", "pg_loss", "+.4f"),
-        ("actor/entropy", "entropy", ".3f"),
-        ("actor/grad_norm", "grad_norm", ".3f"),
-    ]
-    for key, short, fmt in shown:
-        if key in metrics:
-            line.append(f"{short} {metrics[key]:{fmt}}")
-    if "timing/step" in metrics:
-        line.append(f"{metrics['timing/step']:.2f}s")
-    print(" | ".join(line), flush=True)
-
-
-def sample_rows(step, args, tokenizer, prompt_ids, response_ids, seq_scores, advantages):
-    """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl)."""
-    return [
-        {
-            "step": step,
-            "prompt": response_text(tokenizer, prompt_ids[i // args.rollout_n]),
-            "response": response_text(tokenizer, response_ids[i]),
-            "score": seq_scores[i].item(),
-            "advantage": advantages[i].item(),
-        }
-        for i in range(min(args.num_log_samples, len(response_ids)))
-    ]
-
-
-def save(args, rank, model, tokenizer, optimizer, scaler, step):
-    """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
-    and the step (harness.py adds every rank's RNG and swaps it in atomically)."""
-
-    def write_files(folder):
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
-    state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
-    if scaler is not None:
-        state["scaler"] = scaler.state_dict()
-    harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
-
-
-# --------------------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------------------
-
-
-def train(args, backend=None):
-    """Run GRPO; returns the path of <output_dir>/metrics.jsonl. backend: a rollout engine built by
-    the caller (tests share one vLLM engine this way), synced from the trainer before the first
-    rollout, closed by the caller."""
-    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds); then the
-    #    task, the policy (and pi_ref), the optimizer and a checkpoint to resume from, the rollout
-    #    engine, the logs.
-    rank, world_size, device = harness.setup_distributed(args.cuda)
-    check_args(args, world_size)
-    if args.torch_threads and device.type == "cpu":
-        torch.set_num_threads(args.torch_threads)
-    # a checkpoint, verified, written with these settings (the number of steps may grow where the
-    # learning-rate schedule does not depend on it)
-    schedule_uses_total = args.lr_scheduler_type != "constant" or (
-        args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
-    )
-    # (and dynamic sampling's cap may grow: a run stopped by it resumes with a larger one)
-    changeable = ("max_num_gen_batches",) + (() if schedule_uses_total else ("total_steps",))
-    checkpoint = harness.checkpoint_to_resume(args, changeable=changeable)
-    correction = corrections.RolloutCorrection.from_name(args.correction)
-    train_examples, val_examples, reward_fn = load_task(args)
-    harness.seed_everything(args.seed)
-    model_path = policy_path(args, rank, world_size)
-    tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
-        args, model_path, checkpoint, device, rank
-    )
-    train_examples, train_prompt_ids = drop_overlong(train_examples, tokenizer, args)
-    val_examples, val_prompt_ids = drop_overlong(val_examples, tokenizer, args)
-    # The rollout engine. vLLM: one engine per rank, created by all ranks together after
-    # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
-    # (resumed, --mismatch-rounded) weights. --rollout-staleness K: the engine samples with a copy
-    # that trails the trainer by K updates (an asynchronous rollout worker).
-    lag = rollout.LaggedWeights(model, args.rollout_staleness) if args.rollout_staleness else None
-    rollout_model = lag.model if lag else model
-    own_backend = backend is None
-    if own_backend:
-        backend = make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
-    elif lag and getattr(backend, "model", None) is model:
-        raise ValueError(
-            "rollout_staleness: the backend passed to train() samples with the trainer's own "
-            "model, so it cannot lag; let train() build it"
-        )
-    backend.sync_weights(rollout_model)
-    log = harness.start_logs(args, "grpo", rank, world_size, start_step if checkpoint else None)
-
-    def run_validation(step):
-        return validate(
-            backend,
-            lag,
-            tokenizer,
-            val_prompt_ids,
-            val_examples,
-            reward_fn,
-            args,
-            step,
-            rank,
-            world_size,
-        )
-
-    # Validation before training (verl val_before_train): the initial policy, as step 0.
-    if args.val_every and args.val_before_train and start_step == 0:
-        log_step(log, {"step": 0, **run_validation(-1)}, args.total_steps, rank)
-
-    for step in range(start_step, args.total_steps):
-        t_step = time.time()
-        # verl's warmup/cosine schedule, a pure function of step
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * lr_factor(step, args)
-
-        # 1-2. Rollout and rewards. With --dynamic-sampling (DAPO) both repeat on fresh prompts
-        #      until train_batch_size groups whose rewards differ are in hand, over all ranks.
-        groups, gen_batches = [], 0
-        timing = {"timing/generate": 0.0}
-        while True:
-            # 1. Rollout: this rank's prompts, n samples each, with pi_rollout's logprobs.
-            t0 = time.time()
-            indices = step_prompt_indices(
-                step, len(train_examples), args, rank, world_size, gen_batches
-            )
-            response_ids, rollout_logprobs, finish_reasons = backend.generate(
-                [train_prompt_ids[i] for i in indices],
-                args.rollout_n,
-                args.max_response_length,
-                args.temperature,
-                sampling_seed(args, step, rank, gen_batches),
-            )
-            timing["timing/generate"] += time.time() - t0
-
-            # 2. Rewards: each response's rule-based score, minus DAPO's overlong penalty when on.
-            example_ids = [i for i in indices for _ in range(args.rollout_n)]  # each one's prompt
-            scores = score_responses(
-                response_ids, [train_examples[i] for i in example_ids], tokenizer, reward_fn, args
-            )
-            new_groups = as_groups(
-                indices, response_ids, rollout_logprobs, finish_reasons, scores, gen_batches, rank
-            )
-            gen_batches += 1
-            if not args.dynamic_sampling:
-                groups = new_groups
-                break
-            groups += [group for group in new_groups if has_reward_signal(group["scores"])]
-            kept_groups = harness.all_sum(torch.tensor(len(groups))).item()
-            if kept_groups >= args.train_batch_size:
-                groups = take_groups(groups, args.train_batch_size, rank, world_size)
-                break
-            if gen_batches == args.max_num_gen_batches:
-                break
-        if args.dynamic_sampling and kept_groups < args.train_batch_size:
-            # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
-            # signal (the policy answers nearly every prompt the same way, right or wrong), so the
-            # run ends after `step` steps, saved; it resumes from there with a larger cap
-            save(args, rank, model, tokenizer, optimizer, scaler, step)
-            if rank == 0:
-                print(
-                    f"stopping after step {step}: --max-num-gen-batches {gen_batches} gave "
-                    f"{kept_groups} of --train-batch-size {args.train_batch_size} prompt groups "
-                    "whose rewards differ",
-                    flush=True,
-                )
-            break
-        # the step's groups side by side again: group g's responses are rows g*n .. g*n+n-1
-        prompt_ids = [train_prompt_ids[group["prompt"]] for group in groups]
-        response_ids = [ids for group in groups for ids in group["responses"]]
-        rollout_logprobs = [lps for group in groups for lps in group["logprobs"]]
-        finish_reasons = [reason for group in groups for reason in group["finish_reasons"]]
-        scores = torch.tensor([score for group in groups for score in group["scores"]])
-        group_ids = [g for g in range(len(groups)) for _ in range(args.rollout_n)]
-        batch = rollout.make_batch(
-            [prompt_ids[g] for g in group_ids],
-            response_ids,
-            rollout_logprobs,
-            tokenizer.pad_token_id,
-            args.max_response_length,
-            device,
-        )
-        # the outcome reward sits on the last valid response token (verl's token_level_scores);
-        # every other token gets 0, and the sequence score is their sum
-        lengths = batch["response_mask"].sum(-1).long().cpu()
-        token_level_scores = torch.zeros(batch["response_mask"].shape)
-        token_level_scores[torch.arange(len(scores)), (lengths - 1).clamp(min=0)] = scores
-        seq_scores = token_level_scores.sum(-1)
-
-        # 3. Advantages: one per response (GRPO: normalised within its prompt's group); ReMax's
-        #    baseline is the score of the policy's greedy answer to the same prompt.
-        baselines = None
-        if args.adv_estimator == "remax":
-            greedy_ids, _, _ = backend.generate(
-                prompt_ids, 1, args.max_response_length, 0.0, sampling_seed(args, step, rank) + 2
-            )
-            greedy_examples = [train_examples[group["prompt"]] for group in groups]
-            greedy_scores = score_responses(greedy_ids, greedy_examples, tokenizer, reward_fn, args)
-            baselines = greedy_scores.repeat_interleave(args.rollout_n)
-        # on the device: REINFORCE++'s whitening all-reduces its sums (NCCL needs CUDA tensors)
-        batch["advantages"] = objectives.ADV_ESTIMATORS[args.adv_estimator](
-            seq_scores.to(device),
-            torch.tensor(group_ids),
-            lengths.to(device),
-            baselines,
-            norm_by_std=args.norm_adv_by_std_in_grpo,
-        )
-
-        # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
-        #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL
-        #    loss is on.
-        t0 = time.time()
-        corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
-        timing["timing/logprobs"] = time.time() - t0
-
-        # 5. Update: the policy loss with the correction's weights and mask, entropy and KL terms.
-        t0 = time.time()
-        actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size, scaler)
-        timing["timing/update"] = time.time() - t0
-
-        # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
-        #    rollout.apply_mismatch; vLLM: load_weights + prefix cache reset). --rollout-staleness
-        #    K: the copy gets the weights after update step + 1 - K (the initial ones while fewer
-        #    updates are done).
-        t0 = time.time()
-        if lag:
-            lag.push(model)
-        backend.sync_weights(rollout_model)
-        timing["timing/sync_weights"] = time.time() - t0
-
-        # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
-        metrics = step_metrics(
-            step, args, seq_scores, lengths, finish_reasons, prompt_ids, batch["advantages"]
-        )
-        if args.dynamic_sampling:  # generation batches of this step, groups kept over all ranks
-            metrics["filter_groups/gen_batches"] = gen_batches
-            metrics["filter_groups/kept_groups"] = kept_groups
-        metrics = harness.reduce_metrics(
-            {**metrics, **timing, **corr_metrics, **actor_metrics}, world_size
-        )
-        last = step + 1 == args.total_steps
-        if last:  # every rank must hold the same parameters (0.0 when in sync)
-            spread = harness.rank_checksum_spread(model.parameters(), world_size)
-            metrics["debug/rank_param_checksum_max_diff"] = spread
-        if args.val_every and ((step + 1) % args.val_every == 0 or last):
-            metrics.update(run_validation(step))
-        metrics["timing/step"] = time.time() - t_step
-        log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
-        if args.log_samples_every and args.num_log_samples:
-            # what the policy writes
-            if (step + 1) % args.log_samples_every == 0 or step == start_step:
-                log.samples(
-                    sample_rows(
-                        step + 1,
-                        args,
-                        tokenizer,
-                        prompt_ids,
-                        response_ids,
-                        seq_scores,
-                        batch["advantages"],
-                    )
-                )
-        if (args.save_every and (step + 1) % args.save_every == 0) or last:
-            save(args, rank, model, tokenizer, optimizer, scaler, step + 1)
-
-    log.close()
-    if own_backend and isinstance(backend, rollout.VLLMBackend):
-        # vLLM's shutdown also destroys the default process group: after the last collective
-        backend.close()
-    harness.end_processes(world_size)
-    return os.path.join(args.output_dir, "metrics.jsonl")
 
 
 def main(argv=None):

@@ -80,9 +80,29 @@ class RunError(Exception):
 # --------------------------------------------------------------------------------------------------
 
 
-def check_flags(args):
-    """The checks every script's check_args starts with: every float field is a finite number (tyro
-    accepts "inf" and "nan"), and --track can log (wandb_problem). Raises ValueError."""
+def refuse(args, name, rule):
+    """A bad flag in one line: ValueError("--flag-name must be RULE, got VALUE")."""
+    raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
+
+
+# The ranges a script's check_args may name, rule -> test; a flag left at None (an Optional
+# setting that is off) passes every range.
+RANGE_RULES = {
+    ">= 0": lambda value: value >= 0,
+    ">= 1": lambda value: value >= 1,
+    ">= 2": lambda value: value >= 2,
+    "> 0": lambda value: value > 0,
+    "in [0, 1]": lambda value: 0 <= value <= 1,
+    "in [0, 1)": lambda value: 0 <= value < 1,
+    "in (0, 1]": lambda value: 0 < value <= 1,
+}
+
+
+def check_flags(args, choices=None, ranges=None):
+    """The checks every script's check_args starts with, each a ValueError in one line that names
+    the flag: every float field is a finite number (tyro accepts "inf" and "nan"), --track can log
+    (wandb_problem), each flag of `choices` (name -> allowed values) is one of them, and each flag
+    of `ranges` (a RANGE_RULES rule -> the flag names, space-separated) is in its range."""
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -90,6 +110,14 @@ def check_flags(args):
             raise ValueError(f"{flag} must be a finite number, got {value}")
     if args.track and wandb_problem() is not None:
         raise ValueError(wandb_problem())
+    for name, allowed in (choices or {}).items():
+        if getattr(args, name) not in allowed:
+            refuse(args, name, "one of " + ", ".join(allowed))
+    for rule, names in (ranges or {}).items():
+        for name in names.split():
+            value = getattr(args, name)
+            if value is not None and not RANGE_RULES[rule](value):
+                refuse(args, name, rule)
 
 
 def model_config(flag, name_or_path):

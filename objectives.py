@@ -1,18 +1,22 @@
-"""The GRPO family's objectives as a catalogue: every advantage estimator and every policy loss
-grpo.py can use, one small function each, with its formula, its paper and the verl 0.9.1 function
-it follows (verl/trainer/ppo/core_algos.py).
+"""The GRPO family's objectives: every advantage estimator and every policy loss grpo.py can use,
+and the loss terms both trainers share (PPO-clip, REINFORCE, the KL penalty, the aggregation), one
+small function each, with its formula, its paper and the verl 0.9.1 function it follows
+(verl/trainer/ppo/core_algos.py).
 
 An objective has two halves:
 
     advantage estimator   outcome scores of a step's responses -> one advantage A_i per response
-                          (--adv-estimator NAME: ADV_ESTIMATORS[NAME])
+                          (--adv-estimator NAME; grpo_advantages by default)
     policy loss           logprobs, pi_old's logprobs, A, mask -> a loss per token
-                          (--policy-loss NAME: POLICY_LOSSES[NAME])
+                          (--policy-loss NAME; ppo_clip_token_loss, "vanilla", by default)
 
-grpo.py looks both up by name at the line that uses them (step 3 and step 5 of its loop), so the
-loop's story stays the same whichever is chosen. PPO's clipped surrogate (the "vanilla" loss) and
-the REINFORCE term live in corrections.py beside the IS weights and masks that multiply every loss
-here; ppo_rlhf.py's GAE is in ppo_rlhf.py.
+grpo.py calls the defaults by name (compute_advantages in step 3, grpo_loss in step 5) and looks
+the others up in ADV_ESTIMATORS and POLICY_LOSSES on the same lines, so the loop's story stays the
+same whichever is chosen; ppo_rlhf.py's ppo_loss calls ppo_clip_token_loss and agg_loss too. The
+rules that tie a flag to an objective (the aggregation a loss requires, the group size an estimator
+needs, the corrections a loss refuses) are data here (section 5), so an objective is added in this
+file alone. The rollout correction whose IS weights and masks multiply every loss here is
+corrections.py; ppo_rlhf.py's GAE is in ppo_rlhf.py.
 
 Every estimator assumes what grpo.py trains with: one outcome reward per response, on its last
 token, and gamma = 1 (verl's default), so a response's return is its score at every token and one
@@ -25,7 +29,9 @@ the response's tokens, as verl's (B, T) advantages are.
 import torch
 import torch.distributed as dist
 
-from corrections import SAFETY_BOUND, masked_mean, ppo_clip_token_loss, reinforce_token_loss
+import harness
+
+from corrections import SAFETY_BOUND, masked_mean, masked_sum
 
 # --------------------------------------------------------------------------------------------------
 # 1. Advantage estimators (verl algorithm.adv_estimator)
@@ -197,8 +203,68 @@ ADV_ESTIMATORS = {
 # 2. Policy losses (verl actor.policy_loss.loss_mode). Each takes (logprobs, old_logprobs,
 #    advantages, mask, clip_low, clip_high, clip_c) as (B, T) tensors and returns (loss per token
 #    (B, T), metrics); the caller multiplies by the correction's IS weights and reduces with
-#    corrections.agg_loss, as verl does after its loss function.
+#    agg_loss, as verl does after its loss function. PPO's clip first (the default, "vanilla"),
+#    then bypass mode's REINFORCE, then the rest of the family.
 # --------------------------------------------------------------------------------------------------
+
+
+def ppo_clip_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """PPO's clipped surrogate per token, with clip-higher and dual-clip (verl
+    core_algos.compute_policy_loss_vanilla before its IS weights and aggregation):
+
+        r_t = pi_theta / pi_old = exp(logprobs - old_logprobs)      (log-ratio clamped to +-20)
+        l_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high))
+        l_t = min(l_t, -A_t * clip_c)    where A_t < 0, if clip_c is set
+
+    The clip is Schulman et al. 2017's (DAPO's clip-higher: clip_high > clip_low); the dual clip (Ye
+    et al. 2020) bounds the loss of a huge ratio on a bad action.
+
+    The caller multiplies l_t by the IS weights (after clipping: decoupled PPO) and reduces it with
+    agg_loss. `advantages` is (B, T): broadcast a per-sequence advantage with adv[:, None]. Padded
+    entries are zeroed before any arithmetic, so NaN/inf there reach neither the loss nor the
+    gradient. Returns (l (B, T), metrics): pg_clipfrac (tokens where clipping was active),
+    pg_clipfrac_lower (dual-clip active), ppo_kl (mean of old - new log prob), as floats.
+    """
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    advantages = torch.where(valid, advantages, zero)
+    ratio = torch.exp(log_ratio)
+    losses_unclipped = -advantages * ratio
+    losses_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(losses_unclipped, losses_clipped)
+    metrics = {
+        "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": zero,
+    }
+    if clip_c is not None:
+        if clip_c <= 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_c}")
+        losses_dual = -advantages * clip_c
+        negative = advantages < 0
+        metrics["pg_clipfrac_lower"] = masked_mean(
+            ((losses > losses_dual) & negative).float(), valid
+        )
+        losses = torch.where(negative, torch.minimum(losses, losses_dual), losses)
+    return losses, {k: float(v) for k, v in metrics.items()}
+
+
+def reinforce_token_loss(logprobs, advantages, mask):
+    """The REINFORCE term per token (verl core_algos.compute_policy_loss_reinforce, bypass mode
+    loss_type "reinforce"):
+
+        l_t = -A_t * log pi_theta(a_t)     with IS weights: -stopgrad(w_t) * A_t * log pi_theta(a_t)
+
+    The caller multiplies by the weights, which compute_is_weights returns detached: the gradient is
+    then -w_t * A_t * grad log pi_theta, without the log pi * grad w term that would optimise the
+    correction factor instead of the objective (verl math doc 3.2.2). Padded entries are zeroed.
+    Returns (l (B, T), {})."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    return -torch.where(valid, advantages, zero) * torch.where(valid, logprobs, zero), {}
 
 
 def gspo_token_loss(
@@ -455,3 +521,189 @@ POLICY_LOSSES = {
     "clip_cov": clip_cov_token_loss,
     "kl_cov": kl_cov_token_loss,
 }
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. The KL-to-reference penalty (GRPO's KL loss, ppo_rlhf.py's per-token KL reward)
+# --------------------------------------------------------------------------------------------------
+
+KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def kl_penalty(logprobs, ref_logprobs, kind="k1"):
+    """Per-token KL(pi_theta || pi_ref) estimate for a loss or a reward penalty (verl
+    core_algos.kl_penalty), with d = logprobs - ref_logprobs on tokens sampled from pi_theta:
+        "k1" / "kl"         d                (the RLHF reward penalty, RLHF blog detail 5.2)
+        "abs"               |d|
+        "k2" / "mse"        0.5 * d^2
+        "k3" / "low_var_kl" exp(-d) - 1 + d  (-d clamped to +-20, the result to [-10, 10], as verl)
+    """
+    d = logprobs - ref_logprobs
+    if kind in ("k1", "kl"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * d.square()
+    if kind in ("k3", "low_var_kl"):
+        neg_d = (-d).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        return (torch.exp(neg_d) - neg_d - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"kl penalty kind must be one of {KL_PENALTY_KINDS}, got {kind!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Loss aggregation: a (B, T) per-token loss to the scalar that is differentiated
+# --------------------------------------------------------------------------------------------------
+
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
+
+
+def agg_loss(
+    loss_mat,
+    mask,
+    mode="token-mean",
+    norm_constant=None,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+):
+    """Reduce a (B, T) per-token loss to a scalar (verl core_algos.agg_loss):
+
+        token-mean               sum_{i,t} l / #valid tokens           (DAPO; verl's default)
+        seq-mean-token-sum       sum_i (sum_t l) / #sequences          (a sequence with no valid
+                                                                        token adds nothing)
+        seq-mean-token-mean      sum_i (sum_t l / T_i) / #sequences    (original GRPO; an empty
+                                                                        sequence adds nothing)
+        seq-mean-token-sum-norm  sum_i (sum_t l) / #sequences / norm_constant   (Dr.GRPO: a
+                                 constant instead of T_i; norm_constant defaults to T, the padded
+                                 length: keep it fixed during training)
+        token-sum                sum_{i,t} l
+
+    With the defaults the counts are this batch's. For one micro-batch of a minibatch spread over
+    micro-batches and dp_size ranks (verl's global_batch_info) they are the whole minibatch's:
+    batch_num_tokens (valid tokens, all ranks; token-mean) and global_batch_size (sequences, all
+    ranks; verl passes ppo_mini_batch_size * n), and the result is multiplied by dp_size (the ranks'
+    gradients are averaged): the micro-batch losses then simply add up and give the gradient of the
+    minibatch's loss whatever the micro-batch size or number of ranks (token-sum: the local sum
+    times dp_size). Rejected or padded tokens contribute nothing; an all-rejected batch gives
+    exactly 0.
+    """
+    valid = mask.bool()
+    if mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError(
+                    "agg_loss: token-mean over dp_size > 1 ranks needs the global batch_num_tokens"
+                )
+            return masked_mean(loss_mat, valid)
+        return masked_sum(loss_mat, valid) / max(float(batch_num_tokens), 1.0) * dp_size
+    if mode == "token-sum":
+        return masked_sum(loss_mat, valid) * dp_size
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    seq_sums = masked_sum(loss_mat, valid, dim=-1)  # (B,)
+    seq_valid = valid.any(-1)
+    if mode == "seq-mean-token-mean":
+        seq_sums = seq_sums / valid.sum(-1).clamp(min=1)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError(
+                "agg_loss: the seq-mean modes over dp_size > 1 ranks need the global_batch_size"
+            )
+        loss = masked_mean(seq_sums, seq_valid)
+    else:
+        loss = masked_sum(seq_sums, seq_valid) / max(float(global_batch_size), 1.0) * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
+    return loss
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. The flags an objective ties together, as data (grpo.check_args calls check_objective before
+#    any model loads)
+# --------------------------------------------------------------------------------------------------
+
+# the --loss-agg-mode a loss is defined with: verl's SAPO and GMPO average each sequence's tokens
+# first (their per-sequence gate and geometric mean need it)
+REQUIRED_AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
+# the --rollout-n an estimator needs, and why
+MIN_GROUP_SIZE = {"grpo_passk": (2, "it compares the two best")}
+# losses that refuse token-level IS weights: verl weights GMPO by the geometric mean of the token
+# weights of each sequence, which per-token weights are not
+NO_TOKEN_IS_WEIGHTS = ("geo_mean",)
+
+
+def check_objective(args, correction):
+    """Refuse (ValueError, one line naming the flag) a --policy-loss / --adv-estimator whose rules
+    above the other flags break; `correction` is the corrections.RolloutCorrection of
+    --correction."""
+
+    required_mode = REQUIRED_AGG_MODE.get(args.policy_loss, args.loss_agg_mode)
+    if args.loss_agg_mode != required_mode:
+        harness.refuse(
+            args, "loss_agg_mode", f"{required_mode} with --policy-loss {args.policy_loss}"
+        )
+    min_group, why = MIN_GROUP_SIZE.get(args.adv_estimator, (1, ""))
+    if args.rollout_n < min_group:
+        harness.refuse(
+            args, "rollout_n", f">= {min_group} for --adv-estimator {args.adv_estimator} ({why})"
+        )
+    if args.policy_loss != "vanilla" and correction.bypass_mode:
+        # verl's bypass mode silently swaps in its own loss (apply_bypass_mode); refused here
+        raise ValueError(
+            f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
+            f"bring their own loss), got {args.correction!r}"
+        )
+    if args.policy_loss in NO_TOKEN_IS_WEIGHTS and correction.rollout_is == "token":
+        harness.refuse(
+            args,
+            "correction",
+            f"a preset without token-level IS weights with --policy-loss {args.policy_loss}",
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. The TIS paper's estimators side by side (Yao et al. 2025; per-token losses, aggregate with
+#    agg_loss) sampler = pi_rollout (vLLM), learner = the trainer; old = the learner before this
+#    update (pi_old)
+# --------------------------------------------------------------------------------------------------
+
+
+def naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip=0.2):
+    """Incorrect: PPO as if the trainer had sampled the tokens. r = pi_learner / pi_old_learner;
+    pi_rollout ignored."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
+
+
+def vanilla_is_token_loss(logprobs, rollout_logprobs, advantages):
+    """Vanilla IS (REINFORCE): -(pi_learner / pi_sampler) * A * log pi_learner, the weight a
+    stop-gradient. Unbiased but a token sampled with low probability gets a huge weight: variance
+    grows with its square."""
+    weight = torch.exp((logprobs.detach() - rollout_logprobs).clamp(max=SAFETY_BOUND))
+    return -weight * advantages * logprobs
+
+
+def ppo_is_token_loss(logprobs, rollout_logprobs, advantages, clip=0.2):
+    """PPO-IS: PPO whose ratio is taken against the sampler, r = pi_learner / pi_sampler. Even at
+    theta = theta_old r != 1 under mismatch, so clipping fires on the mismatch itself and the update
+    loses information."""
+    ratio = torch.exp((logprobs - rollout_logprobs).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip))
+
+
+def tis_ppo_token_loss(logprobs, old_logprobs, rollout_logprobs, advantages, clip=0.2, cap=2.0):
+    """TIS (the paper's fix): min(pi_old_learner / pi_sampler, C) * naive PPO term. The two ratios
+    are clipped separately: r = pi_learner / pi_old_learner is exactly 1 at theta = theta_old, so
+    PPO's trust region is intact. cap=math.inf is vanilla IS in the PPO form, the paper's ablation
+    (preset decoupled_token_vanilla_is)."""
+    weight = (
+        torch.exp((old_logprobs - rollout_logprobs).clamp(max=SAFETY_BOUND)).clamp(max=cap).detach()
+    )
+    return weight * naive_ppo_token_loss(logprobs, old_logprobs, advantages, clip)

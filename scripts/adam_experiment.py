@@ -28,7 +28,7 @@ import tyro
 # repo root: adam_tf, corrections
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adam_tf import AdamTF  # noqa: E402
-from corrections import agg_loss, ppo_clip_token_loss  # noqa: E402
+from objectives import agg_loss, ppo_clip_token_loss  # noqa: E402
 
 
 @dataclass

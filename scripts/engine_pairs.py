@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)
 import grpo  # noqa: E402
 import harness  # noqa: E402
 import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 # vLLM in this process, so sync_weights reaches the engine's model (must be set before vllm loads)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -111,7 +112,7 @@ def sample_statistics(backend, prompt_ids, examples, tokenizer, reward_fn, args,
     per_prompt = []
     for p, example in enumerate(examples):
         rows = range(p * samples, (p + 1) * samples)
-        texts = [grpo.response_text(tokenizer, responses[k]) for k in rows]
+        texts = [tasks.response_text(tokenizer, responses[k]) for k in rows]
         drawn = [tuple(responses[k]) for k in rows]
         mode = max(set(drawn), key=drawn.count)
         per_prompt.append(
@@ -226,8 +227,9 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     # the replay's prompts: the first --prompts of the validation draw (the training run keeps the
     # preset's held-out split)
-    _, val_examples, reward_fn = grpo.load_task(dataclasses.replace(args, val_size=cli.prompts))
-    val_examples, val_prompt_ids = grpo.drop_overlong(val_examples, tokenizer, args)
+    task = tasks.load_task(dataclasses.replace(args, val_size=cli.prompts))
+    val_examples, reward_fn = task.val, task.reward_fn
+    val_examples, val_prompt_ids = tasks.drop_overlong(val_examples, tokenizer, args)
     max_model_len = args.max_prompt_length + args.max_response_length
     engines = {
         name: rollout.make_backend(name, model_path, model, args, tokenizer, max_model_len)

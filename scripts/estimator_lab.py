@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import corrections  # noqa: E402
+import objectives  # noqa: E402
 from corrections import RolloutCorrection  # noqa: E402
 
 # Every method is a corrections.RolloutCorrection; "vanilla" IS has no truncation: an infinite
@@ -235,9 +236,9 @@ def per_response_gradients(config, train_table, rollout_lp, advantages, tokens, 
         logprobs.detach(), rollout_lp, mask, config
     )
     if config.loss_type == "reinforce":
-        losses, _ = corrections.reinforce_token_loss(logprobs, adv, loss_mask)
+        losses, _ = objectives.reinforce_token_loss(logprobs, adv, loss_mask)
     else:
-        losses, _ = corrections.ppo_clip_token_loss(logprobs, anchor, adv, loss_mask)
+        losses, _ = objectives.ppo_clip_token_loss(logprobs, anchor, adv, loss_mask)
         if config.bypass_mode:  # the ratio is against pi_rollout: no IS weights (verl)
             weights = None
     if weights is not None:
@@ -245,7 +246,7 @@ def per_response_gradients(config, train_table, rollout_lp, advantages, tokens, 
     # "token-sum": loss = sum_y sum_t l_t(y), so each response's gradient is its own (no
     # normalisation across responses; the rejection renormalisation is applied in `evaluate`, as a
     # batch mean over kept responses does).
-    loss = corrections.agg_loss(losses, loss_mask, "token-sum")
+    loss = objectives.agg_loss(losses, loss_mask, "token-sum")
     kept_mask = loss_mask
     (grad,) = torch.autograd.grad(loss, table)
     return -grad.reshape(B, -1), kept_mask.bool().any(-1).double()

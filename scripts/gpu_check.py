@@ -45,13 +45,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.chdir(ROOT)
 
+import plan_memory  # noqa: E402  (scripts/plan_memory.py, beside this file)
 import torch  # noqa: E402
 
 import grpo  # noqa: E402
-import plan_memory  # noqa: E402  (scripts/plan_memory.py, beside this file)
-import rollout  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
+import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 GIB = plan_memory.GIB
 GRPO_GPU_PRESETS = [
@@ -113,10 +114,10 @@ def ppo_update(tmp, device):
     """One ppo_rlhf update on the tiny task, with a freshly built (untrained) tiny reward model: no
     30 s RM training."""
     rm_dir = os.path.join(tmp, "rm")
-    policy, tokenizer = rewards.build_tiny_model(
+    policy, tokenizer = tasks.build_tiny_model(
         os.path.join(tmp, "tiny_policy"), arch="gpt2", seed=1
     )
-    backbone, _ = rewards.build_tiny_model(None, arch="gpt2", seed=2)
+    backbone, _ = tasks.build_tiny_model(None, arch="gpt2", seed=2)
     rewards.save_reward_model(rewards.RewardModel(backbone), rm_dir, tokenizer)
     bf16 = device == "cuda"
     args = dataclasses.replace(
@@ -233,9 +234,7 @@ def plans(device):
 def vllm_parity(tmp, device):
     """fp32 and bf16 engines: the trainer's recompute of the engine's own samples, before and after
     a weight sync."""
-    model, tokenizer = rewards.build_tiny_model(
-        os.path.join(tmp, "vllm_model"), arch="qwen2", seed=5
-    )
+    model, tokenizer = tasks.build_tiny_model(os.path.join(tmp, "vllm_model"), arch="qwen2", seed=5)
     model = model.to(device)
     prompts = [tokenizer("abc=").input_ids, tokenizer("dab=").input_ids]
     for dtype in ("float32", "bfloat16"):
@@ -405,7 +404,7 @@ def precision_mismatch():
     import precision_mismatch as P
 
     flags = ["--device", "cuda", "--precisions", "bf16", "fp16"]
-    if rewards.smollm2_problem(rewards.SMOLLM2_PATH):
+    if tasks.smollm2_problem(tasks.SMOLLM2_PATH):
         config = os.path.join(ROOT, "tests", "model_configs", "Qwen2.5-0.5B-Instruct")
         flags += ["--model-config", config, "--prompts", "32", "--max-new-tokens", "128"]
     results, name = P.run(P.parse(flags))
@@ -426,7 +425,7 @@ def head_precision():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import head_precision as H
 
-    if rewards.smollm2_problem(rewards.SMOLLM2_PATH):
+    if tasks.smollm2_problem(tasks.SMOLLM2_PATH):
         return row(
             "head precision",
             "SmolLM2 weights",
@@ -434,7 +433,7 @@ def head_precision():
             "-",
             None,
         )
-    hidden, weight, tokens = H.smollm2_hidden(rewards.SMOLLM2_PATH)
+    hidden, weight, tokens = H.smollm2_hidden(tasks.SMOLLM2_PATH)
     bf16_logits = {"bf16 logits": (hidden @ weight.T).bfloat16()}
     bf16_max, _ = H.logprob_errors(bf16_logits, hidden, weight, tokens)["bf16 logits"]
     exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[

@@ -157,11 +157,11 @@ def build_model(args, out, seed):
     """The tiny model, built before grpo.train so its size can differ from the preset's (train
     reuses it)."""
     sys.path.insert(0, ROOT)
-    import rewards
+    import tasks
 
     path = os.path.join(out, "tiny_model")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        rewards.build_tiny_model(
+        tasks.build_tiny_model(
             path, arch="qwen2", hidden_size=args.hidden_size, max_positions=256, seed=seed
         )
 

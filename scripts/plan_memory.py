@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import ppo_rlhf  # noqa: E402
-import rewards  # noqa: E402
+import tasks  # noqa: E402
 
 GIB = 2**30
 # the GPU size for vLLM's share when none is given or seen, and --all's GPU size
@@ -104,17 +104,17 @@ def read_config(name):
 
 def load_model_config(trainer, args):
     """(the policy's name, its config): the trainers' tiny models are built in memory
-    (rewards.build_tiny_model, as grpo.py builds its tiny model of --tiny-arch and `rewards.py tiny`
+    (tasks.build_tiny_model, as grpo.py builds its tiny model of --tiny-arch and `rewards.py tiny`
     saves ppo_rlhf's tiny gpt2), anything else is read_config."""
     if trainer == "grpo":
         if args.model_name_or_path == grpo.TINY_MODEL:
-            model = rewards.build_tiny_model(
+            model = tasks.build_tiny_model(
                 None, arch=args.tiny_arch, max_positions=grpo.TINY_MAX_POSITIONS
             )[0]
             return f"tiny {args.tiny_arch}", model.config
         return args.model_name_or_path, read_config(args.model_name_or_path)
     if not args.base_model:
-        return "tiny gpt2", rewards.build_tiny_model(None, arch="gpt2")[0].config
+        return "tiny gpt2", tasks.build_tiny_model(None, arch="gpt2")[0].config
     return args.base_model, read_config(args.base_model)
 
 

@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
-import rewards  # noqa: E402
 import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 SHOWN = (
     ("rollout_corr/kl", "KL k1"),
@@ -47,8 +47,8 @@ SHOWN = (
 def smollm2_prompts(tokenizer, count):
     """The smol_arith preset's held-out prompts (chat template, one worked example), token ids."""
     args = grpo.PRESETS["smol_arith"][1]
-    _, val, _ = grpo.load_task(args)
-    _, prompt_ids = grpo.drop_overlong(val, tokenizer, args)
+    val = tasks.load_task(args).val
+    _, prompt_ids = tasks.drop_overlong(val, tokenizer, args)
     return prompt_ids[:count]
 
 
@@ -95,7 +95,7 @@ def load(model_path, model_config, device, prompts, prompt_length, seed):
         # no EOS: every response runs to max_new_tokens
         name = f"random-init {os.path.basename(model_config.rstrip('/'))}"
         return model, ids.tolist(), None, 0, name
-    problem = rewards.smollm2_problem(model_path)
+    problem = tasks.smollm2_problem(model_path)
     if problem:
         raise SystemExit(problem)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -138,7 +138,7 @@ def run(opts):
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=rewards.SMOLLM2_PATH, help="a converted HF folder")
+    parser.add_argument("--model", default=tasks.SMOLLM2_PATH, help="a converted HF folder")
     parser.add_argument("--model-config", help="instead: a folder with a config.json (random init)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"])

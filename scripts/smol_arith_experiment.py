@@ -21,8 +21,9 @@ sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
 import rollout  # noqa: E402
+import tasks  # noqa: E402
 
-# the operation of a one-step rewards.make_arith_task problem, read off its wording
+# the operation of a one-step tasks.make_arith_task problem, read off its wording
 OPERATIONS = {"add": " more ", "bags": " bags with ", "give": " gives ", "share": " equal groups "}
 
 
@@ -37,8 +38,8 @@ def greedy_answers(backend, tokenizer, prompt_ids, examples, reward_fn, args):
     out = []
     for r, ex in zip(responses, examples):
         # the instruction's own example says "more"
-        question = ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION)
-        text = grpo.response_text(tokenizer, r)
+        question = ex["prompt"].removeprefix(tasks.ARITH_INSTRUCTION)
+        text = tasks.response_text(tokenizer, r)
         out.append(
             {
                 "question": question,
@@ -74,8 +75,9 @@ def main(argv=None):
     grpo.check_args(args)
     os.makedirs(args.output_dir, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    _, val_examples, reward_fn = grpo.load_task(args)
-    val_ids = grpo.tokenize_prompts(tokenizer, val_examples, args)
+    task = tasks.load_task(args)
+    val_examples, reward_fn = task.val, task.reward_fn
+    val_ids = tasks.tokenize_prompts(tokenizer, val_examples, args)
     max_model_len = (
         max([args.max_prompt_length] + [len(p) for p in val_ids]) + args.max_response_length
     )

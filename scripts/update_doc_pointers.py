@@ -5,7 +5,8 @@ A pointer is a markdown link to a line of a Python file, in one of two forms:
     [`name`](../file.py#L123)            a definition: the line lies inside the definition of `name` in
                                          file.py: a function, class or method (`Class.method`), a field
                                          or attribute of a class (`Args.lr`, or `lr` when one class has
-                                         it), a module-level constant, or one entry of a module-level
+                                         it: its own lines, not the docstring below it), a module-level
+                                         constant, or one entry of a module-level
                                          dict keyed by that string (a preset: `smol_arith`)
     [`x` in `function`](../file.py#L123) a use: the line lies inside `function` (or `Class.method`) and
                                          uses `x` in code (a name, an attribute, a keyword argument, a
@@ -72,11 +73,13 @@ class Source:
             elif isinstance(node, (ast.Assign, ast.AnnAssign)) and not in_function:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 first, last = node.lineno, node.end_lineno
-                # a field's docstring (the string statement right after it) belongs to it
+                # a constant's docstring (the string statement right after it) belongs to it; a
+                # class field's does not: a pointer to an Args field opens the field's own line
                 following = body[i + 1] if i + 1 < len(body) else None
-                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                    if isinstance(following.value.value, str):
-                        last = following.end_lineno
+                if prefix == "" and isinstance(following, ast.Expr):
+                    if isinstance(following.value, ast.Constant):
+                        if isinstance(following.value.value, str):
+                            last = following.end_lineno
                 for target in targets:
                     if isinstance(target, ast.Name):
                         self._add(prefix + target.id, (first, last))

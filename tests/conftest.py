@@ -31,11 +31,13 @@ def tiny_assets(tmp_path_factory):
     """A tiny gpt2 policy and a random reward model normalised to mean 0 / std 1 on random
     query-responses (built once per test session, for the ppo_rlhf.py runs of several test files), saved as rewards.py saves them (<dir>/tiny_policy next to <dir>/reward_model,
     as the tiny preset expects)."""
-    import rewards
     from transformers import AutoModelForCausalLM
 
+    import rewards
+    import tasks
+
     root = tmp_path_factory.mktemp("ppo_assets")
-    _, tok = rewards.build_tiny_model(str(root / "tiny_policy"), arch="gpt2")
+    _, tok = tasks.build_tiny_model(str(root / "tiny_policy"), arch="gpt2")
     torch.manual_seed(1)
     rm = rewards.RewardModel(AutoModelForCausalLM.from_pretrained(str(root / "tiny_policy"))).eval()
     x = torch.randint(3, len(tok), (256, 24))
@@ -50,19 +52,19 @@ def tiny_assets(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny():
-    """The tiny random-init Qwen2 (rewards.build_tiny_model, seed 0) and its tokenizer, in eval mode;
+    """The tiny random-init Qwen2 (tasks.build_tiny_model, seed 0) and its tokenizer, in eval mode;
     tests that change it work on a copy."""
-    import rewards
+    import tasks
 
     torch.manual_seed(0)
-    model, tokenizer = rewards.build_tiny_model(None, arch="qwen2")
+    model, tokenizer = tasks.build_tiny_model(None, arch="qwen2")
     return model.eval(), tokenizer
 
 
 @pytest.fixture(scope="session")
 def tiny_lm():
     """The tiny random-init gpt2 (ppo_rlhf.py's architecture) and its tokenizer, in eval mode."""
-    import rewards
+    import tasks
 
-    model, tokenizer = rewards.build_tiny_model(None, arch="gpt2")
+    model, tokenizer = tasks.build_tiny_model(None, arch="gpt2")
     return model.eval(), tokenizer

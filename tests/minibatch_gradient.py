@@ -20,8 +20,8 @@ sys.path.insert(0, ROOT)
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
-import rewards  # noqa: E402
 import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 PROMPTS, N, R = 8, 8, 8
 
@@ -70,7 +70,7 @@ def fixed_batch(model, tokenizer):
 def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla"):
     """The gradient of the one minibatch (all 64 sequences over all ranks) with micro-batch size
     `micro`."""
-    model, tokenizer = rewards.build_tiny_model(None, arch="qwen2")
+    model, tokenizer = tasks.build_tiny_model(None, arch="qwen2")
     batch = fixed_batch(model, tokenizer)
     rows = slice(rank * PROMPTS * N // world_size, (rank + 1) * PROMPTS * N // world_size)
     batch = {k: v[rows] for k, v in batch.items()}

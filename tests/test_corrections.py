@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from verl_source import load_functions, verl_root
 
 import corrections as C
 import objectives as O
 import rollout
-from verl_source import load_functions, verl_root
 
 
 @pytest.fixture(autouse=True)
@@ -168,14 +168,14 @@ def test_token_divergences_and_kl_penalty_hand_values():
     assert k2.tolist() == pytest.approx([0.0, 0.5 * math.log(2) ** 2, 200.0])
     assert k3.tolist() == pytest.approx([0.0, 1 - math.log(2), math.exp(-20) - 1 + 20])
     lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
-    assert C.kl_penalty(lp, ref, "k1").tolist() == [0.5, -1.0]
-    assert C.kl_penalty(lp, ref, "abs").tolist() == [0.5, 1.0]
-    assert C.kl_penalty(lp, ref, "mse").tolist() == [0.125, 0.5]
-    assert C.kl_penalty(lp, ref, "low_var_kl").tolist() == pytest.approx(
+    assert O.kl_penalty(lp, ref, "k1").tolist() == [0.5, -1.0]
+    assert O.kl_penalty(lp, ref, "abs").tolist() == [0.5, 1.0]
+    assert O.kl_penalty(lp, ref, "mse").tolist() == [0.125, 0.5]
+    assert O.kl_penalty(lp, ref, "low_var_kl").tolist() == pytest.approx(
         [math.exp(-0.5) - 1 + 0.5, math.exp(1) - 1 - 1]
     )
     with pytest.raises(ValueError, match="kl penalty kind"):
-        C.kl_penalty(lp, ref, "k4")
+        O.kl_penalty(lp, ref, "k4")
 
 
 @needs_verl
@@ -183,7 +183,7 @@ def test_token_divergences_and_kl_penalty_hand_values():
 def test_kl_penalty_matches_verl(kind):
     train, rollout, _ = random_batch(scale=1.0)
     assert torch.allclose(
-        C.kl_penalty(train, rollout, kind),
+        O.kl_penalty(train, rollout, kind),
         VERL["kl_penalty_forward"](train, rollout, kind),
         atol=1e-12,
     )
@@ -223,8 +223,8 @@ def test_is_weight_is_a_stop_gradient():
     rollout = torch.tensor([[-0.9, -1.0]])
     adv, mask = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2)
     w, _ = C.compute_is_weights(logprobs - rollout, mask, "token", 5.0)
-    token_losses, _ = C.reinforce_token_loss(logprobs, adv, mask)
-    loss = C.agg_loss(token_losses * w, mask, "token-sum")
+    token_losses, _ = O.reinforce_token_loss(logprobs, adv, mask)
+    loss = O.agg_loss(token_losses * w, mask, "token-sum")
     loss.backward()
     # d/dlogp of -w * A * logp with w constant
     expected = -(torch.exp(logprobs.detach() - rollout) * adv)
@@ -451,22 +451,22 @@ def test_offpolicy_metrics_match_verl():
 def test_agg_loss_hand_values():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
-    assert C.agg_loss(loss, mask, "token-mean").item() == pytest.approx(18 / 5)
-    assert C.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
-    assert C.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
-    assert C.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(
+    assert O.agg_loss(loss, mask, "token-mean").item() == pytest.approx(18 / 5)
+    assert O.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
+    assert O.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
+    assert O.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(
         (3 + 15) / 2 / 3
     )
-    assert C.agg_loss(loss, mask, "token-sum").item() == pytest.approx(18)
+    assert O.agg_loss(loss, mask, "token-sum").item() == pytest.approx(18)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        C.agg_loss(loss, mask, "seq-sum")
+        O.agg_loss(loss, mask, "seq-sum")
 
 
 @needs_verl
-@pytest.mark.parametrize("mode", C.AGG_MODES)
+@pytest.mark.parametrize("mode", O.AGG_MODES)
 def test_agg_loss_matches_verl(mode):
     train, _, mask = random_batch(B=7, T=8, seed=2)
-    assert C.agg_loss(train, mask, mode).item() == pytest.approx(
+    assert O.agg_loss(train, mask, mode).item() == pytest.approx(
         VERL["agg_loss"](train, mask, mode).item(), abs=1e-6
     )
 
@@ -475,19 +475,19 @@ def decoupled_pg_loss(logprobs, old_logprobs, advantages, mask, is_weights=None,
     """The decoupled policy-gradient term as grpo.update_policy and ppo_rlhf.update_policy compose it
     from corrections.py: the clipped surrogate (clip 0.2 / 0.28, dual-clip 3), times the IS weights,
     aggregated over the mask."""
-    losses, metrics = C.ppo_clip_token_loss(
+    losses, metrics = O.ppo_clip_token_loss(
         logprobs, old_logprobs, advantages, mask, 0.2, 0.28, 3.0
     )
     if is_weights is not None:
         losses = losses * is_weights
-    return C.agg_loss(losses, mask, mode), metrics
+    return O.agg_loss(losses, mask, mode), metrics
 
 
 def test_ppo_clip_token_loss_hand_values():
     old = torch.zeros(1, 4)
     new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 5.0]]))
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
-    losses, m = C.ppo_clip_token_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, clip_c=3.0)
+    losses, m = O.ppo_clip_token_loss(new, old, adv, torch.ones(1, 4), 0.2, 0.28, clip_c=3.0)
     # token 1: max(-1.5, -1.28) = -1.28 (clipped); 2: max(-0.5, -0.8) = -0.5; 3: max(1.1, 1.1) =
     # 1.1; 4: max(5, 1.28) = 5 -> dual-clip min(5, 3) = 3
     assert losses[0].tolist() == pytest.approx([-1.28, -0.5, 1.1, 3.0])
@@ -500,7 +500,7 @@ def test_ppo_clip_token_loss_hand_values():
     # the anchor decides what is clipped: against pi_rollout (bypass) r = e is clipped, no gradient
     lp = torch.zeros(1, 2, requires_grad=True)
     rollout = torch.full((1, 2), -1.0)
-    losses, _ = C.ppo_clip_token_loss(lp, rollout, torch.ones(1, 2), torch.ones(1, 2))
+    losses, _ = O.ppo_clip_token_loss(lp, rollout, torch.ones(1, 2), torch.ones(1, 2))
     losses.sum().backward()
     assert losses[0].tolist() == pytest.approx([-1.2, -1.2]) and torch.all(lp.grad == 0)
 
@@ -586,7 +586,7 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
         losses, ours_m = O.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
     # verl aggregates SAPO with seq-mean-token-mean whatever the mode (grpo.py refuses the others)
     ours_mode = "seq-mean-token-mean" if name == "sapo" else mode
-    ours = C.agg_loss(losses * w, mask, ours_mode)
+    ours = O.agg_loss(losses * w, mask, ours_mode)
     ours.backward()
     theirs_lp = train.clone().requires_grad_(True)
     torch.manual_seed(5)
@@ -604,7 +604,7 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
     if name == "clip_cov":  # the covariance rule cut some tokens
         assert ours_m["pg_clipfrac"] > 0
     if name == "kl_cov":  # the penalised tokens changed the loss
-        plain = C.agg_loss(-adv * torch.exp(train - rollout) * mask * w, mask, mode)
+        plain = O.agg_loss(-adv * torch.exp(train - rollout) * mask * w, mask, mode)
         assert abs(ours.item() - plain.item()) > 1e-6
 
 
@@ -638,10 +638,10 @@ def test_tis_paper_estimators_at_equal_policies():
     adv = torch.tensor([[0.5, -1.0]])
     grads = []
     for fn in (
-        lambda: C.naive_ppo_token_loss(lp, lp.detach(), adv),
-        lambda: C.vanilla_is_token_loss(lp, lp.detach(), adv),
-        lambda: C.ppo_is_token_loss(lp, lp.detach(), adv),
-        lambda: C.tis_ppo_token_loss(lp, lp.detach(), lp.detach(), adv),
+        lambda: O.naive_ppo_token_loss(lp, lp.detach(), adv),
+        lambda: O.vanilla_is_token_loss(lp, lp.detach(), adv),
+        lambda: O.ppo_is_token_loss(lp, lp.detach(), adv),
+        lambda: O.tis_ppo_token_loss(lp, lp.detach(), lp.detach(), adv),
     ):
         lp.grad = None
         fn().sum().backward()
@@ -651,17 +651,17 @@ def test_tis_paper_estimators_at_equal_policies():
     # under mismatch PPO-IS clips already at theta = theta_old while TIS does not
     rollout = lp.detach() - torch.tensor([[0.5, 0.5]])  # ratio pi_learner/pi_sampler = e^0.5 > 1.2
     lp.grad = None
-    C.ppo_is_token_loss(lp, rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
+    O.ppo_is_token_loss(lp, rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
     assert torch.all(lp.grad == 0)  # clipped: no gradient
     lp.grad = None
-    C.tis_ppo_token_loss(lp, lp.detach(), rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
+    O.tis_ppo_token_loss(lp, lp.detach(), rollout, torch.tensor([[1.0, 1.0]])).sum().backward()
     assert torch.all(lp.grad != 0)
     # cap = inf is vanilla IS in the PPO form: the weight e^0.5 = 1.65 survives; the default C = 2
     # caps a larger one
     far = lp.detach() - torch.tensor([[0.5, 1.5]])  # weights e^0.5, e^1.5 = 4.48
-    vanilla = C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2), cap=math.inf)
+    vanilla = O.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2), cap=math.inf)
     assert torch.allclose(vanilla, -torch.exp(torch.tensor([[0.5, 1.5]])))
-    assert C.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2))[
+    assert O.tis_ppo_token_loss(lp.detach(), lp.detach(), far, torch.ones(1, 2))[
         0, 1
     ].item() == pytest.approx(-2.0)
 
@@ -784,13 +784,13 @@ def preset_pg_loss(config, logprobs, old, rollout, adv, mask, weights, new_mask,
         weights, new_mask, _ = C.apply_rollout_correction(logprobs.detach(), rollout, mask, config)
         old = rollout
     if config.loss_type == "reinforce":
-        losses, _ = C.reinforce_token_loss(logprobs, adv, new_mask)
+        losses, _ = O.reinforce_token_loss(logprobs, adv, new_mask)
     else:
-        losses, _ = C.ppo_clip_token_loss(logprobs, old, adv, new_mask, 0.2, 0.2, 3.0)
+        losses, _ = O.ppo_clip_token_loss(logprobs, old, adv, new_mask, 0.2, 0.2, 3.0)
         weights = None if config.bypass_mode else weights
     if weights is not None:
         losses = losses * weights
-    return C.agg_loss(losses, new_mask, mode)
+    return O.agg_loss(losses, new_mask, mode)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -829,16 +829,16 @@ def test_property_padding_never_changes_a_result(batch, option, level):
         assert torch.equal(a, b)
     adv = torch.ones_like(log_ratio)
     assert torch.equal(
-        C.ppo_clip_token_loss(garbage, torch.zeros_like(garbage), adv, mask)[0],
-        C.ppo_clip_token_loss(other, torch.zeros_like(other), adv, mask)[0],
+        O.ppo_clip_token_loss(garbage, torch.zeros_like(garbage), adv, mask)[0],
+        O.ppo_clip_token_loss(other, torch.zeros_like(other), adv, mask)[0],
     )
     assert torch.equal(
-        C.reinforce_token_loss(garbage, adv, mask)[0], C.reinforce_token_loss(other, adv, mask)[0]
+        O.reinforce_token_loss(garbage, adv, mask)[0], O.reinforce_token_loss(other, adv, mask)[0]
     )
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches(), st.sampled_from(C.PRESETS), st.sampled_from(C.AGG_MODES))
+@given(batches(), st.sampled_from(C.PRESETS), st.sampled_from(O.AGG_MODES))
 def test_property_masks_never_gain_ones_and_outputs_stay_finite(batch, preset, mode):
     log_ratio, mask = batch
     mask = mask.double()
@@ -902,10 +902,10 @@ def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
     here as on CUDA."""
     import copy
 
-    import rewards
+    import tasks
 
     # fp32 (this file's default: fp64)
-    model = rewards.build_tiny_model(None, arch=arch, seed=3)[0].float().eval()
+    model = tasks.build_tiny_model(None, arch=arch, seed=3)[0].float().eval()
     ref = copy.deepcopy(model)
     n_bf16 = rollout.bf16_frozen_linears_(ref)
     total = sum(p.numel() for p in model.parameters())
@@ -1038,7 +1038,7 @@ def test_geo_mean_matches_verl_values_gradients_and_metrics(weights, dtype):
     losses, ours_m = O.geo_mean_token_loss(ours_lp, rollout, adv, mask, 0.2, 0.28)
     if w is not None:
         losses = losses * w
-    ours = C.agg_loss(losses, mask, "seq-mean-token-mean")
+    ours = O.agg_loss(losses, mask, "seq-mean-token-mean")
     ours.backward()
     theirs_lp = train.clone().requires_grad_(True)
     theirs, theirs_m = VERL["compute_policy_loss_geo_mean"](

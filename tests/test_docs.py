@@ -31,7 +31,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-CONCEPT_PAGES = ("corrections", "ppo_rlhf", "rewards", "adam_tf", "grpo", "rollout", "objectives")
+CONCEPT_PAGES = (
+    "corrections",
+    "ppo_rlhf",
+    "rewards",
+    "adam_tf",
+    "grpo",
+    "rollout",
+    "objectives",
+    "tasks",
+)
 GLOSSARY_ROW = re.compile(r"^\|([^|]*)\|")
 BACKTICKED = re.compile(r"`([^`]+)`")
 
@@ -68,7 +77,8 @@ def test_line_pointers_open_what_they_name(page):
 
 def test_pointer_resolution_rejects_comments_docstrings_and_other_functions(tmp_path):
     """The resolver itself: a name mentioned only in a docstring or a comment, or a line outside the
-    function the pointer names, is not a use; a line inside a definition is."""
+    function the pointer names, is not a use; a line inside a definition is, except a class field's
+    docstring (a pointer to an Args field opens the field's line)."""
     (tmp_path / "m.py").write_text(
         "LIMIT = 3  # a constant\n"  # 1
         "\n"  # 2
@@ -80,6 +90,10 @@ def test_pointer_resolution_rejects_comments_docstrings_and_other_functions(tmp_
         "\n"  # 8
         "def g():\n"  # 9
         "    return f(1)\n"  # 10
+        "\n"  # 11
+        "class Args:\n"  # 12
+        "    lr: float = 1e-3\n"  # 13
+        '    """The learning rate."""\n'  # 14
     )
     check = POINTERS.check_pointer
     assert check("`f`", "m.py", 5, tmp_path) is None  # inside f's definition
@@ -92,6 +106,10 @@ def test_pointer_resolution_rejects_comments_docstrings_and_other_functions(tmp_
     assert check("`y` in `g`", "m.py", 6, tmp_path) is not None  # outside g
     assert check("`y`", "m.py", 6, tmp_path) is not None  # a local is a use, not a definition
     assert check("`LIMIT` in `f`", "m.py", 6, tmp_path) is None
+    # an Args field: its own line, not its docstring
+    assert check("`lr`", "m.py", 13, tmp_path) is None
+    assert check("`Args.lr`", "m.py", 13, tmp_path) is None
+    assert check("`lr`", "m.py", 14, tmp_path) is not None
 
 
 # ---------------------------------------------------------------------------------------------------------------

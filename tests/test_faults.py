@@ -27,6 +27,7 @@ import grpo  # noqa: E402
 import harness  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
+import tasks  # noqa: E402
 
 
 def grpo_argv(output_dir, steps=2, *extra, save_every=1):
@@ -361,7 +362,7 @@ def test_a_failed_append_is_cut_back_to_the_last_complete_line(tmp_path, monkeyp
 
 
 def test_an_interrupted_reward_model_save_leaves_the_previous_one_whole(tmp_path, monkeypatch):
-    model, tokenizer = rewards.build_tiny_model(None, arch="gpt2")
+    model, tokenizer = tasks.build_tiny_model(None, arch="gpt2")
     reward_model = rewards.RewardModel(model)
     path = tmp_path / "reward_model"
     rewards.save_reward_model(reward_model, str(path), tokenizer)

@@ -19,12 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/minibatch_gradient.py
 
+from verl_source import verl_root  # noqa: E402
+
 import corrections  # noqa: E402
 import grpo  # noqa: E402
 import objectives  # noqa: E402
-import rollout  # noqa: E402
 import rewards  # noqa: E402
-from verl_source import verl_root  # noqa: E402
+import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 CPU = torch.device("cpu")
 TOL = 1e-4  # max |rollout logprob - trainer recompute| in fp32 (measured ~1e-6)
@@ -328,7 +330,7 @@ def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(
     model, _ = tiny
     args, batch = rollout_batch
     seen = []
-    real = corrections.ppo_clip_token_loss
+    real = objectives.ppo_clip_token_loss
 
     def spy(logprobs, old_logprobs, *a, **kw):
         seen.append((logprobs.detach().clone(), old_logprobs.detach().clone()))
@@ -364,7 +366,7 @@ def test_loss_aggregation_modes_and_kl_loss(tiny, rollout_batch):
         for p in ref.parameters():
             p.add_(0.02 * torch.randn_like(p))
     losses = {}
-    for mode in corrections.AGG_MODES:
+    for mode in objectives.AGG_MODES:
         a = dataclasses.replace(
             args, loss_agg_mode=mode, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coeff=0.01
         )
@@ -403,18 +405,16 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     logprobs, entropy = grpo.compute_logprobs(
         model.eval(), batch, args.temperature, args.logprob_chunk_size
     )
-    kld = corrections.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
+    kld = objectives.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
     # the logged terms are whole-minibatch losses (global normalisation)
     _, mini = grpo.local_batch_sizes(args, 1)
     expected = {"actor/entropy": [], "actor/kl_loss": [], "plain_entropy": []}
     for start in range(0, logprobs.shape[0], mini):
         rows = slice(start, start + mini)
-        expected["actor/entropy"].append(
-            corrections.agg_loss(entropy[rows], corrected[rows]).item()
-        )
-        expected["actor/kl_loss"].append(corrections.agg_loss(kld[rows], corrected[rows]).item())
+        expected["actor/entropy"].append(objectives.agg_loss(entropy[rows], corrected[rows]).item())
+        expected["actor/kl_loss"].append(objectives.agg_loss(kld[rows], corrected[rows]).item())
         expected["plain_entropy"].append(
-            corrections.agg_loss(entropy[rows], batch["response_mask"][rows]).item()
+            objectives.agg_loss(entropy[rows], batch["response_mask"][rows]).item()
         )
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert metrics["actor/entropy"] == pytest.approx(mean(expected["actor/entropy"]), rel=1e-5)
@@ -534,7 +534,7 @@ def test_cli_bad_flag_is_one_line_exit_2_before_any_model_loads(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "grpo.py: error: --loss-agg-mode must be one of "
-        + ", ".join(corrections.AGG_MODES)
+        + ", ".join(objectives.AGG_MODES)
         + ", got 'mean'"
     ]
     assert not out.exists()  # nothing was built or loaded
@@ -544,7 +544,7 @@ def _relative_difference(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("mode", corrections.AGG_MODES)
+@pytest.mark.parametrize("mode", objectives.AGG_MODES)
 def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
     """verl's global normalisation: the same minibatch (64 sequences of 1..8 tokens) gives the same
     gradient with micro-batch 8 or 64. Measured before it (each micro-batch averaged on its own,
@@ -1040,14 +1040,16 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
         return countdown if name == "Jiayi-Pan/Countdown-Tasks-3to4" else gsm8k
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    train, val, reward_fn = grpo.load_task(grpo.PRESETS["gsm8k_qwen05b"][1])
+    task = tasks.load_task(grpo.PRESETS["gsm8k_qwen05b"][1])
+    train, val, reward_fn = task.train, task.val, task.reward_fn
     assert train[0]["prompt"] == (
         'What is 2+3? Let\'s think step by step and output the final answer after "####".'
     )
     assert val[0]["answer"] == "1234"  # verl's extract_solution drops the thousands separator
     assert reward_fn("so 2+3=5 #### 5", train[0]) == 1.0 and reward_fn("#### 6", train[0]) == 0.0
     args = grpo.PRESETS["countdown"][1]
-    train, val, reward_fn = grpo.load_task(dataclasses.replace(args, train_size=4))
+    task = tasks.load_task(dataclasses.replace(args, train_size=4))
+    train, val, reward_fn = task.train, task.val, task.reward_fn
     assert len(train) == 4 and len(val) == 1024 and "equals 22" in train[0]["prompt"]
     # TinyZero's 3B run: the "base" template as plain text, no chat template (its rl_dataset.py
     # tokenizes it as is)
@@ -1061,15 +1063,15 @@ def test_gsm8k_and_countdown_tasks_offline(monkeypatch):
 def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens():
     """A policy must not be able to hide tokens that decode to nothing: "abc" + [UNK] is not
     "abc"."""
-    import rewards
+    import tasks
 
-    tokenizer = rewards.build_tiny_tokenizer()
+    tokenizer = tasks.build_tiny_tokenizer()
     abc = tokenizer("abc").input_ids
     eos, unk = tokenizer.eos_token_id, tokenizer.unk_token_id
-    assert grpo.response_text(tokenizer, abc + [eos]) == "abc"
-    assert grpo.response_text(tokenizer, abc) == "abc"
-    assert grpo.response_text(tokenizer, abc + [unk]) == "abc[UNK]"
-    assert rewards.copy_reward(grpo.response_text(tokenizer, abc + [unk]), "abc") < 1.0
+    assert tasks.response_text(tokenizer, abc + [eos]) == "abc"
+    assert tasks.response_text(tokenizer, abc) == "abc"
+    assert tasks.response_text(tokenizer, abc + [unk]) == "abc[UNK]"
+    assert tasks.copy_reward(tasks.response_text(tokenizer, abc + [unk]), "abc") < 1.0
 
 
 @pytest.mark.parametrize(
@@ -1164,7 +1166,7 @@ def _verl_dapo_rules():
 def test_dapo_group_filter_and_overlong_penalty_match_verl():
     """has_reward_signal drops exactly the groups verl's filter drops (groups of 1 to 8, rewards
     from a few levels so that many groups are all equal, float32 like our scores), and
-    rewards.overlong_penalty adds what verl's reward manager adds, on random lengths and
+    tasks.overlong_penalty adds what verl's reward manager adds, on random lengths and
     settings."""
     verl_drops, verl_shaped = _verl_dapo_rules()
     g = torch.Generator().manual_seed(0)
@@ -1184,12 +1186,12 @@ def test_dapo_group_filter_and_overlong_penalty_match_verl():
         buffer_len = int(torch.randint(1, max_len + 1, (), generator=g))
         factor = float(torch.rand((), generator=g) * 2)
         lengths = torch.randint(0, max_len + 1, (8,), generator=g)
-        ours = rewards.overlong_penalty(lengths, max_len, buffer_len, factor)
+        ours = tasks.overlong_penalty(lengths, max_len, buffer_len, factor)
         for length, penalty in zip(lengths.tolist(), ours.tolist()):
             theirs = verl_shaped(0.0, length, max_len, buffer_len, factor)
             assert penalty == pytest.approx(theirs, rel=1e-6, abs=1e-6), (length, max_len)
     # hand-computed: max 6, buffer 2 -> free up to 4 tokens, -0.5 at 5, -1.0 at 6
-    assert rewards.overlong_penalty(torch.tensor([3, 4, 5, 6]), 6, 2).tolist() == [0, 0, -0.5, -1]
+    assert tasks.overlong_penalty(torch.tensor([3, 4, 5, 6]), 6, 2).tolist() == [0, 0, -0.5, -1]
 
 
 def test_dynamic_sampling_trains_only_groups_with_signal_and_stops_at_the_cap(

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 import corrections
+import objectives
 import ppo_rlhf
 import rewards
+import tasks
 from ppo_rlhf import (
     PRESETS,
     adaptive_kl_update,
@@ -570,8 +572,8 @@ def test_disabled_correction_is_the_original_ppo_loss():
     )
     assert is_weights is None and torch.equal(pg_mask, mask) and "rollout_corr/kl" in metrics
     info = dict(dp_size=2, batch_num_tokens=48.0)
-    pg_losses, _ = corrections.ppo_clip_token_loss(new, old, adv, pg_mask, 0.2, 0.2)
-    loss = corrections.agg_loss(pg_losses, pg_mask, "token-mean", **info)
+    pg_losses, _ = objectives.ppo_clip_token_loss(new, old, adv, pg_mask, 0.2, 0.2)
+    loss = objectives.agg_loss(pg_losses, pg_mask, "token-mean", **info)
     ratio = torch.exp(new - old)
     openai = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)).mean()
     assert loss.item() == pytest.approx(openai.item() * 24 / 48 * 2, abs=1e-12)
@@ -725,7 +727,7 @@ def test_tldr_query_batches_offline(tmp_path, monkeypatch):
     path = tmp_path / "train-subset.json"
     path.write_text(json.dumps(posts))
     monkeypatch.setattr(rewards, "OPENAI_TLDR_URL", str(path))
-    tokenizer = rewards.build_tiny_tokenizer()
+    tokenizer = tasks.build_tiny_tokenizer()
     args = dataclasses.replace(PRESETS["gpt2_tldr"][1], query_length=12)
     stream = ppo_rlhf.query_batches(args, tokenizer, seed=1, local_batch=2, start_update=1)
     first, second = next(stream), next(stream)

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rewards  # noqa: E402
+import tasks  # noqa: E402
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 hostile_text = st.one_of(
@@ -96,9 +97,7 @@ def test_last_token_reward_left_padding_equals_unpadded(arch):
     """The reward of a left-padded batch equals each row's reward alone (exclusive-cumsum position
     ids, padding ids zeroed). The pad id is OUTSIDE the vocabulary, like gpt2's added [PAD]: it must
     never reach the embedding."""
-    backbone, _ = rewards.build_tiny_model(
-        None, arch=arch, hidden_size=64, num_layers=2, num_heads=1
-    )
+    backbone, _ = tasks.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
     model = rewards.RewardModel(backbone).eval()
     with torch.no_grad():
         model.reward_gain.fill_(1.7)
@@ -127,7 +126,7 @@ def test_reward_head_runs_in_fp32_under_bf16_autocast():
     """Under bf16 autocast the scalar head runs in fp32 (corrections.fp32_project): the reward
     equals a float64 head on the same hidden state. Measured here (rewards up to 85): a bf16 head
     (before) was 0.15 off, the fp32 head 7e-6."""
-    backbone, _ = rewards.build_tiny_model(
+    backbone, _ = tasks.build_tiny_model(
         None, arch="gpt2", hidden_size=64, num_layers=2, num_heads=1
     )
     model = rewards.RewardModel(backbone).eval()
@@ -173,9 +172,7 @@ def test_shared_query_forward_equals_a_forward_per_left_padded_row(arch):
     its rewards AND its gradients equal one forward per left-padded query + sample
     (rewards.left_pad, the reward at the last token), with OpenAI-style pads: left-padded queries,
     samples ending in pads, a sample that is all pads."""
-    backbone, _ = rewards.build_tiny_model(
-        None, arch=arch, hidden_size=64, num_layers=2, num_heads=1
-    )
+    backbone, _ = tasks.build_tiny_model(None, arch=arch, hidden_size=64, num_layers=2, num_heads=1)
     model = rewards.RewardModel(backbone)
     with torch.no_grad():
         model.reward_gain.fill_(1.7)
@@ -209,7 +206,7 @@ def test_shared_query_forward_equals_a_forward_per_left_padded_row(arch):
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_policy"))
-    policy, tokenizer = rewards.build_tiny_model(path, arch="gpt2")
+    policy, tokenizer = tasks.build_tiny_model(path, arch="gpt2")
     return policy.eval(), tokenizer
 
 
@@ -220,14 +217,12 @@ def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):
     are > 3 sigma (the reward is not Gaussian and different queries shift it, hence loose
     bounds)."""
     policy, tokenizer = tiny_policy
-    model = rewards.RewardModel(rewards.build_tiny_model(None, arch="gpt2", seed=1)[0]).eval()
+    model = rewards.RewardModel(tasks.build_tiny_model(None, arch="gpt2", seed=1)[0]).eval()
     pad = tokenizer.pad_token_id
     torch.manual_seed(0)
 
     def sample(seed):
-        queries = rewards.query_token_batch(
-            iter(rewards.tiny_queries(256, seed)), tokenizer, 256, 8
-        )
+        queries = rewards.query_token_batch(iter(tasks.tiny_queries(256, seed)), tokenizer, 256, 8)
         return rewards.sample_query_responses(policy, queries, pad, 16, 0.7, 256)
 
     fit, fresh = sample(1), sample(2)
@@ -309,7 +304,7 @@ GSM8K_CASES = [
 
 @pytest.mark.parametrize("response,truth,mode,expected", GSM8K_CASES)
 def test_gsm8k_cases(response, truth, mode, expected):
-    assert rewards.gsm8k_reward(response, truth, mode=mode) == expected
+    assert tasks.gsm8k_reward(response, truth, mode=mode) == expected
     if mode != "normalized" and isinstance(truth, str):
         assert verl_gsm8k_compute_score(response, truth, mode) == expected
 
@@ -321,7 +316,7 @@ def test_gsm8k_cases(response, truth, mode, expected):
     st.sampled_from(["strict", "flexible"]),
 )
 def test_gsm8k_parity_with_verl(response, truth, mode):
-    assert rewards.gsm8k_reward(response, truth, mode) == verl_gsm8k_compute_score(
+    assert tasks.gsm8k_reward(response, truth, mode) == verl_gsm8k_compute_score(
         response, truth, mode
     )
 
@@ -340,10 +335,10 @@ def test_gsm8k_hostile_inputs_are_fast_and_zero():
     start = time.perf_counter()
     for response in hostile:
         for mode in ("strict", "flexible", "normalized"):
-            assert rewards.gsm8k_reward(response, "42", mode) == 0.0
+            assert tasks.gsm8k_reward(response, "42", mode) == 0.0
     assert time.perf_counter() - start < 2.0
     with pytest.raises(ValueError, match="mode"):
-        rewards.gsm8k_reward("#### 1", "1", mode="lenient")
+        tasks.gsm8k_reward("#### 1", "1", mode="lenient")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -386,19 +381,19 @@ COUNTDOWN_CASES = [
 @pytest.mark.parametrize("response,numbers,target,expected", COUNTDOWN_CASES)
 def test_countdown_cases(response, numbers, target, expected):
     start = time.perf_counter()
-    assert rewards.countdown_reward(response, numbers, target) == expected
+    assert tasks.countdown_reward(response, numbers, target) == expected
     # each is microseconds to milliseconds; 0.5 s is for a loaded machine
     assert time.perf_counter() - start < 0.5
 
 
 def test_countdown_scores_are_configurable_and_bad_arguments_score_zero():
     assert (
-        rewards.countdown_reward("<answer>1+2</answer>", [1, 2], 3, format_score=0.0, score=2.0)
+        tasks.countdown_reward("<answer>1+2</answer>", [1, 2], 3, format_score=0.0, score=2.0)
         == 2.0
     )
-    assert rewards.countdown_reward("<answer>1+1</answer>", [1, 2], 3, format_score=0.0) == 0.0
-    assert rewards.countdown_reward("<answer>1+2</answer>", None, 3) == 0.0
-    assert rewards.countdown_reward("<answer>1+2</answer>", [1, 2], "x") == 0.0
+    assert tasks.countdown_reward("<answer>1+1</answer>", [1, 2], 3, format_score=0.0) == 0.0
+    assert tasks.countdown_reward("<answer>1+2</answer>", None, 3) == 0.0
+    assert tasks.countdown_reward("<answer>1+2</answer>", [1, 2], "x") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -428,7 +423,7 @@ def test_countdown_scores_are_configurable_and_bad_arguments_score_zero():
     ],
 )
 def test_evaluate_arithmetic(expression, value):
-    assert rewards.evaluate_arithmetic(expression) == value
+    assert tasks.evaluate_arithmetic(expression) == value
 
 
 def random_expression(draw, depth=0):
@@ -454,8 +449,8 @@ def test_evaluate_arithmetic_parity_with_python(data):
         expected = float(eval(expression, {"__builtins__": {}}, {}))
     except ZeroDivisionError:
         expected = None
-    got = rewards.evaluate_arithmetic(expression)
-    if expected is None or len(expression) > rewards.COUNTDOWN_MAX_EQUATION_CHARS:
+    got = tasks.evaluate_arithmetic(expression)
+    if expected is None or len(expression) > tasks.COUNTDOWN_MAX_EQUATION_CHARS:
         assert got is None  # division by zero, or longer than the evaluator accepts
     else:
         assert got == pytest.approx(expected, rel=1e-9, abs=1e-9)
@@ -476,31 +471,29 @@ def assert_score(value, low=0.0, high=1.0):
 def test_fuzz_every_reward_function(response, other):
     start = time.perf_counter()
     for mode in ("strict", "flexible", "normalized"):
-        assert_score(rewards.gsm8k_reward(response, "42", mode))
-        assert_score(rewards.gsm8k_reward(response, other, mode))
-    assert_score(rewards.countdown_reward(response, [1, 2, 3], 6))
+        assert_score(tasks.gsm8k_reward(response, "42", mode))
+        assert_score(tasks.gsm8k_reward(response, other, mode))
+    assert_score(tasks.countdown_reward(response, [1, 2, 3], 6))
     assert_score(
-        rewards.countdown_reward("Assistant: <answer>" + response + "</answer>", [1, 2, 3], 6)
+        tasks.countdown_reward("Assistant: <answer>" + response + "</answer>", [1, 2, 3], 6)
     )
-    assert_score(rewards.copy_reward(response, "abc"))
-    assert_score(rewards.copy_reward(response, other))
-    assert_score(rewards.tiny_hidden_score(response))
-    value = rewards.evaluate_arithmetic(response)
+    assert_score(tasks.copy_reward(response, "abc"))
+    assert_score(tasks.copy_reward(response, other))
+    assert_score(tasks.tiny_hidden_score(response))
+    value = tasks.evaluate_arithmetic(response)
     assert value is None or math.isfinite(value)
     assert time.perf_counter() - start < 1.0
 
 
 def test_copy_task_and_tiny_task_rewards():
-    pairs = rewards.make_copy_task(5, seed=0)
-    assert all(p == t + "=" for p, t in pairs) and pairs == rewards.make_copy_task(5, seed=0)
-    assert rewards.copy_reward("abc", "abc") == 1.0 and rewards.copy_reward("abcd", "abc") == 0.75
-    assert rewards.tiny_hidden_score("aeiou") == 1.0 and rewards.tiny_hidden_score("xyz ") == 0.0
-    assert rewards.tiny_hidden_score("ab") == 0.5 and rewards.tiny_hidden_score("") == 0.0
-    queries = rewards.tiny_queries(50, seed=3)
-    assert queries == rewards.tiny_queries(50, seed=3) and queries != rewards.tiny_queries(
-        50, seed=4
-    )
-    assert all(4 <= len(q) <= 8 and set(q) <= set(rewards.TINY_QUERY_ALPHABET) for q in queries)
+    pairs = tasks.make_copy_task(5, seed=0)
+    assert all(p == t + "=" for p, t in pairs) and pairs == tasks.make_copy_task(5, seed=0)
+    assert tasks.copy_reward("abc", "abc") == 1.0 and tasks.copy_reward("abcd", "abc") == 0.75
+    assert tasks.tiny_hidden_score("aeiou") == 1.0 and tasks.tiny_hidden_score("xyz ") == 0.0
+    assert tasks.tiny_hidden_score("ab") == 0.5 and tasks.tiny_hidden_score("") == 0.0
+    queries = tasks.tiny_queries(50, seed=3)
+    assert queries == tasks.tiny_queries(50, seed=3) and queries != tasks.tiny_queries(50, seed=4)
+    assert all(4 <= len(q) <= 8 and set(q) <= set(tasks.TINY_QUERY_ALPHABET) for q in queries)
 
 
 # ---------------------------------------------------------------------------------------------------------------

