@@ -24,7 +24,6 @@ from verl_source import verl_root  # noqa: E402
 import corrections  # noqa: E402
 import grpo  # noqa: E402
 import objectives  # noqa: E402
-import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 
@@ -879,7 +878,7 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
         raise AssertionError("a model was loaded before the bad input was rejected")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
-    monkeypatch.setattr(rewards, "build_tiny_model", boom)
+    monkeypatch.setattr(tasks, "build_tiny_model", boom)
     base = dataclasses.replace(_tiny_cpu(), output_dir=str(tmp_path))
     bad = [
         (dict(correction="nope"), ValueError, "^--correction must be one of"),
@@ -1231,7 +1230,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal_and_stops_at_the_cap(
         calls.append(1)
         return len(calls) % 4 / 4 if len(calls) <= 32 else 0.5
 
-    monkeypatch.setattr(rewards, "copy_reward", copy_reward)
+    monkeypatch.setattr(tasks, "copy_reward", copy_reward)
     capped = dataclasses.replace(
         args, output_dir=str(tmp_path / "b"), max_num_gen_batches=3, overlong_buffer_len=0
     )

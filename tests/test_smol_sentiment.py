@@ -79,7 +79,7 @@ def test_make_labels_lexicon_on_the_tiny_model(tmp_path, monkeypatch):
     policy, tokenizer = tasks.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
     # the tiny model writes letters, not English: score a text by its count of "a" (ties happen, as
     # with the lexicon)
-    monkeypatch.setattr(rewards, "lexicon_sentiment_score", lambda text: text.count("a"))
+    monkeypatch.setattr(tasks, "lexicon_sentiment_score", lambda text: text.count("a"))
     path = tmp_path / "labels.json"
     # 8 labels, seed 1, query 12, response 8, temperature 0.7, rounds of 8 openers
     labels = rewards.make_labels(
@@ -188,7 +188,7 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
     import grpo
 
     missing = str(tmp_path / "SmolLM2-135M-Instruct")
-    monkeypatch.setattr(rewards, "SMOLLM2_PATH", missing)
+    monkeypatch.setattr(tasks, "SMOLLM2_PATH", missing)
     assert (
         tasks.smollm2_problem(missing)
         == f"SmolLM2 is not converted at {missing}; run: {tasks.SMOLLM2_SETUP}"
