@@ -46,7 +46,6 @@ import collections
 import contextlib
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
@@ -626,11 +625,13 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
     return loss, terms, pg_metrics, corr_metrics
 
 
-def update_policy(model, optimizer, batch, args, correction, world_size=1, scaler=None):
+def update_policy(model, optimizer, batch, args, correction, world_size=1, scaler=None, step=0):
     """Step 5: ppo_epochs x minibatches (one optimizer step each) x micro-batches (one
     forward/backward of grpo_loss each) over this rank's batch (rollout.make_batch's tensors, the
     advantages, step 4's old_logprobs, loss_mask, is_weights, ref_logprobs); returns the metrics
-    averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else None.
+    averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else None. A
+    non-finite loss or gradient norm stops the run (harness.check_finite, naming `step`) before the
+    optimizer applies it; with fp16's scaler an inf gradient is an overflow, skipped as torch does.
 
     One loss normalisation for any micro-batch size or number of ranks (verl 0.9.1 agg_loss with
     global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each
@@ -677,6 +678,7 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                 )
                 if correction.bypass_mode and bypass_metrics is None:
                     bypass_metrics = corr_metrics
+                harness.check_finite("loss", loss.item(), step)
                 # every term is divided by the global count and multiplied by the world size
                 # already: backward sums the micro-batches
                 if scaler is not None:
@@ -702,13 +704,10 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                 # steps in a row without one)
                 scaler.step(optimizer)
                 scaler.update()
-            elif torch.isfinite(grad_norm):
+            else:
+                # verl skips such an update and goes on; here the run stops, before applying it
+                harness.check_finite("gradient norm", grad_norm.item(), step)
                 optimizer.step()
-            if not torch.isfinite(grad_norm):  # verl skips the update on a non-finite norm
-                print(
-                    f"warning: grad_norm is {grad_norm.item()}, skipping this optimizer step",
-                    file=sys.stderr,
-                )
             logged["actor/grad_norm"].append(grad_norm.item())
     optimizer.zero_grad(set_to_none=True)
     metrics = {name: sum(values) / len(values) for name, values in logged.items()}
@@ -759,6 +758,8 @@ def train(args, backend=None):
     check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
+    # one run per output folder (a second one is refused in one line)
+    harness.lock_output_dir(args.output_dir, rank)
     # a checkpoint, verified, written with these settings (or with others that may change)
     checkpoint = harness.checkpoint_to_resume(args, changeable=changeable_settings(args))
     correction = corrections.RolloutCorrection.from_name(args.correction)
@@ -768,6 +769,11 @@ def train(args, backend=None):
     tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
         args, model_path, checkpoint, device, rank
     )
+    if start_step >= args.total_steps:
+        raise harness.RunError(
+            f"{checkpoint} is at step {start_step} and --total-steps is {args.total_steps}: "
+            "nothing to train (raise --total-steps to continue it)"
+        )
     task = tasks.with_prompt_ids(task, tokenizer, args)
     # The rollout engine. vLLM: one engine per rank, created by all ranks together after
     # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
@@ -791,6 +797,8 @@ def train(args, backend=None):
         val_metrics = validate(backend, lag, tokenizer, task, args, -1, rank, world_size)
         log_step(log, {"step": 0, **val_metrics}, args.total_steps, rank)
 
+    # SIGTERM / Ctrl-C from here on: the step in progress ends, is saved, and the run stops
+    harness.catch_stop_signals()
     for step in range(start_step, args.total_steps):
         t_step = time.time()
         # verl's warmup/cosine schedule, a pure function of step
@@ -816,15 +824,13 @@ def train(args, backend=None):
             # signal (the policy answers nearly every prompt the same way, right or wrong), so the
             # run ends after `step` steps, saved; it resumes from there with a larger cap
             save(args, rank, model, tokenizer, optimizer, scaler, step)
-            if rank == 0:
-                print(
-                    f"stopping after step {step}: --max-num-gen-batches "
-                    f"{filter_metrics['filter_groups/gen_batches']} gave "
-                    f"{filter_metrics['filter_groups/kept_groups']} of --train-batch-size "
-                    f"{args.train_batch_size} prompt groups whose rewards differ",
-                    flush=True,
-                )
-            break
+            raise harness.RunError(
+                f"stopping after step {step}: --max-num-gen-batches "
+                f"{filter_metrics['filter_groups/gen_batches']} gave "
+                f"{filter_metrics['filter_groups/kept_groups']} of --train-batch-size "
+                f"{args.train_batch_size} prompt groups whose rewards differ (saved: rerun with a "
+                "larger --max-num-gen-batches to go on)"
+            )
         response_ids, rollout_logprobs, finish_reasons, scores = rollout_batch
         # group g's responses are rows g*n .. g*n+n-1, each beside its prompt
         prompt_ids = [task.train_prompt_ids[i] for i in indices]
@@ -858,7 +864,9 @@ def train(args, backend=None):
         # 5. Update: grpo_loss (the policy loss with the correction's weights and mask, entropy and
         #    KL terms) over minibatches of micro-batches, one optimizer step per minibatch.
         t0 = time.time()
-        actor_metrics = update_policy(model, optimizer, batch, args, correction, world_size, scaler)
+        actor_metrics = update_policy(
+            model, optimizer, batch, args, correction, world_size, scaler, step + 1
+        )
         timing["timing/update"] = time.time() - t0
 
         # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
@@ -888,13 +896,16 @@ def train(args, backend=None):
         log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
         if args.log_samples_every and args.num_log_samples:
             # what the policy writes
-            if (step + 1) % args.log_samples_every == 0 or step == start_step:
+            if (step + 1) % args.log_samples_every == 0 or step == 0:
                 rows = sample_rows(
                     step + 1, args, tokenizer, prompt_ids, response_ids, scores, batch["advantages"]
                 )
                 log.samples(rows)
-        if (args.save_every and (step + 1) % args.save_every == 0) or last:
+        stop_signal = harness.stop_signal(world_size)  # SIGTERM or SIGINT on any rank
+        if (args.save_every and (step + 1) % args.save_every == 0) or last or stop_signal:
             save(args, rank, model, tokenizer, optimizer, scaler, step + 1)
+        if stop_signal and not last:
+            raise harness.stopped(stop_signal, step + 1, args.output_dir)
 
     log.close()
     if own_backend and isinstance(backend, rollout.VLLMBackend):
@@ -1011,14 +1022,19 @@ def changeable_settings(args):
 
 def policy_path(args, rank, world_size):
     """Where the policy loads from: --model-name-or-path, or for "tiny" the offline tiny model,
-    built once into <output_dir>/tiny_model (an engine such as vLLM loads it from disk too)."""
+    built into <output_dir>/tiny_model (an engine such as vLLM loads it from disk too) once per
+    settings: its built_with.json records them."""
     if args.model_name_or_path != TINY_MODEL:
         return args.model_name_or_path
     path = os.path.join(args.output_dir, "tiny_model")
-    if rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+    settings = {"tiny_arch": args.tiny_arch, "max_positions": TINY_MAX_POSITIONS, "seed": args.seed}
+    # a tiny model an earlier run built with other settings (another --tiny-arch or --seed) is
+    # rebuilt: a fresh start never trains another experiment's model
+    if rank == 0 and harness.built_with(path) != settings:
         tasks.build_tiny_model(
             path, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
         )
+        harness.mark_built(path, settings)
     if world_size > 1:
         harness.barrier()
     return path

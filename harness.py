@@ -7,17 +7,22 @@ gradients, save, resume and log the same way:
     1. command line  run: a preset name and field overrides (tyro); a bad flag (a range, a
                      non-finite number, --track without a wandb login) is refused in one line
                      (`grpo.py: error: --lr must be > 0, got -1.0`, exit code 2) before any model
-                     loads; a fault during the run (RunError: a broken checkpoint, a full disk,
-                     changed settings) ends it in one line too (exit code 1)
+                     loads (check_flags, refuse); a fault during the run (RunError: a broken
+                     checkpoint, a full disk, changed settings, divergence) ends it in one line too
+                     (exit code 1), and so does a stop by SIGTERM or SIGINT (Stopped: 143, 130)
     2. processes     setup_distributed: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, NCCL on GPUs,
                      gloo on CPUs, and fail fast (a rank that raises ends the job at once; no rank
-                     waits in a collective); average_gradients (what DDP does, by hand),
-                     reduce_metrics, barrier
+                     waits in a collective; a rank whose launcher died ends too); one run per
+                     output folder (lock_output_dir); SIGTERM / SIGINT stop at the end of a step
+                     (catch_stop_signals, stop_signal); a non-finite loss stops the run
+                     (check_finite); average_gradients (what DDP does, by hand), reduce_metrics,
+                     barrier
     3. checkpoints   save_checkpoint (written to checkpoint.tmp with a manifest of every file's
                      size and sha256, swapped in with os.replace, every RNG of every rank),
                      checkpoint_to_resume (verified before anything loads; the settings it was
-                     written with must match), load_checkpoint (restores this rank's RNG: python,
-                     numpy, torch, CUDA)
+                     written with, the script and the number of ranks must match), load_checkpoint
+                     (restores this rank's RNG: python, numpy, torch, CUDA; every file through
+                     load_plain, torch.load(weights_only=True): a crafted pickle runs nothing)
     4. logs          start_logs: the rerun rule (below), args.json, metrics.jsonl and samples.jsonl
                      (one flushed JSON line per row, written by rank 0), and wandb with --track
 
@@ -25,8 +30,9 @@ The rerun rule, the same for every script. Rerunning a command with the same --o
 resumes (there is a checkpoint: the rows a killed run logged after it, and a line a kill or a full
 disk cut short, move to metrics.jsonl.discarded, never deleted) or starts afresh (no checkpoint: the
 earlier run's metrics.jsonl, samples.jsonl and args.json move to previous_run_<N>/, never appended
-to). Only logs move; a model or reward model that a later run reuses stays where it is. A checkpoint
-folder that exists but cannot be used stops the run in one line: it is never silently replaced.
+to). Only logs move; a model or reward model that a later run reuses stays where it is, unless other
+settings built it (built_with.json: then it is built again). A checkpoint folder that exists but
+cannot be used stops the run in one line: it is never silently replaced.
 """
 
 import dataclasses
@@ -36,9 +42,13 @@ import json
 import math
 import netrc
 import os
+import pickle
 import random
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from urllib.parse import urlparse
@@ -73,6 +83,16 @@ CHANGEABLE_SETTINGS = (
 class RunError(Exception):
     """A fault a user can act on (a broken checkpoint, a full disk, settings that differ from the
     checkpoint's): its message is one line, printed without a traceback (exit code 1)."""
+
+
+class Stopped(Exception):
+    """A run stopped at a safe point by SIGTERM or SIGINT, after its checkpoint was saved: `run`
+    prints the message in one line and exits with the signal's conventional code (128 + signal
+    number: 143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,7 +147,7 @@ def model_config(flag, name_or_path):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(name_or_path)
     except Exception as e:
         if os.path.isdir(name_or_path):
             where = "a local directory without a config.json"
@@ -135,6 +155,15 @@ def model_config(flag, name_or_path):
             where = "not a local directory, and its config could not be read from the Hub"
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise ValueError(f"{flag} {name_or_path!r}: {where} ({reason})") from None
+    weights = (".safetensors", ".bin", ".pt", ".gguf")
+    if os.path.isdir(name_or_path) and not any(
+        name.endswith(weights) for name in os.listdir(name_or_path)
+    ):
+        raise ValueError(
+            f"{flag} {name_or_path!r}: a local directory with a config.json but no weights "
+            "(*.safetensors or *.bin)"
+        )
+    return config
 
 
 def check_paths(args):
@@ -195,16 +224,39 @@ def parse_args(script, presets, check_args, argv=None):
 
 def run(script, presets, check_args, train, argv=None):
     """A script's main(): parse_args, then train(args). A RunError ends the run in one line and exit
-    code 1; under torchrun at once (os._exit: no rank waits for the others' shutdown)."""
+    code 1; a stop at a safe point (SIGTERM, SIGINT: Stopped) in one line and 128 + the signal's
+    number; Ctrl-C before the training loop catches it (KeyboardInterrupt) in one line and 130.
+    Under torchrun at once (os._exit: no rank waits for the others' shutdown), rank 0 printing the
+    stop. The output folder's lock is released on the way out, however the run ends."""
     args = parse_args(script, presets, check_args, argv)
+
+    def stop_before_the_loop(signum, frame):
+        # until the training loop takes SIGTERM over (catch_stop_signals): stop now, in one line
+        name = signal.Signals(signum).name
+        raise Stopped(f"stopped by {name} before the training loop: nothing to save", signum)
+
+    previous = signal.signal(signal.SIGTERM, stop_before_the_loop)
     try:
         return train(args)
     except RunError as e:
-        print(f"{script}: error: {e}".replace("\n", " "), file=sys.stderr, flush=True)
-        if distributed():
-            sys.stdout.flush()
-            os._exit(1)
-        sys.exit(1)
+        line, code = f"{script}: error: {e}", 1
+    except Stopped as e:
+        line, code = f"{script}: {e}", e.exit_code
+        if int(os.environ.get("RANK", "0")) != 0:
+            line = None
+    except KeyboardInterrupt:
+        line = f"{script}: interrupted (Ctrl-C) before the training loop: nothing to save"
+        code = 130
+    finally:
+        release_output_dirs()
+        restore_signals()
+        signal.signal(signal.SIGTERM, previous)
+    if line:
+        print(line.replace("\n", " "), file=sys.stderr, flush=True)
+    if distributed():
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,7 +302,149 @@ def setup_distributed(use_cuda=True):
         # after init_process_group: torch installs a hook of its own there, which captures stderr
         # while it calls the previous hook; ours exits inside, so its traceback would be lost
         sys.excepthook = fail_fast_excepthook
+        end_with_launcher(rank)
     return rank, world_size, device
+
+
+def end_with_launcher(rank):
+    """Under torchrun: end this rank when its launcher dies. A launcher killed with SIGKILL cannot
+    stop its workers, which would run on as orphans beside a rerun; a daemon thread notices the
+    new parent process within a second and ends this rank in one line."""
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        print(
+            f"rank {rank}: the torchrun launcher (pid {launcher}) is gone: ending this rank",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    if not getattr(end_with_launcher, "started", False):
+        threading.Thread(target=watch, name="end_with_launcher", daemon=True).start()
+        end_with_launcher.started = True
+
+
+# One run per output folder: <output_dir>/run.lock, flock-ed by rank 0 (the OS drops the lock when
+# the process ends, however it ends, so a dead run never leaves a stale lock behind)
+RUN_LOCK = "run.lock"
+_held_locks = {}  # real path of a lock file -> its open file, in this process
+
+
+def lock_output_dir(output_dir, rank):
+    """Rank 0 takes <output_dir>/run.lock before the run writes anything there, and holds it until
+    the run ends (release_output_dirs) or its process dies. A second run into the same folder is
+    refused in one line (RunError) naming the holder, which wrote its pid, host, start time and
+    command into the file. Taking it again in the same process is a no-op (tests rerun in-process).
+    fcntl locks hold within one machine; on a network filesystem they may not."""
+    import fcntl
+
+    if rank != 0:
+        return
+    path = os.path.realpath(os.path.join(output_dir, RUN_LOCK))
+    if path in _held_locks:
+        return
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not said who it is yet"
+        lock.close()
+        raise RunError(
+            f"{output_dir} is in use by another run ({holder}): wait for it to end, or use "
+            "another --output-dir"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    command = " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {command}\n")
+    lock.flush()
+    _held_locks[path] = lock
+
+
+def release_output_dir(output_dir):
+    """Release this process's lock of output_dir (RunLog.close: the run is over)."""
+    lock = _held_locks.pop(os.path.realpath(os.path.join(output_dir, RUN_LOCK)), None)
+    if lock is not None:
+        lock.close()
+
+
+def release_output_dirs():
+    """Release every output folder lock this process holds (run: the end of a run, however it
+    ends)."""
+    for lock in _held_locks.values():
+        lock.close()
+    _held_locks.clear()
+
+
+# SIGTERM (what a cluster scheduler sends before it kills) and SIGINT (Ctrl-C): the first asks the
+# run to stop at its next safe point, the end of a step, with a checkpoint; a second stops at once
+_stop_signal = {"signum": 0}
+_previous_handlers = {}  # signal number -> the handler catch_stop_signals replaced
+
+
+def catch_stop_signals():
+    """From here on, SIGTERM and SIGINT set a flag that stop_signal() reads at the end of every
+    step, instead of killing the run mid-step (or mid-write); the handler prints one line. A second
+    signal of the same kind ends the process at once, as without this."""
+
+    def on_signal(signum, frame):
+        if _stop_signal["signum"]:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _stop_signal["signum"] = signum
+        print(
+            f"{signal.Signals(signum).name}: stopping at the end of this step, with a checkpoint "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    _stop_signal["signum"] = 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        _previous_handlers.setdefault(signum, signal.getsignal(signum))
+        signal.signal(signum, on_signal)
+
+
+def restore_signals():
+    """Put back the handlers catch_stop_signals replaced (RunLog.close: the run is over)."""
+    for signum, handler in _previous_handlers.items():
+        signal.signal(signum, handler)
+    _previous_handlers.clear()
+
+
+def stop_signal(world_size):
+    """The signal number any rank received since catch_stop_signals (0: none). Every rank gets the
+    same answer (one all-reduce), so they all stop after the same step."""
+    signum = torch.tensor([_stop_signal["signum"]], device=collective_device())
+    if world_size > 1:
+        collective(dist.all_reduce, signum, op=dist.ReduceOp.MAX)
+    return int(signum.item())
+
+
+def stopped(signum, step, output_dir, saved=True):
+    """The Stopped exception that ends a run after `step` because of signal `signum`."""
+    name = signal.Signals(signum).name
+    if saved:
+        what = f"saved in {os.path.join(output_dir, CHECKPOINT)}: rerun the same command to resume"
+    else:
+        what = "nothing saved (a reward model trains in one go): rerun the command to start again"
+    return Stopped(f"stopped by {name} after step {step}, {what}", signum)
+
+
+def check_finite(name, value, step):
+    """Divergence stops the run: a non-finite loss or gradient norm raises a RunError naming the
+    step and the value, before the optimizer applies it and before anything is saved."""
+    if not math.isfinite(value):
+        raise RunError(
+            f"step {step}: the {name} is {value}: training diverged (a smaller --lr may help); "
+            "this update was not applied and nothing was saved after the last checkpoint"
+        )
 
 
 def distributed():
@@ -391,10 +585,13 @@ def rank_checksum_spread(parameters, world_size):
 
 
 def rng_state():
-    """This process's RNG states: python, numpy, torch's CPU generator and every CUDA device's."""
+    """This process's RNG states: python, numpy, torch's CPU generator and every CUDA device's, as
+    tensors and plain values only (numpy's key as a list of ints), so they load with
+    torch.load(weights_only=True)."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, keys.tolist(), position, has_gauss, cached_gaussian),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -403,10 +600,31 @@ def rng_state():
 def set_rng_state(state):
     """Put back what rng_state() returned (the CUDA states only where CUDA is there)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state(
+        (name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian)
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_plain(path, map_location="cpu"):
+    """torch.load with weights_only=True: tensors and plain values (numbers, strings, lists, dicts)
+    only, and numpy arrays (the RNG states of checkpoints written before they were stored as
+    lists). A file that needs anything else, such as a crafted pickle that would run code, is
+    refused in one line (RunError) and nothing in it runs."""
+    reconstruct = np.ndarray(0).__reduce__()[0]  # numpy's array unpickler, in any numpy version
+    numpy_globals = [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(numpy_globals):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise RunError(
+            f"{path} holds more than tensors and plain values, so it was not loaded and nothing in "
+            f"it ran ({reason}); resume only from checkpoints these scripts wrote"
+        ) from None
 
 
 def sha256_of(path):
@@ -453,6 +671,26 @@ def swap_in(tmp, path):
     shutil.rmtree(old, ignore_errors=True)
 
 
+BUILT_WITH = "built_with.json"  # in a folder a run builds for itself: the settings that made it
+
+
+def built_with(path):
+    """The settings recorded in <path>/built_with.json by mark_built, or None (no folder, or one
+    built before folders recorded their settings)."""
+    try:
+        with open(os.path.join(path, BUILT_WITH)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def mark_built(path, settings):
+    """Record the settings (a dict of plain values) that built the folder `path` (a tiny model, a
+    reward model run), so a later fresh start with other settings rebuilds it instead of training
+    on another experiment's artifact."""
+    write_atomically(os.path.join(path, BUILT_WITH), json.dumps(settings, indent=1) + "\n")
+
+
 def write_folder(path, write_files):
     """Write a folder atomically (one process): write_files(folder) into <path>.tmp, then swap_in.
     A write that fails removes <path>.tmp and raises a RunError naming the cause and the path; the
@@ -480,7 +718,8 @@ def save_checkpoint(output_dir, rank, write_files, trainer_state, args):
     (checkpoint.old exists only during the swap), so a crash at any moment leaves one complete
     checkpoint. A write that fails (no space, read-only, quota) removes checkpoint.tmp and ends the
     run with a RunError naming the cause and the path; the last complete checkpoint stays."""
-    path = os.path.join(output_dir, CHECKPOINT)
+    # a checkpoint folder that is a symlink keeps pointing at it: its target is written
+    path = os.path.realpath(os.path.join(output_dir, CHECKPOINT))
     tmp = path + ".tmp"
     try:
         if rank == 0:
@@ -498,6 +737,8 @@ def save_checkpoint(output_dir, rank, write_files, trainer_state, args):
                 files[name] = {"bytes": os.path.getsize(file), "sha256": sha256_of(file)}
             manifest = {
                 "step": trainer_state["step"],
+                "script": script_of(args),
+                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                 "args": json.loads(json.dumps(dataclasses.asdict(args))),
                 "files": files,
             }
@@ -520,6 +761,13 @@ def save_checkpoint(output_dir, rank, write_files, trainer_state, args):
     barrier()
 
 
+def script_of(args):
+    """The script whose Args these are ("grpo", "ppo_rlhf", "rewards"), also when it runs as
+    __main__."""
+    module = sys.modules[type(args).__module__]
+    return os.path.splitext(os.path.basename(getattr(module, "__file__", "") or ""))[0]
+
+
 def checkpoint_problem(path):
     """None if the checkpoint folder is complete and undamaged, else one line saying why not: its
     manifest is missing or unreadable, or a file it lists is missing, has another size, or bytes
@@ -535,6 +783,9 @@ def checkpoint_problem(path):
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{manifest_path} cannot be read ({type(e).__name__})"
+    unlisted = sorted(set(os.listdir(path)) - set(files) - {MANIFEST})
+    if unlisted:
+        return f"{os.path.join(path, unlisted[0])} is not in the manifest (added or edited since?)"
     for name, expected in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
@@ -558,7 +809,7 @@ def find_checkpoint(output_dir, resume_from=None):
         if problem:
             raise RunError(f"--resume-from {resume_from} cannot be used: {problem}")
         return resume_from
-    path = os.path.join(output_dir, CHECKPOINT)
+    path = os.path.realpath(os.path.join(output_dir, CHECKPOINT))  # a symlink's target
     old = path + ".old"
     if not os.path.isdir(path) and not os.path.isdir(old):
         return None
@@ -582,7 +833,22 @@ def checkpoint_to_resume(args, changeable=()):
     if path is None:
         return None
     with open(os.path.join(path, MANIFEST)) as f:
-        saved = json.load(f)["args"]
+        manifest = json.load(f)
+    saved = manifest["args"]
+    # another script's checkpoint never resumes, whatever its settings
+    script = manifest.get("script")
+    if script and script != script_of(args):
+        raise RunError(f"{path} was written by {script}.py, not {script_of(args)}.py")
+    # every rank's random stream continues exactly only with as many ranks as wrote it (1 -> 2 is
+    # refused by load_checkpoint: rank 1 has no RNG file)
+    written_by = len([n for n in os.listdir(path) if n.startswith("rng_rank")])
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if written_by != world_size:
+        raise RunError(
+            f"{path} was written by {written_by} processes and this run has {world_size}: resume "
+            f"it with {written_by} (torchrun --nproc_per_node {written_by}) to continue every "
+            "rank's random stream exactly, or use a new --output-dir"
+        )
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     allowed = set(CHANGEABLE_SETTINGS) | set(changeable)
     changed = [k for k in sorted(saved) if k in now and saved[k] != now[k] and k not in allowed]
@@ -606,8 +872,8 @@ def load_checkpoint(path, rank):
             f"{rng_path} is missing: this checkpoint was written by fewer ranks, so it cannot "
             f"resume rank {rank} exactly"
         )
-    state = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
-    set_rng_state(torch.load(rng_path, weights_only=False))
+    state = load_plain(os.path.join(path, TRAINER_STATE))
+    set_rng_state(load_plain(rng_path))
     return state
 
 
@@ -617,8 +883,8 @@ def load_checkpoint(path, rank):
 
 
 def read_rows(path):
-    """(rows, bad_lines) of a jsonl file: the complete JSON lines, and the lines a kill or a full
-    disk cut short (no newline at the end, or not JSON)."""
+    """(rows, bad_lines) of a jsonl file: the complete JSON objects, and the lines a kill or a full
+    disk cut short (no newline at the end, not JSON, or JSON that is not an object)."""
     rows, bad = [], []
     with open(path, "rb") as f:
         for raw in f:
@@ -626,7 +892,10 @@ def read_rows(path):
             try:
                 if not line.endswith("\n"):
                     raise ValueError("no newline")
-                rows.append((json.loads(line), line))
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a row")
+                rows.append((row, line))
             except ValueError:
                 if line.strip():
                     bad.append(line if line.endswith("\n") else line + "\n")
@@ -642,11 +911,29 @@ def move_rows_after(path, step):
     later = [line for row, line in rows if row.get("step", 0) > step]
     if bad:
         print(f"{path}: {len(bad)} line(s) cut short moved to {path}.discarded", file=sys.stderr)
+    if later:
+        print(
+            f"{path}: {len(later)} row(s) logged after the checkpoint's step {step} moved to "
+            f"{path}.discarded (this run logs those steps again)",
+            file=sys.stderr,
+        )
     if bad or later:
         with open(path + ".discarded", "a") as f:
             f.writelines(bad + later)
-        with open(path, "w") as f:
-            f.writelines(line for row, line in rows if row.get("step", 0) <= step)
+        # the kept rows go to a temporary that replaces the file: a kill at any moment leaves
+        # either the old file or the new one, never a half-written one
+        write_atomically(path, "".join(line for row, line in rows if row.get("step", 0) <= step))
+
+
+def write_atomically(path, text):
+    """Replace the file `path` by `text`: written to <path>.tmp, flushed to disk, then swapped in
+    with os.replace, so a reader (or a crash) sees the old file or the new one, never a part."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def move_previous_run_aside(output_dir):
@@ -671,7 +958,10 @@ def append_line(path, text):
     fails (no space, read-only, quota) is cut back to the last complete line and ends the run with
     a RunError naming the cause and the file."""
     data = memoryview(text.encode())
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunError(f"cannot append to {path}: {write_error(e, path)}") from None
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -687,6 +977,22 @@ def append_line(path, text):
         os.close(fd)
 
 
+def json_line(row):
+    """One line of strict JSON: a non-finite float (a diverged loss) is written as null, which
+    every JSON reader accepts (json.dumps would write the bare token NaN, which is not JSON)."""
+
+    def strict(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: strict(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [strict(item) for item in value]
+        return value
+
+    return json.dumps(strict(row), allow_nan=False) + "\n"
+
+
 class RunLog:
     """Rank 0's metrics.jsonl and samples.jsonl (one JSON line per row, flushed at once, so a crash
     loses nothing) and the wandb run (--track). On every other rank each method does nothing, so
@@ -694,13 +1000,14 @@ class RunLog:
 
     def __init__(self, output_dir, enabled, wandb_run=None):
         self.enabled, self.wandb_run = enabled, wandb_run
+        self.output_dir = output_dir
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
 
     def metrics(self, row):
         """One row of metrics.jsonl; row["step"] is the x of every curve (and wandb's step)."""
         if self.enabled:
-            append_line(self.metrics_path, json.dumps(row) + "\n")
+            append_line(self.metrics_path, json_line(row))
             if self.wandb_run is not None:
                 self.wandb_run.log(row, step=row["step"])
 
@@ -708,7 +1015,7 @@ class RunLog:
         """A few rows of what the policy wrote (each with a "step") to samples.jsonl, and a wandb
         Table."""
         if self.enabled and rows:
-            append_line(self.samples_path, "".join(json.dumps(row) + "\n" for row in rows))
+            append_line(self.samples_path, "".join(json_line(row) for row in rows))
             if self.wandb_run is not None:
                 import wandb
 
@@ -718,8 +1025,12 @@ class RunLog:
                 self.wandb_run.log({"samples": table}, step=rows[0]["step"])
 
     def close(self):
+        """The end of the run: wandb's run finishes, the output folder's lock is released, SIGTERM
+        and SIGINT get their handlers back."""
         if self.enabled and self.wandb_run is not None:
             self.wandb_run.finish()
+        release_output_dir(self.output_dir)
+        restore_signals()
 
 
 def start_logs(args, script, rank, world_size, resume_step=None):
@@ -741,8 +1052,9 @@ def start_logs(args, script, rank, world_size, resume_step=None):
                 move_rows_after(os.path.join(args.output_dir, name), resume_step)
         config = {"script": script, "world_size": world_size, **dataclasses.asdict(args)}
         try:
-            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            write_atomically(
+                os.path.join(args.output_dir, "args.json"), json.dumps(config, indent=2)
+            )
         except OSError as e:
             path = os.path.join(args.output_dir, "args.json")
             raise RunError(f"cannot write {path}: {write_error(e, path)}") from None

@@ -588,16 +588,19 @@ def load_tokenizer(path):
     return tokenizer
 
 
-def reward_model_paths(args):
+def reward_model_paths(args, resume=None):
     """(reward model dir, policy path: --base-model, or the tiny policy rewards.py saved next to the
     reward model). With no --reward-model-path, rewards.train trains one first on every rank (it is
-    torchrun-aware), once: <output_dir>/reward_model_run/DONE is reused, e.g. on resume."""
+    torchrun-aware), once per settings: <output_dir>/reward_model_run/DONE records the preset and
+    seed it was trained with. A resume reuses it; a fresh start with another preset or seed trains
+    it again (never another experiment's reward model)."""
     rm_path = args.reward_model_path
     if rm_path is None:
         rm_run = os.path.join(args.output_dir, "reward_model_run")
         done = os.path.join(rm_run, "DONE")
+        settings = {"reward_preset": args.reward_preset, "seed": args.seed}
         # no race: DONE is written only after every rank finished rewards.train
-        if not os.path.exists(done):
+        if not os.path.exists(done) or (not resume and harness.built_with(rm_run) != settings):
             # the reward model gets the policy's seed, as lm-human-preference-details' train_both
             # script, so a seed sweep varies the reward model too (launch.py pinned run.seed 1 for
             # both)
@@ -605,6 +608,7 @@ def reward_model_paths(args):
             rm_path = rewards.train(dataclasses.replace(preset, output_dir=rm_run, seed=args.seed))
             harness.barrier()
             if int(os.environ.get("RANK", "0")) == 0:
+                harness.mark_built(rm_run, settings)
                 with open(done, "w") as f:
                     f.write(rm_path)
         harness.barrier()
@@ -813,6 +817,27 @@ def load_models(args, rm_path, policy_path, resume, device):
     return tokenizer, tokens, reward_model, ref_policy, model
 
 
+def load_checkpoint(resume, rank, model, optimizer, args):
+    """Resume from a checkpoint (the policy's weights are loaded with the model): the value head,
+    the optimizer and this rank's RNG; returns (kl_coef, first update, episodes so far). A run
+    whose checkpoint is already at --total-episodes' last update is refused in one line."""
+    state = harness.load_checkpoint(resume, rank)
+    value_head = harness.load_plain(os.path.join(resume, "value_head.pt"))
+    model.value_head.load_state_dict(value_head)
+    optimizer.load_state_dict(state["optimizer"])
+    num_updates = args.total_episodes // args.rollout_batch_size
+    if state["step"] >= num_updates:
+        raise harness.RunError(
+            f"{resume} is at update {state['step']} and --total-episodes {args.total_episodes} "
+            f"makes {num_updates}: nothing to train (raise --total-episodes to continue it)"
+        )
+    if rank == 0:
+        print(
+            f"resumed from {resume} at update {state['step'] + 1} (kl_coef {state['kl_coef']:.4f})"
+        )
+    return state["kl_coef"], state["step"] + 1, state["global_step"]
+
+
 def print_update(metrics, update, num_updates, start_update, args, start_time):
     """One line per update on rank 0."""
     episodes_per_s = (
@@ -921,14 +946,15 @@ def ppo_loss(new_logprobs, vpred, micro_batch, args, correction, pg_info, num_mi
 
 
 def update_policy(
-    model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, tokens
+    model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, tokens, update=0
 ):
     """Step 8 of train(), [policy 7]: `noptepochs` epochs over this rank's rollouts, each a fresh
     permutation cut into minibatches (one optimizer step each) cut into micro-batches (one
     forward/backward of ppo_loss each). `batch` holds the (B, ...) tensors of steps 3-7; `tokens`
     the pad id and the banned vocabulary. Returns (stats: per-micro-batch tensors, extra:
     per-micro-batch floats of the clipped surrogate); in bypass mode the first micro-batch's
-    rollout_corr/* and training/* go to corr_metrics.
+    rollout_corr/* and training/* go to corr_metrics. A non-finite loss stops the run (naming
+    `update`) before the optimizer applies it.
     """
     stats, extra = {}, {}
     context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
@@ -943,6 +969,7 @@ def update_policy(
             # tokens) x the world size, since the gradients are averaged over the ranks.
             pg_tokens = sum(batch["pg_mask"][mb].sum() for mb in micro_batches).double()
             pg_info = dict(dp_size=world_size, batch_num_tokens=float(harness.all_sum(pg_tokens)))
+            minibatch_loss = 0.0
             for mb in micro_batches:
                 micro_batch = {
                     name: batch[name][mb]
@@ -974,6 +1001,7 @@ def update_policy(
                     for name, value in metrics.items():
                         corr_metrics.setdefault(name, value)
                     loss.backward()
+                minibatch_loss = minibatch_loss + loss.detach()
                 pg_loss, vf_loss, vf_clipfrac, vf_losses1 = terms
                 with torch.no_grad():
                     logprobs_diff = new_logprobs.detach() - batch["logprobs"][mb]
@@ -996,6 +1024,8 @@ def update_policy(
                         stats.setdefault(name, []).append(value)
                     for name, value in pg_metrics.items():  # ppo_kl, pg_clipfrac, pg_clipfrac_lower
                         extra.setdefault(name, []).append(float(value))
+            # one check per minibatch (one device sync), before the optimizer applies it
+            harness.check_finite("loss", float(minibatch_loss), update)
             harness.average_gradients(model.parameters(), world_size)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -1016,9 +1046,12 @@ def train(args: Args):
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     autocast = rollout.autocast_context(device, args.precision)
-    # a checkpoint, verified, written with these settings (before a reward model is trained)
+    # one run per output folder; a checkpoint, verified, written with these settings (before a
+    # reward model is trained)
+    harness.lock_output_dir(args.output_dir, rank)
     resume = harness.checkpoint_to_resume(args)
-    rm_path, policy_path = reward_model_paths(args)  # trains a reward model first if none is given
+    # trains a reward model first if none is given (or one built with other settings)
+    rm_path, policy_path = reward_model_paths(args, resume)
     seed = local_seed(args.seed, rank)  # [general 6] (after rewards.train, which seeds itself)
     harness.seed_everything(seed)
     tokenizer, tokens, reward_model, ref_policy, model = load_models(
@@ -1028,17 +1061,7 @@ def train(args: Args):
     optimizer = adam(model.parameters(), lr=args.lr, eps=args.eps)
     kl_coef, start_update, global_step = args.kl_coef, 1, 0
     if resume:  # the policy's weights came from the checkpoint; the rest and this rank's RNG here
-        state = harness.load_checkpoint(resume, rank)
-        value_head = torch.load(os.path.join(resume, "value_head.pt"), map_location=device)
-        model.value_head.load_state_dict(value_head)
-        optimizer.load_state_dict(state["optimizer"])
-        kl_coef, start_update, global_step = (
-            state["kl_coef"],
-            state["step"] + 1,
-            state["global_step"],
-        )
-        if rank == 0:
-            print(f"resumed from {resume} at update {start_update} (kl_coef {kl_coef:.4f})")
+        kl_coef, start_update, global_step = load_checkpoint(resume, rank, model, optimizer, args)
     correction = corrections.RolloutCorrection.from_name(args.correction)
     batches = query_batches(args, tokenizer, seed, local_batch, start_update, rank, world_size)
     log = harness.start_logs(
@@ -1051,7 +1074,8 @@ def train(args: Args):
             f"gradient accumulation {sizes['grad_accum']}, {num_updates} updates"
         )
     start_time = time.time()
-
+    # SIGTERM / Ctrl-C from here on: the update in progress ends, is saved, and the run stops
+    harness.catch_stop_signals()
     for update in range(start_update, num_updates + 1):
         global_step += args.rollout_batch_size
         # 2. anneal the learning rate linearly to 0 ([general 5])
@@ -1139,7 +1163,16 @@ def train(args: Args):
             is_weights=is_weights,
         )
         stats, extra_stats = update_policy(
-            model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, tokens
+            model,
+            optimizer,
+            batch,
+            correction,
+            corr_metrics,
+            args,
+            sizes,
+            world_size,
+            tokens,
+            update,
         )
 
         # 9. metrics (averaged over ranks) and the adaptive KL controller
@@ -1184,18 +1217,20 @@ def train(args: Args):
             print_update(metrics, update, num_updates, start_update, args, start_time)
 
         # 10. a sample table: query, (truncated) response, score, kl
-        if args.log_samples_every and (
-            update % args.log_samples_every == 0 or update == start_update
-        ):
+        if args.log_samples_every and (update % args.log_samples_every == 0 or update == 1):
             rows = sample_rows(
                 update, tokenizer, queries, postprocessed, scores, kl, args.num_log_samples
             )
             log.samples(rows)
 
         # 11. checkpoint (HF policy + value head + optimizer + kl_coef + RNG) every save_every
-        #     updates and at the end
-        if (args.save_every and update % args.save_every == 0) or update == num_updates:
+        #     updates, at the end, and when SIGTERM or SIGINT asks the run to stop
+        stop_signal = harness.stop_signal(world_size)
+        last = update == num_updates
+        if (args.save_every and update % args.save_every == 0) or last or stop_signal:
             save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef)
+        if stop_signal and not last:
+            raise harness.stopped(stop_signal, update, args.output_dir)
 
     # 12. the final policy in HF format, and a checksum per rank (the 2-process test compares them)
     save_final_policy(args, rank, model, tokenizer, kl_coef)

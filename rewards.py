@@ -946,6 +946,8 @@ def train(args: Args) -> str:
 
     # 2. Logging: rank 0 writes args.json and metrics.jsonl; a rerun into the same folder moves the
     #    earlier run's logs aside (harness.start_logs: a reward model trains in one go, no resume).
+    #    One run per output folder: a second one is refused in one line.
+    harness.lock_output_dir(args.output_dir, rank)
     run_log = harness.start_logs(args, "rewards", rank, world_size)
 
     def log(step, metrics):
@@ -1032,6 +1034,8 @@ def train(args: Args) -> str:
     test_indices = list(range(args.num_train, args.num_train + num_test))
     num_steps = args.num_train // args.batch_size
     start_time = time.time()
+    # SIGTERM / Ctrl-C from here on: the run stops after the step in progress, in one line
+    harness.catch_stop_signals()
     for step in range(1, num_steps + 1):
         start = (step - 1) * args.batch_size
         lr = (1 - start / args.num_train) * args.lr  # [general 5], train_reward.py#L249
@@ -1040,6 +1044,7 @@ def train(args: Args) -> str:
         local_indices = permutation[start : start + args.batch_size][rank::world_size]
         logits, best = best_of_4_logits(reward_model, labels, local_indices, pad, device)
         loss = F.cross_entropy(logits, best)  # 4-way softmax over the samples' rewards
+        harness.check_finite("loss", loss.item(), step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         harness.average_gradients(params, world_size)
@@ -1084,6 +1089,9 @@ def train(args: Args) -> str:
                     flush=True,
                 )
         log(step, metrics)
+        stop_signal = harness.stop_signal(world_size)
+        if stop_signal and step < num_steps:
+            raise harness.stopped(stop_signal, step, args.output_dir, saved=False)
 
     # 7. Normalise after training, so a KL coefficient means the same for every reward model
     # ([reward 3]).

@@ -277,13 +277,23 @@ def hf_generate(model, input_ids, attention_mask, config, temperature, precision
     from transformers import LogitsProcessorList
 
     recorder = _LogprobRecorder(temperature)
-    with autocast_context(input_ids.device, precision):
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            logits_processor=LogitsProcessorList([recorder]),
-        )
+    try:
+        with autocast_context(input_ids.device, precision):
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+    except RuntimeError as e:
+        # torch.multinomial on inf / nan probabilities: weights an earlier update broke
+        if "probability tensor contains" not in str(e):
+            raise
+        raise harness.RunError(
+            "sampling failed: the policy's next-token probabilities are not finite, so training "
+            "diverged at an earlier step (a checkpoint saved since then holds the diverged "
+            "weights); lower --lr and start again, or resume an earlier checkpoint"
+        ) from None
     new_tokens = out[:, input_ids.shape[1] :]
     return new_tokens, recorder.finish(new_tokens)
 

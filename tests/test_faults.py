@@ -7,6 +7,7 @@ process through their main(argv), as on the command line; the SIGKILL and torchr
 processes. Budget: ~60 s on 2 cores.
 """
 
+import dataclasses
 import errno
 import json
 import os
@@ -420,15 +421,14 @@ def rows_without_clocks(path):
     ]
 
 
-def test_a_run_killed_with_sigkill_resumes_to_the_same_metrics_and_weights(tmp_path):
+def test_a_run_killed_with_sigkill_resumes_to_the_same_metrics_and_weights(
+    grpo_uninterrupted, tmp_path
+):
     def command(output_dir):
         return [sys.executable, "grpo.py", *grpo_argv(output_dir, 8, save_every=2)]
 
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    uninterrupted = tmp_path / "uninterrupted"
-    subprocess.run(
-        command(uninterrupted), cwd=ROOT, env=env, check=True, capture_output=True, timeout=300
-    )
+    uninterrupted = grpo_uninterrupted  # the same run with a checkpoint only at the end
     process = subprocess.Popen(
         command(tmp_path / "killed"),
         cwd=ROOT,
@@ -459,3 +459,373 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_metrics_and_weights(tmp_p
     ours = load_file(tmp_path / "killed" / "checkpoint" / "model.safetensors")
     theirs = load_file(uninterrupted / "checkpoint" / "model.safetensors")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared clusters: checkpoints from others, two runs in one folder, preemption, divergence
+# (one test per fault of issue 44's list, numbered as there)
+# --------------------------------------------------------------------------------------------------
+
+
+class RunsCode:
+    """A pickle that runs code when it is loaded: it creates `marker` (harmless)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def rewrite_manifest_entry(checkpoint, name):
+    """The manifest re-hashed for a file someone replaced: whoever edits a checkpoint can edit its
+    manifest, so the hashes prove nothing about who wrote it."""
+    manifest = json.load(open(checkpoint / harness.MANIFEST))
+    file = checkpoint / name
+    manifest["files"][name] = {"bytes": file.stat().st_size, "sha256": harness.sha256_of(file)}
+    json.dump(manifest, open(checkpoint / harness.MANIFEST, "w"))
+
+
+@pytest.mark.parametrize("name", ["trainer_state.pt", "rng_rank0.pt"])
+def test_1_a_crafted_pickle_in_a_checkpoint_runs_nothing(name, grpo_done, tmp_path, capfd):
+    out = copy_of(grpo_done, tmp_path)
+    marker = tmp_path / "the_pickle_ran"
+    torch.save({"step": 2, "payload": RunsCode(str(marker))}, out / "checkpoint" / name)
+    rewrite_manifest_entry(out / "checkpoint", name)
+    code, stderr = run_main(grpo.main, grpo_argv(out, 3), capfd)
+    assert code == 1
+    assert_one_line(stderr, name, "nothing in it ran")
+    assert not marker.exists()
+    assert steps(out / "metrics.jsonl") == [1, 2]
+
+
+def live_processes_with(text):
+    """pids of the live processes whose command line contains `text`."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in command and state != "Z":
+            pids.append(int(pid))
+    return pids
+
+
+def wait_for_rows(metrics, count, process, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{metrics}: fewer than {count} rows (exit code {process.poll()})")
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+DDP_SIZES = ["--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "4"]
+DDP_SIZES += ["--ppo-micro-batch-size-per-gpu", "4"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+
+
+def test_2_one_run_per_output_dir_and_ranks_end_with_their_launcher(tmp_path, capfd):
+    """A second run into a folder a live run holds is refused in one line naming the holder (and
+    writes nothing there); killing only the torchrun launcher (SIGKILL) ends both ranks; then the
+    folder is free again."""
+    out = tmp_path / "run"
+    command = [*TORCHRUN, "grpo.py", *grpo_argv(out, 200, *DDP_SIZES, save_every=100)]
+    launcher = subprocess.Popen(
+        command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_rows(out / "metrics.jsonl", 1, launcher)
+        rows = (out / "metrics.jsonl").read_text()
+        code, stderr = run_main(grpo.main, grpo_argv(out, 3), capfd)
+        assert code == 1
+        assert_one_line(stderr, str(out), "in use by another run", "pid", "grpo.py")
+        assert (out / "metrics.jsonl").read_text().startswith(rows)  # not moved aside
+        assert len(live_processes_with(str(out))) >= 3  # the launcher and its two ranks
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.time() + 20
+    while live_processes_with(str(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert live_processes_with(str(out)) == []  # no orphan rank runs on
+    code, stderr = run_main(grpo.main, grpo_argv(out / "other", 1), capfd)
+    assert code == 0, stderr[-2000:]
+    harness.lock_output_dir(str(out), 0)  # free again: the dead run's lock went with it
+    harness.release_output_dirs()
+
+
+def test_3_a_fresh_start_rebuilds_what_other_settings_built(
+    grpo_done, tmp_path, capfd, monkeypatch
+):
+    """Without a checkpoint, grpo.py's tiny model is rebuilt for another --tiny-arch or --seed, and
+    ppo_rlhf.py's reward model is trained again for another --seed (a resume keeps its own)."""
+    out = copy_of(grpo_done, tmp_path)
+    shutil.rmtree(out / "checkpoint")
+    assert json.load(open(out / "tiny_model" / "config.json"))["model_type"] == "gpt2"
+    code, stderr = run_main(grpo.main, grpo_argv(out, 1, "--tiny-arch", "qwen2"), capfd)
+    assert code == 0, stderr[-2000:]
+    assert json.load(open(out / "tiny_model" / "config.json"))["model_type"] == "qwen2"
+    shutil.rmtree(out / "checkpoint")
+    code, stderr = run_main(
+        grpo.main, grpo_argv(out, 1, "--tiny-arch", "qwen2", "--seed", "2"), capfd
+    )
+    assert code == 0, stderr[-2000:]
+    assert harness.built_with(str(out / "tiny_model"))["seed"] == 2
+
+    trained = []
+
+    def fake_train(rm_args):
+        trained.append(rm_args.seed)
+        os.makedirs(rm_args.output_dir, exist_ok=True)
+        return os.path.join(rm_args.output_dir, "reward_model")
+
+    monkeypatch.setattr(rewards, "train", fake_train)
+    args = dataclasses.replace(ppo_rlhf.PRESETS["tiny"][1], seed=1, output_dir=str(tmp_path / "p"))
+    ppo_rlhf.reward_model_paths(args)
+    ppo_rlhf.reward_model_paths(args)  # the same settings: reused
+    ppo_rlhf.reward_model_paths(dataclasses.replace(args, seed=2))  # a fresh start, seed 2
+    ppo_rlhf.reward_model_paths(args, resume="a checkpoint")  # resuming: its own, seed 2
+    assert trained == [1, 2]
+
+
+def test_4_a_checkpoint_resumes_only_with_the_world_size_that_wrote_it(grpo_done, tmp_path, capfd):
+    """A 2-process checkpoint (two RNG files) is refused in one process, in one line (1 -> 2 is
+    refused too: rank 1 has no RNG file)."""
+    out = copy_of(grpo_done, tmp_path)
+    shutil.copy(out / "checkpoint" / "rng_rank0.pt", out / "checkpoint" / "rng_rank1.pt")
+    rewrite_manifest_entry(out / "checkpoint", "rng_rank1.pt")
+    code, stderr = run_main(grpo.main, grpo_argv(out, 3), capfd)
+    assert code == 1
+    assert_one_line(stderr, "written by 2 processes", "this run has 1", "--nproc_per_node 2")
+
+
+def test_5_a_symlinked_checkpoint_folder_keeps_working(grpo_done, tmp_path, capfd):
+    out = copy_of(grpo_done, tmp_path)
+    elsewhere = tmp_path / "bigger_disk" / "checkpoint"
+    elsewhere.parent.mkdir()
+    shutil.move(out / "checkpoint", elsewhere)
+    os.symlink(elsewhere, out / "checkpoint")
+    for total in (3, 4):
+        code, stderr = run_main(grpo.main, grpo_argv(out, total), capfd)
+        assert code == 0, stderr[-2000:]
+        assert os.path.islink(out / "checkpoint")
+        assert json.load(open(elsewhere / harness.MANIFEST))["step"] == total
+    assert steps(out / "metrics.jsonl") == [1, 2, 3, 4]
+
+
+def test_6_a_kill_while_the_metrics_are_rewritten_loses_no_row(
+    grpo_done, tmp_path, capfd, monkeypatch
+):
+    """On resume the rows after the checkpoint are cut from metrics.jsonl: the kept rows go to a
+    temporary file swapped in, so a kill before the swap leaves the whole old file."""
+    out = copy_of(grpo_done, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "reward/mean": 0.5}) + "\n")
+    before = (out / "metrics.jsonl").read_text()
+    real_replace = os.replace
+
+    def killed_before_the_swap(src, dst):
+        if str(dst).endswith("metrics.jsonl"):
+            raise KeyboardInterrupt  # the process dies here
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_the_swap)
+    code, _ = run_main(grpo.main, grpo_argv(out, 3), capfd)
+    assert code == 130
+    assert (out / "metrics.jsonl").read_text() == before
+    monkeypatch.setattr(os, "replace", real_replace)
+    code, stderr = run_main(grpo.main, grpo_argv(out, 3), capfd)
+    assert code == 0, stderr[-2000:]
+    assert steps(out / "metrics.jsonl") == [1, 2, 3]
+
+
+def strict_rows(path):
+    """Every line parsed as strict JSON (NaN, Infinity refused)."""
+
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in open(path)]
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo_rlhf"])
+def test_7_divergence_stops_at_that_step_before_the_update_and_the_save(
+    script, tiny_assets, tmp_path, capfd
+):
+    out = tmp_path / script
+    if script == "grpo":
+        code, stderr = run_main(grpo.main, grpo_argv(out, 3, "--lr", "1e6"), capfd)
+    else:  # two epochs: the second one's loss is nan
+        argv = ppo_argv(out, tiny_assets, 3, "--lr", "1e6", "--noptepochs", "2")
+        code, stderr = run_main(ppo_rlhf.main, argv, capfd)
+    assert code == 1
+    assert_one_line(stderr, "step 1:", "is nan", "diverged", "nothing was saved")
+    assert not (out / "checkpoint").exists()
+    # metrics.jsonl holds no row of the diverged step (nor, with val before train, a bare NaN)
+    logged = strict_rows(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    assert all(row["step"] < 1 for row in logged)
+    assert harness.json_line({"loss": float("nan"), "x": [float("inf"), 1.0]}) == (
+        '{"loss": null, "x": [null, 1.0]}\n'
+    )
+
+
+def test_7_an_update_that_breaks_the_weights_ends_sampling_in_one_line(
+    tiny_assets, tmp_path, capfd
+):
+    """One epoch of lr 1e6: the loss of update 1 is finite, its update is not, and update 2 cannot
+    sample (torch.multinomial on nan probabilities): one line that says so, not a traceback."""
+    argv = ppo_argv(tmp_path / "ppo", tiny_assets, 3, "--lr", "1e6")
+    code, stderr = run_main(ppo_rlhf.main, argv, capfd)
+    assert code == 1
+    assert_one_line(stderr, "sampling failed", "not finite", "diverged", "lower --lr")
+
+
+def stop_with_a_signal(command, out, rows, sig, ddp=False):
+    """Start `command`, send `sig` after `rows` rows of metrics.jsonl, return (exit code, stderr)."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_rows(out / "metrics.jsonl", rows, process)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=240)
+    return process.returncode, stderr
+
+
+@pytest.fixture(scope="module")
+def grpo_uninterrupted(tmp_path_factory):
+    """grpo.py tiny for 8 steps, never interrupted: what a stopped and resumed run must equal."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "grpo"
+    command = [sys.executable, "grpo.py", *grpo_argv(out, 8, save_every=100)]
+    subprocess.run(command, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    return out
+
+
+def same_run(ours, theirs):
+    from safetensors.torch import load_file
+
+    assert rows_without_clocks(ours / "metrics.jsonl") == rows_without_clocks(
+        theirs / "metrics.jsonl"
+    )
+    mine = load_file(ours / "checkpoint" / "model.safetensors")
+    other = load_file(theirs / "checkpoint" / "model.safetensors")
+    assert all(torch.equal(mine[k], other[k]) for k in other)
+
+
+def test_8_sigterm_saves_at_the_end_of_the_step_and_the_rerun_resumes_exactly(
+    grpo_uninterrupted, tmp_path
+):
+    out = tmp_path / "stopped"
+    command = [sys.executable, "grpo.py", *grpo_argv(out, 8, save_every=100)]
+    code, stderr = stop_with_a_signal(command, out, 3, signal.SIGTERM)
+    assert code == 143, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("grpo.py: stopped by SIGTERM")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    stopped_at = json.load(open(out / "checkpoint" / harness.MANIFEST))["step"]
+    assert 3 <= stopped_at < 8 and f"after step {stopped_at}," in lines[0]
+    assert steps(out / "metrics.jsonl") == list(range(1, stopped_at + 1))
+    subprocess.run(command, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    same_run(out, grpo_uninterrupted)
+
+
+def test_8_ctrl_c_stops_ppo_rlhf_with_a_checkpoint_and_it_resumes(tiny_assets, tmp_path):
+    out = tmp_path / "ppo"
+    command = [sys.executable, "ppo_rlhf.py", *ppo_argv(out, tiny_assets, 12)]
+    command[command.index("--save-every") + 1] = "100"
+    code, stderr = stop_with_a_signal(command, out, 2, signal.SIGINT)
+    assert code == 130, stderr[-2000:]
+    assert len([line for line in stderr.splitlines() if "stopped by SIGINT" in line]) == 1
+    assert "Traceback" not in stderr, stderr[-2000:]
+    stopped_at = json.load(open(out / "checkpoint" / harness.MANIFEST))["step"]
+    assert 2 <= stopped_at < 12
+    subprocess.run(command, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    assert steps(out / "metrics.jsonl") == list(range(1, 13))
+
+
+def test_8_sigterm_to_torchrun_stops_both_ranks_at_the_same_step(tmp_path):
+    """torchrun passes SIGTERM to its ranks: they agree on the step (one all-reduce), save one
+    checkpoint, exit 143; the rerun under torchrun resumes and ends with identical ranks."""
+    out = tmp_path / "ddp"
+    command = [*TORCHRUN, "grpo.py", *grpo_argv(out, 8, *DDP_SIZES, save_every=100)]
+    code, stderr = stop_with_a_signal(command, out, 2, signal.SIGTERM)
+    assert code != 0
+    ours = [line for line in stderr.splitlines() if "grpo.py: stopped by SIGTERM" in line]
+    assert len(ours) == 1, stderr[-3000:]
+    stopped_at = json.load(open(out / "checkpoint" / harness.MANIFEST))["step"]
+    assert len([n for n in os.listdir(out / "checkpoint") if n.startswith("rng_rank")]) == 2
+    subprocess.run(command, cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [row["step"] for row in rows] == list(range(1, 9)) and stopped_at < 8
+    assert rows[-1]["debug/rank_param_checksum_max_diff"] == 0.0
+
+
+def make_folder_without_weights(out):
+    folder = out.parent / "config_only"
+    folder.mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "verl_source.py", folder / "notes.py")  # any non-weight file
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    return ["--model-name-or-path", str(folder)]
+
+
+def test_9_each_of_the_smaller_faults_ends_in_one_line(grpo_done, tiny_assets, tmp_path, capfd):
+    # a metrics line that is JSON but not an object: moved aside like a line cut short
+    out = copy_of(grpo_done, tmp_path / "a")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write("42\n" + json.dumps({"step": 3, "reward/mean": 0.5}) + "\n")
+    code, stderr = run_main(grpo.main, grpo_argv(out, 3, "--log-samples-every", "10"), capfd)
+    assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
+    assert "1 line(s) cut short moved" in stderr  # the 42
+    assert "1 row(s) logged after the checkpoint's step 2 moved" in stderr  # the old step 3
+    assert open(out / "metrics.jsonl.discarded").read().startswith("42\n")
+    # the resumed run logs no extra samples table at its first step (3: not a multiple of 10)
+    assert max(json.loads(line)["step"] for line in open(out / "samples.jsonl")) == 2
+
+    # fewer steps than the checkpoint holds: nothing to do, refused, args.json untouched
+    args_json = (out / "args.json").read_text()
+    code, stderr = run_main(grpo.main, grpo_argv(out, 2), capfd)
+    assert code == 1
+    assert_one_line(stderr, "is at step 3", "--total-steps is 2", "nothing to train")
+    assert (out / "args.json").read_text() == args_json
+
+    # a manifest entry deleted and its file truncated
+    out = copy_of(grpo_done, tmp_path / "b")
+    manifest = json.load(open(out / "checkpoint" / harness.MANIFEST))
+    del manifest["files"]["rng_rank0.pt"]
+    json.dump(manifest, open(out / "checkpoint" / harness.MANIFEST, "w"))
+    truncate(out / "checkpoint" / "rng_rank0.pt")
+    code, stderr = run_main(grpo.main, grpo_argv(out, 3), capfd)
+    assert code == 1
+    assert_one_line(stderr, "rng_rank0.pt is not in the manifest")
+
+    # another script's checkpoint, even with --allow-changed-settings
+    out = tmp_path / "c"
+    argv = ppo_argv(out, tiny_assets, 2, "--resume-from", str(grpo_done / "checkpoint"))
+    code, stderr = run_main(ppo_rlhf.main, argv + ["--allow-changed-settings"], capfd)
+    assert code == 1
+    assert_one_line(stderr, "was written by grpo.py, not ppo_rlhf.py")
+
+    # a model folder with a config but no weights: refused before anything loads
+    out = tmp_path / "d" / "run"
+    code, stderr = run_main(grpo.main, grpo_argv(out, 1, *make_folder_without_weights(out)), capfd)
+    assert code == 2
+    assert_one_line(stderr, "--model-name-or-path", "config.json but no weights")
+
+    # metrics.jsonl that cannot be opened for appending (a read-only file, a full quota)
+    out = copy_of(grpo_done, tmp_path / "e")
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith("metrics.jsonl") and flags & os.O_WRONLY:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args)
+
+    os.open = read_only
+    try:
+        code, stderr = run_main(grpo.main, grpo_argv(out, 3), capfd)
+    finally:
+        os.open = real_open
+    assert code == 1
+    assert_one_line(stderr, "cannot append to", "metrics.jsonl", "Permission denied")

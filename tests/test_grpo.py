@@ -23,6 +23,7 @@ from verl_source import verl_root  # noqa: E402
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import harness  # noqa: E402
 import objectives  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
@@ -335,8 +336,8 @@ def test_decoupled_uses_recompute_and_bypass_uses_rollout_as_pi_old(
         seen.append((logprobs.detach().clone(), old_logprobs.detach().clone()))
         return real(logprobs, old_logprobs, *a, **kw)
 
-    # update_policy looks the loss up by --policy-loss (vanilla: ppo_clip_token_loss)
-    monkeypatch.setitem(objectives.POLICY_LOSSES, "vanilla", spy)
+    # grpo_loss calls the default loss by name (objectives.ppo_clip_token_loss)
+    monkeypatch.setattr(objectives, "ppo_clip_token_loss", spy)
     _run_update(model, args, batch, "decoupled_token_is")
     decoupled, seen[:] = list(seen), []
     _run_update(model, args, batch, "bypass_ppo_clip")
@@ -786,9 +787,10 @@ def test_resume_continues_the_same_run(tmp_path, setting):
         grpo.train(dataclasses.replace(base, output_dir=str(tmp_path / "b"), total_steps=4))
     )
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    # step 1, then the first step after the resume
+    # step 1 only, as in the uninterrupted run: a resume logs no extra table at its first step
     samples = _read_metrics(tmp_path / "b" / "samples.jsonl")
-    assert [r["step"] for r in samples] == [1] * base.num_log_samples + [3] * base.num_log_samples
+    assert [r["step"] for r in samples] == [1] * base.num_log_samples
+    assert samples == _read_metrics(tmp_path / "a" / "samples.jsonl")
     for a, b in zip(full, resumed):
         for key in a:
             if not key.startswith("timing"):
@@ -1234,17 +1236,21 @@ def test_dynamic_sampling_trains_only_groups_with_signal_and_stops_at_the_cap(
     capped = dataclasses.replace(
         args, output_dir=str(tmp_path / "b"), max_num_gen_batches=3, overlong_buffer_len=0
     )
-    rows = _read_metrics(grpo.train(capped))
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    # an unfinished run: a RunError (one line, exit code 1 from the command line), after the save
+    with pytest.raises(harness.RunError) as stop:
+        grpo.train(capped)
+    assert str(stop.value) == (
         "stopping after step 2: --max-num-gen-batches 3 gave 0 of --train-batch-size 4 prompt "
-        "groups whose rewards differ"
+        "groups whose rewards differ (saved: rerun with a larger --max-num-gen-batches to go on)"
     )
+    rows = _read_metrics(os.path.join(capped.output_dir, "metrics.jsonl"))
     assert rows[-1]["step"] == 2
-    state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 2
     # it resumes from that checkpoint with a larger cap (not refused as a changed setting)
-    rows = _read_metrics(grpo.train(dataclasses.replace(capped, max_num_gen_batches=4)))
-    assert rows[-1]["step"] == 2 and "--max-num-gen-batches 4 gave 0" in capsys.readouterr().out
+    with pytest.raises(harness.RunError, match="--max-num-gen-batches 4 gave 0"):
+        grpo.train(dataclasses.replace(capped, max_num_gen_batches=4))
+    assert _read_metrics(os.path.join(capped.output_dir, "metrics.jsonl"))[-1]["step"] == 2
 
 
 def test_torchrun_dynamic_sampling_gives_every_rank_the_same_batch_size(tmp_path):

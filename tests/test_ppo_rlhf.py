@@ -794,7 +794,7 @@ def test_lexicon_labeller_score_is_logged_only_for_lexicon_reward_presets(
 
     seen = []
     monkeypatch.setattr(
-        rewards, "lexicon_sentiment_score", lambda text: seen.append(text) or len(seen) % 3
+        tasks, "lexicon_sentiment_score", lambda text: seen.append(text) or len(seen) % 3
     )
     monkeypatch.setitem(
         rewards.PRESETS,
