@@ -625,6 +625,37 @@ def veto_mask(log_ratio, mask, threshold=1e-4):
     return (valid & ~vetoed).to(mask.dtype), metrics
 
 
+def off_policy_sequence_mask(logprobs, sampling_logprobs, advantages, mask, threshold):
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, arXiv:2512.02556, "keeping
+    RL stable", Equation 9; TRL GRPOTrainer.get_off_policy_mask, --off-policy-mask-threshold):
+
+        d_i    = mean over the valid tokens t of (log pi_sampling(a_t) - log pi_theta(a_t))
+        keep_i = A_i >= 0  or  d_i <= threshold
+
+    A sequence with a negative advantage whose current policy has drifted from the one that sampled
+    it (d_i, the sequence's mean k1 estimate of KL(pi_sampling || pi_theta), above the threshold)
+    is dropped: pushing down a sample the policy no longer resembles mostly adds noise. Sequences
+    with a non-negative advantage are always kept. pi_sampling is pi_rollout (what vLLM sampled
+    with), so the rule sees both the drift of the updates and the rollout/trainer mismatch.
+    logprobs: pi_theta's, no gradient is taken through the mask; advantages (B, T) or (B, 1).
+
+    Returns (keep (B, 1) float, metrics): the fraction of sequences masked and the mean d_i, as
+    floats. The caller multiplies the per-token policy loss by keep (the normaliser still counts
+    the masked tokens, as TRL)."""
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    divergence = torch.where(valid, sampling_logprobs - logprobs.detach(), zero)
+    mean_divergence = divergence.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+    advantage = advantages if advantages.dim() == 1 else advantages[:, :1]
+    keep = (advantage.reshape(-1, 1) >= 0) | (mean_divergence <= threshold)
+    sequences = valid.any(-1, keepdim=True)
+    metrics = {
+        "off_policy_mask/masked_seq_fraction": masked_mean((~keep).float(), sequences),
+        "off_policy_mask/seq_kl_mean": masked_mean(mean_divergence, sequences),
+    }
+    return keep.to(logprobs.dtype), {k: float(v) for k, v in metrics.items()}
+
+
 # --------------------------------------------------------------------------------------------------
 # 6. Diagnostics: how far apart are the two policies?
 # --------------------------------------------------------------------------------------------------

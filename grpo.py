@@ -44,13 +44,13 @@ estimators and losses), the rollout correction in corrections.py, the tasks in t
 
 import collections
 import contextlib
+import functools
 import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-import numpy as np
 import torch
 
 import corrections
@@ -104,7 +104,12 @@ class Args:
     # --- the loss (step 5: grpo_loss)
     policy_loss: str = "vanilla"
     """objectives.POLICY_LOSSES (verl loss_mode): vanilla (PPO-clip), gspo, cispo, gpg, sapo,
-    geo_mean, clip_cov or kl_cov (sapo, geo_mean: --loss-agg-mode seq-mean-token-mean only)."""
+    geo_mean, clip_cov, kl_cov, dppo_tv, dppo_kl or dro (sapo, geo_mean: --loss-agg-mode
+    seq-mean-token-mean only; dro: --dro-beta > 0; dppo_*: the clip ratios are probability / KL
+    bounds)."""
+    dro_beta: float = 0.0
+    """DRO's quadratic log-ratio penalty coefficient (verl policy_loss.dro_beta; > 0 with
+    --policy-loss dro, unused otherwise)."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -122,11 +127,19 @@ class Args:
     """KL estimator (objectives.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (verl default 0); entropy is always logged."""
+    off_policy_mask_threshold: Optional[float] = None
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's name): drop the negative-advantage sequences
+    whose mean log(pi_rollout / pi_theta) exceeds this (e.g. 0.5); None = off
+    (corrections.off_policy_sequence_mask)."""
+    use_bias_correction_kl: bool = False
+    """DeepSeek-V3.2's unbiased KL loss (TRL's name): each token's KL estimate times pi_theta /
+    pi_old, since the tokens were sampled from pi_old, not pi_theta (needs --kl-loss-coef > 0)."""
 
     # --- advantages (step 3)
     adv_estimator: str = "grpo"
     """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
-    remax (baseline: the greedy answer's score, generated each step), opo or grpo_passk."""
+    remax (baseline: the greedy answer's score, generated each step), opo, grpo_passk, gpg or gdpo
+    (each reward component normalised in its group: tasks.py's format and answer)."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group std (grpo, grpo_passk); False is Dr.GRPO (score - group mean)."""
 
@@ -341,10 +354,11 @@ def score_responses(response_ids, examples, tokenizer, reward_fn, args):
 
 def has_reward_signal(group_scores):
     """DAPO's dynamic-sampling rule as verl 0.9.1 applies it (trainer/ppo/v1/replay_buffer.py,
-    _dapo_filtered_keys): a group of more than one response whose rewards have a standard deviation
-    of exactly 0 (all right, or all wrong) gives every response advantage 0, so no gradient; it is
-    dropped. Every other group is kept."""
-    return not (len(group_scores) > 1 and float(np.std(group_scores)) == 0.0)
+    _dapo_filtered_keys): a group of more than one response whose rewards are all equal (all right,
+    or all wrong) gives every response advantage 0, so no gradient; it is dropped. Every other group
+    is kept. verl tests np.std == 0, which the rounding of the mean can miss (np.std of 64 scores of
+    2.2 is 4.4e-16); max == min cannot."""
+    return not (len(group_scores) > 1 and max(group_scores) == min(group_scores))
 
 
 def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
@@ -416,6 +430,34 @@ def greedy_baselines(backend, task, tokenizer, indices, step, args, rank):
     examples = [task.train[i] for i in indices]
     greedy_scores = score_responses(greedy_ids, examples, tokenizer, task.reward_fn, args)
     return greedy_scores.repeat_interleave(args.rollout_n)
+
+
+def reward_components(response_ids, indices, task, tokenizer, args):
+    """GDPO's scores: each response's named reward components (task.components_fn: format and
+    answer for gsm8k, arith, countdown; the reward itself for copy), and DAPO's overlong penalty as
+    one more when it is on. Returns ((B, K) float tensor, metrics: each component's mean as
+    reward/<name>/mean)."""
+    examples = [task.train[i] for i in indices for _ in range(args.rollout_n)]
+    texts = [tasks.response_text(tokenizer, ids) for ids in response_ids]
+    if task.components_fn is None:
+        rows = [{"reward": task.reward_fn(t, e)} for t, e in zip(texts, examples)]
+    else:
+        rows = [task.components_fn(t, e) for t, e in zip(texts, examples)]
+    names = list(rows[0])
+    components = torch.tensor([[row[name] for name in names] for row in rows])
+    if args.overlong_buffer_len:
+        names.append("overlong")
+        penalty = tasks.overlong_penalty(
+            torch.tensor([len(ids) for ids in response_ids]),
+            args.max_response_length,
+            args.overlong_buffer_len,
+            args.overlong_penalty_factor,
+        )
+        components = torch.cat([components, penalty[:, None]], dim=1)
+    metrics = {
+        f"reward/{name}/mean": components[:, k].mean().item() for k, name in enumerate(names)
+    }
+    return components, metrics
 
 
 def compute_advantages(scores, group_ids, lengths, baselines, args, device):
@@ -552,6 +594,9 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
                           + kl_loss_coef agg over M of (KL_t(pi_theta || pi_ref))
 
     agg is --loss-agg-mode over the minibatch's global counts (`global_info`, see update_policy).
+    DeepSeek-V3.2's options (arXiv:2512.02556): --off-policy-mask-threshold multiplies l_t by the
+    off-policy sequence mask (corrections.off_policy_sequence_mask), --use-bias-correction-kl
+    weights KL_t by r_t.
     --policy-loss swaps l_t for another loss of objectives.py; bypass mode (pi_old = pi_rollout)
     weights and masks with this micro-batch's current logprobs, and its REINFORCE loss is
     l_t = -A log pi_theta(a_t).
@@ -592,8 +637,11 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
             clip_c=args.clip_ratio_c,
         )
     else:
-        # gspo, cispo, gpg, sapo, geo_mean, clip_cov or kl_cov, each with its formula
+        # gspo, cispo, gpg, sapo, geo_mean, clip_cov, kl_cov, dppo_tv, dppo_kl or dro, each with its
+        # formula; DRO's penalty coefficient is its own setting
         policy_loss = objectives.POLICY_LOSSES[args.policy_loss]
+        if args.policy_loss == "dro":
+            policy_loss = functools.partial(policy_loss, beta=args.dro_beta)
         pg_losses, pg_metrics = policy_loss(
             logprobs,
             old_logprobs,
@@ -606,6 +654,17 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
     if correction.bypass_mode and correction.loss_type != "reinforce":
         # r is against pi_rollout already: IS weights would count it twice (verl)
         is_weights = None
+    if args.off_policy_mask_threshold is not None:
+        # DeepSeek-V3.2: drop the negative-advantage sequences the policy has drifted far from
+        keep, mask_metrics = corrections.off_policy_sequence_mask(
+            logprobs,
+            micro_batch["rollout_logprobs"],
+            advantages,
+            pg_mask,
+            args.off_policy_mask_threshold,
+        )
+        pg_losses = pg_losses * keep
+        pg_metrics = {**pg_metrics, **mask_metrics}
     if is_weights is not None:
         # the IS weights multiply the clipped term (decoupled PPO)
         pg_losses = pg_losses * is_weights
@@ -619,6 +678,11 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
     if args.kl_loss_coef > 0:
         # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss, not a reward
         kl = objectives.kl_penalty(logprobs, micro_batch["ref_logprobs"], args.kl_loss_type)
+        if args.use_bias_correction_kl:
+            # DeepSeek-V3.2's unbiased estimate: the tokens came from pi_old, so each token's KL
+            # estimate under pi_theta is weighted by r = pi_theta / pi_old (gradient through r)
+            bound = corrections.SAFETY_BOUND
+            kl = kl * torch.exp((logprobs - old_logprobs).clamp(-bound, bound))
         kl_loss = objectives.agg_loss(kl, loss_mask, args.loss_agg_mode, **global_info)
         loss = loss + args.kl_loss_coef * kl_loss
         terms["actor/kl_loss"] = kl_loss
@@ -850,8 +914,13 @@ def train(args, backend=None):
         baselines = None
         if args.adv_estimator == "remax":
             baselines = greedy_baselines(backend, task, tokenizer, indices, step, args, rank)
+        advantage_scores, component_metrics = scores, {}
+        if args.adv_estimator == "gdpo":  # each named reward component normalised on its own
+            advantage_scores, component_metrics = reward_components(
+                response_ids, indices, task, tokenizer, args
+            )
         batch["advantages"] = compute_advantages(
-            scores, group_ids, lengths, baselines, args, device
+            advantage_scores, group_ids, lengths, baselines, args, device
         )
 
         # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
@@ -883,8 +952,9 @@ def train(args, backend=None):
         metrics = step_metrics(
             step, args, scores, lengths, finish_reasons, prompt_ids, batch["advantages"]
         )
+        metrics = {**metrics, **component_metrics, **filter_metrics}
         metrics = harness.reduce_metrics(
-            {**metrics, **filter_metrics, **timing, **corr_metrics, **actor_metrics}, world_size
+            {**metrics, **timing, **corr_metrics, **actor_metrics}, world_size
         )
         last = step + 1 == args.total_steps
         if last:  # every rank must hold the same parameters (0.0 when in sync)
@@ -968,10 +1038,11 @@ def check_args(args, world_size=1):
         "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
         "train_size copy_length arith_max_steps vllm_max_num_seqs",
         ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
+        "dro_beta "
         "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
         "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
         "overlong_penalty_factor",
-        "> 0": "lr temperature max_grad_norm num_cycles",
+        "> 0": "lr temperature max_grad_norm num_cycles off_policy_mask_threshold",
         "in [0, 1]": "min_lr_ratio lr_warmup_steps_ratio",
         "in [0, 1)": "clip_ratio_low",
         "in (0, 1]": "vllm_gpu_memory_utilization",
@@ -984,6 +1055,8 @@ def check_args(args, world_size=1):
     if args.overlong_buffer_len > args.max_response_length:
         rule = f"<= --max-response-length {args.max_response_length}"
         harness.refuse(args, "overlong_buffer_len", rule)
+    if args.use_bias_correction_kl and not args.kl_loss_coef > 0:
+        harness.refuse(args, "kl_loss_coef", "> 0 with --use-bias-correction-kl (no KL loss)")
     if args.clip_ratio_c is not None and args.clip_ratio_c <= 1:
         harness.refuse(args, "clip_ratio_c", "> 1 (or None: no dual-clip)")
     # the rules that tie --policy-loss / --adv-estimator to other flags (objectives.py, section 5)

@@ -40,10 +40,19 @@ from corrections import SAFETY_BOUND, masked_mean, masked_sum
 
 def _group_stats(scores, group_ids):
     """(group (B,) 0..G-1, count (G,), mean (G,), unbiased std (G,)) of each prompt's group,
-    vectorised with index_add (group ids may be any ints, in any order)."""
+    vectorised with index_add (group ids may be any ints, in any order).
+
+    A group whose scores are all equal gets that score itself as its mean (and so std 0), not the
+    rounded mean of a float32 sum: 16 scores of 0.7 summed and divided by 16 differ from 0.7 in
+    the last bits, and dividing that difference by (std + eps) would give every response of a
+    group that carries no signal an advantage of +-0.1 (+-0.6 for 64 scores of 2.2). verl's mean
+    rounds (docs/objectives.md, "Where this differs from verl")."""
     _, group = torch.unique(torch.as_tensor(group_ids, device=scores.device), return_inverse=True)
     count = torch.bincount(group).to(scores.dtype)
     mean = torch.zeros_like(count).index_add_(0, group, scores) / count
+    lowest = torch.full_like(count, torch.inf).scatter_reduce(0, group, scores, "amin")
+    highest = torch.full_like(count, -torch.inf).scatter_reduce(0, group, scores, "amax")
+    mean = torch.where(lowest == highest, lowest, mean)
     sq_dev = torch.zeros_like(count).index_add_(0, group, (scores - mean[group]) ** 2)
     std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))  # torch.std (unbiased), as verl
     return group, count, mean, std
@@ -76,7 +85,7 @@ def grpo_advantages(scores, group_ids, lengths=None, baselines=None, eps=1e-6, n
                                                  arXiv:2503.20783, section 3.1)
 
     A group of one gets mean 0 and std 1 (verl), so its advantage is s_i / (1 + eps); an all-equal
-    group gets 0."""
+    group gets exactly 0, for any scores (_group_stats)."""
     scores = torch.as_tensor(scores, dtype=torch.float32)
     group, count, mean, std = _group_stats(scores, group_ids)
     mean = mean.masked_fill(count == 1, 0.0)
@@ -152,10 +161,11 @@ def opo_advantages(scores, group_ids, lengths, baselines=None, eps=1e-6, norm_by
     A group of one keeps its raw score (verl). Not divided by a std."""
     scores = torch.as_tensor(scores, dtype=torch.float32)
     weights = torch.as_tensor(lengths, dtype=torch.float32, device=scores.device)
-    group, count, _, _ = _group_stats(scores, group_ids)
+    group, count, mean, std = _group_stats(scores, group_ids)
     weighted = torch.zeros_like(count).index_add_(0, group, weights * scores)
     total_length = torch.zeros_like(count).index_add_(0, group, weights)
-    baseline = (weighted / total_length).masked_fill(count == 1, 0.0)
+    # an all-equal group's weighted mean is its score, exactly (as _group_stats' mean)
+    baseline = torch.where(std == 0, mean, weighted / total_length).masked_fill(count == 1, 0.0)
     return scores - baseline[group]
 
 
@@ -188,6 +198,52 @@ def grpo_passk_advantages(
     return torch.where(is_best, gap[group], torch.zeros_like(scores))
 
 
+GPG_F_NORM = 1.0  # verl compute_gpg_outcome_advantage's f_norm default
+
+
+def gpg_advantages(scores, group_ids, lengths=None, baselines=None, eps=1e-6, norm_by_std=True):
+    """GPG's outcome advantage (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
+    Baseline for Model Reasoning", arXiv:2504.02546, section 3; verl
+    compute_gpg_outcome_advantage): the group mean as baseline, no std, scaled up by how few
+    responses scored at all,
+
+        A_i   = alpha (s_i - mean_g) / f_norm,    f_norm = 1
+        alpha = B / #{j : s_j != 0}                (B responses; the count at least 1)
+
+    so a batch where few responses earn a reward still moves the policy as much as one where many
+    do. alpha counts the whole batch, over every rank (verl computes advantages on the whole batch;
+    call it on every rank). A group of one has mean 0 (verl). norm_by_std is not used."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group, count, mean, _ = _group_stats(scores, group_ids)
+    counts = torch.stack([torch.tensor(float(len(scores))), (scores != 0).sum().float().cpu()])
+    counts = counts.to(scores.device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    alpha = counts[0] / counts[1].clamp(min=1)
+    return alpha * (scores - mean.masked_fill(count == 1, 0.0)[group]) / GPG_F_NORM
+
+
+def gdpo_advantages(scores, group_ids, lengths, baselines=None, eps=1e-6, norm_by_std=True):
+    """GDPO, group reward-decoupled normalisation (arXiv:2601.05242; verl
+    compute_gdpo_outcome_advantage): with scores (B, K), one column per named reward component
+    (tasks.py: format and answer), each component is normalised within its group before they are
+    added, so a component that varies a lot (or is large) cannot drown one that varies little,
+
+        A_k,i = (s_k,i - mean_g(s_k)) / (std_g(s_k) + eps)     (grpo_advantages, per component)
+        A_i   = whiten_tokens(sum_k A_k,i)                      (weights 1, verl's default)
+
+    then whitened over every response token of the batch, over every rank (as
+    reinforce_plus_plus_advantages). Scores (B,) are one component: GRPO, then the whitening."""
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    components = scores if scores.dim() == 2 else scores[:, None]
+    total = torch.zeros(len(components), device=components.device)
+    for k in range(components.shape[1]):
+        total = total + grpo_advantages(
+            components[:, k], group_ids, eps=eps, norm_by_std=norm_by_std
+        )
+    return _global_whiten(total, lengths)
+
+
 # --adv-estimator: verl's algorithm.adv_estimator names
 ADV_ESTIMATORS = {
     "grpo": grpo_advantages,
@@ -197,6 +253,8 @@ ADV_ESTIMATORS = {
     "remax": remax_advantages,
     "opo": opo_advantages,
     "grpo_passk": grpo_passk_advantages,
+    "gpg": gpg_advantages,
+    "gdpo": gdpo_advantages,
 }
 
 # --------------------------------------------------------------------------------------------------
@@ -370,7 +428,10 @@ def sapo_token_loss(
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     advantages = torch.where(valid, advantages, zero)
-    tau = torch.where(advantages > 0, SAPO_TAU_POS, SAPO_TAU_NEG).to(logprobs.dtype)
+    # the constants in the input's dtype (float64 inputs: 1.05 exactly, not float32's 1.0499999523)
+    tau_pos = torch.tensor(SAPO_TAU_POS, dtype=logprobs.dtype, device=logprobs.device)
+    tau_neg = torch.tensor(SAPO_TAU_NEG, dtype=logprobs.dtype, device=logprobs.device)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gates = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
     metrics = {
         "pg_clipfrac": zero,
@@ -419,6 +480,97 @@ def geo_mean_token_loss(
     }
     losses = torch.where(valid, seq_loss[:, None], zero)
     return losses, {k: float(v) for k, v in metrics.items()}
+
+
+def _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c):
+    """DPPO's per-token loss once its trust region `keep` is known: REINFORCE with the ratio as a
+    stop-gradient weight truncated at clip_c, over the tokens the region keeps."""
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    ratio = torch.exp(log_ratio)
+    # verl's default cap, DPPO section 5.4: a large one (truncation biases the gradient)
+    cap = DPPO_RATIO_CAP if clip_c is None else clip_c
+    keep = (keep & valid).to(logprobs.dtype).detach()
+    advantages = torch.where(valid, advantages, zero)
+    losses = -advantages * ratio.clamp(max=cap).detach() * torch.where(valid, logprobs, zero) * keep
+    metrics = {
+        "pg_clipfrac": masked_mean(1.0 - keep, valid),
+        "ppo_kl": masked_mean(-log_ratio.detach(), valid),
+        "pg_clipfrac_lower": masked_mean((ratio > cap).to(logprobs.dtype) * keep, valid),
+    }
+    return losses, {k: float(v) for k, v in metrics.items()}
+
+
+DPPO_RATIO_CAP = 20.0  # verl's clip_ratio_c default for DPPO when none is set
+
+
+def dppo_tv_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """DPPO-Binary-TV: a trust region on the change of each sampled token's probability instead of
+    on the ratio (arXiv:2602.04879; verl core_algos.compute_policy_loss_dppo_tv). With
+    p = pi_theta(a_t), p_old = pi_old(a_t), r_t = p / p_old:
+
+        keep_t = p - p_old <= clip_high     if A_t > 0    (may not raise p by more than clip_high)
+                 p - p_old >= -clip_low     otherwise      (may not lower p by more than clip_low)
+        l_t    = -A_t * sg(min(r_t, clip_c)) * log pi_theta(a_t) * keep_t
+
+    so clip_ratio_low / clip_ratio_high are probability distances here (a total-variation bound on
+    the binary distribution {a_t, not a_t}), not ratio bounds; clip_c truncates the ratio weight
+    (None: 20). Returns (l (B, T), metrics): pg_clipfrac (tokens outside the region), ppo_kl,
+    pg_clipfrac_lower (kept tokens whose weight was truncated)."""
+    valid = mask.bool()
+    change = torch.exp(logprobs) - torch.exp(old_logprobs)
+    keep = torch.where(advantages > 0, change <= clip_high, change >= -clip_low)
+    return _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c)
+
+
+def dppo_kl_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None
+):
+    """DPPO-Binary-KL: DPPO's trust region measured by the KL divergence between the binary
+    distributions {a_t, not a_t} of pi_old and pi_theta (arXiv:2602.04879; verl
+    core_algos.compute_policy_loss_dppo_kl). With p, p_old as in dppo_tv_token_loss:
+
+        d_t    = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        keep_t = d_t <= clip_high or p <= p_old     if A_t > 0   (only a rise of p is bounded)
+                 d_t <= clip_low  or p >= p_old     otherwise    (only a fall of p is bounded)
+        l_t    = -A_t * sg(min(r_t, clip_c)) * log pi_theta(a_t) * keep_t
+
+    Returns (l (B, T), metrics) as dppo_tv_token_loss."""
+    valid = mask.bool()
+    p = torch.exp(logprobs)
+    p_old = torch.exp(old_logprobs)
+    binary_kl = p_old * (old_logprobs - logprobs) + (1 - p_old) * torch.log(
+        (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+    )
+    keep_rise = (binary_kl <= clip_high) | (p <= p_old)
+    keep_fall = (binary_kl <= clip_low) | (p >= p_old)
+    keep = torch.where(advantages > 0, keep_rise, keep_fall)
+    return _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c)
+
+
+def dro_token_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.2, clip_c=None, beta=None
+):
+    """DRO, direct reward optimisation with a quadratic log-ratio penalty (Richemond et al. 2024,
+    "Offline Regularised Reinforcement Learning for Large Language Models Alignment",
+    arXiv:2405.19107; verl core_algos.compute_policy_loss_dro):
+
+        l_t = -(A_t log pi_theta(a_t) - beta / 2 (log pi_theta(a_t) - log pi_old(a_t))^2)
+
+    REINFORCE with a penalty that keeps the policy near pi_old, no clip (the clip settings are not
+    used); beta is --dro-beta (verl policy_loss.dro_beta, which must be set > 0). Returns
+    (l (B, T), metrics): ppo_kl only, as verl."""
+    if beta is None or beta <= 0:
+        raise ValueError(f"dro_token_loss: beta (--dro-beta) must be > 0, got {beta}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(valid, logprobs, zero)
+    log_ratio = logprobs - torch.where(valid, old_logprobs, zero)
+    advantages = torch.where(valid, advantages, zero)
+    losses = -(logprobs * advantages - 0.5 * beta * log_ratio.square())
+    return losses, {"ppo_kl": float(masked_mean(-log_ratio.detach(), valid))}
 
 
 # Clip-Cov and KL-Cov settings: verl's actor.yaml policy_loss defaults
@@ -520,6 +672,9 @@ POLICY_LOSSES = {
     "geo_mean": geo_mean_token_loss,
     "clip_cov": clip_cov_token_loss,
     "kl_cov": kl_cov_token_loss,
+    "dppo_tv": dppo_tv_token_loss,
+    "dppo_kl": dppo_kl_token_loss,
+    "dro": dro_token_loss,
 }
 
 
@@ -637,6 +792,8 @@ MIN_GROUP_SIZE = {"grpo_passk": (2, "it compares the two best")}
 # losses that refuse token-level IS weights: verl weights GMPO by the geometric mean of the token
 # weights of each sequence, which per-token weights are not
 NO_TOKEN_IS_WEIGHTS = ("geo_mean",)
+# a setting a loss needs, > 0 (verl raises without it)
+REQUIRED_POSITIVE = {"dro": "dro_beta"}
 
 
 def check_objective(args, correction):
@@ -660,6 +817,9 @@ def check_objective(args, correction):
             f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
             f"bring their own loss), got {args.correction!r}"
         )
+    setting = REQUIRED_POSITIVE.get(args.policy_loss)
+    if setting and not getattr(args, setting) > 0:
+        harness.refuse(args, setting, f"> 0 with --policy-loss {args.policy_loss}")
     if args.policy_loss in NO_TOKEN_IS_WEIGHTS and correction.rollout_is == "token":
         harness.refuse(
             args,

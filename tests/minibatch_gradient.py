@@ -67,9 +67,9 @@ def fixed_batch(model, tokenizer):
     return batch
 
 
-def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla"):
+def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla", **settings):
     """The gradient of the one minibatch (all 64 sequences over all ranks) with micro-batch size
-    `micro`."""
+    `micro`; `settings` override grpo.py flags."""
     model, tokenizer = tasks.build_tiny_model(None, arch="qwen2")
     batch = fixed_batch(model, tokenizer)
     rows = slice(rank * PROMPTS * N // world_size, (rank + 1) * PROMPTS * N // world_size)
@@ -85,6 +85,8 @@ def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla")
         loss_agg_mode=mode,
         policy_loss=policy_loss,
         entropy_coeff=0.01,
+        dro_beta=0.1,
+        **settings,
     )
     correction = corrections.RolloutCorrection.from_name("decoupled_token_is")
     grpo.compute_pi_old_and_ref(model, None, batch, args, correction)

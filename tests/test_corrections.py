@@ -35,7 +35,11 @@ def float64_default():
 
 
 class VerlActorConfig(types.SimpleNamespace):
-    """Stands in for verl's ActorConfig (gspo and cispo assert isinstance(config, ActorConfig))."""
+    """Stands in for verl's ActorConfig (gspo and cispo assert isinstance(config, ActorConfig);
+    DPPO reads clip_ratio_c with config.get)."""
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
 
 
 def _load_verl():
@@ -94,6 +98,9 @@ def _load_verl():
             "compute_policy_loss_clip_cov",
             "compute_policy_loss_geo_mean",
             "compute_policy_loss_kl_cov",
+            "compute_policy_loss_dppo_tv",
+            "compute_policy_loss_dppo_kl",
+            "compute_policy_loss_dro",
             "kl_penalty_forward",
         },
         ns,
@@ -541,7 +548,9 @@ def assert_loss_matches_verl(ours, ours_lp, ours_m, theirs, theirs_lp, theirs_m,
 
 
 @needs_verl
-@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "sapo", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize(
+    "name", ["gspo", "cispo", "gpg", "sapo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"]
+)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
@@ -576,6 +585,7 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
             clip_cov_ub=O.CLIP_COV_UB,
             kl_cov_ratio=0.05,
             ppo_kl_coef=O.PPO_KL_COEF,
+            dro_beta=0.1,
         ),
     )
     ours_lp = train.clone().requires_grad_(True)
@@ -583,7 +593,8 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(O, "CLIP_COV_RATIO", 0.05)
         patch.setattr(O, "KL_COV_RATIO", 0.05)
-        losses, ours_m = O.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28)
+        extra = {"beta": 0.1} if name == "dro" else {}  # --dro-beta
+        losses, ours_m = O.POLICY_LOSSES[name](ours_lp, rollout, adv, mask, 0.2, 0.28, **extra)
     # verl aggregates SAPO with seq-mean-token-mean whatever the mode (grpo.py refuses the others)
     ours_mode = "seq-mean-token-mean" if name == "sapo" else mode
     ours = O.agg_loss(losses * w, mask, ours_mode)
@@ -601,7 +612,7 @@ def test_policy_losses_match_verl_values_and_gradients(name, mode, dtype):
     )
     theirs.backward()
     assert_loss_matches_verl(ours, ours_lp, ours_m, theirs, theirs_lp, theirs_m, dtype)
-    if name == "clip_cov":  # the covariance rule cut some tokens
+    if name in ("clip_cov", "dppo_tv", "dppo_kl"):  # the rule cut some tokens
         assert ours_m["pg_clipfrac"] > 0
     if name == "kl_cov":  # the penalised tokens changed the loss
         plain = O.agg_loss(-adv * torch.exp(train - rollout) * mask * w, mask, mode)
@@ -1052,3 +1063,58 @@ def test_geo_mean_matches_verl_values_gradients_and_metrics(weights, dtype):
     theirs.backward()
     assert_loss_matches_verl(ours, ours_lp, ours_m, theirs, theirs_lp, theirs_m, dtype)
     assert ours_m["pg_clipfrac"] > 0 and ours_m["pg_clipfrac_lower"] > 0
+
+
+def _load_trl_off_policy_mask():
+    """TRL 1.16's GRPOTrainer.get_off_policy_mask, run from its source (scripts/setup_cpu.sh
+    unpacks the wheel; never imported)."""
+    from verl_source import load_method, trl_root
+
+    root = trl_root()
+    if root is None:
+        return None
+    return load_method(
+        root, "trainer/grpo_trainer.py", "GRPOTrainer", "get_off_policy_mask", {"torch": torch}
+    )
+
+
+TRL_OFF_POLICY_MASK = _load_trl_off_policy_mask()
+
+
+@pytest.mark.skipif(TRL_OFF_POLICY_MASK is None, reason="no TRL source (scripts/setup_cpu.sh)")
+@pytest.mark.parametrize("threshold", [0.01, 0.05, 0.2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_off_policy_sequence_mask_matches_trl(threshold, dtype):
+    """DeepSeek-V3.2's off-policy sequence mask against TRL's own function on padded rows of
+    different lengths (an empty one included), advantages of both signs and zero, and inputs
+    rounded to bf16: the same sequences kept."""
+    train, rollout, mask = random_batch(B=12, T=10, scale=0.4, seed=21, empty_rows=True)
+    advantages = torch.randn(12, 1, generator=torch.Generator().manual_seed(4))
+    advantages[3] = 0.0
+    # a negative-advantage sequence far from its sampler (dropped at every threshold) and one on it
+    advantages[5:7] = -1.0
+    rollout[5] = train[5]
+    rollout[6] = train[6] + 0.5
+    if dtype == torch.bfloat16:
+        train, rollout = train.to(dtype).float(), rollout.to(dtype).float()
+        mask = mask.float()
+    ours, metrics = C.off_policy_sequence_mask(train, rollout, advantages, mask, threshold)
+    theirs = TRL_OFF_POLICY_MASK(advantages, train, rollout, mask, threshold)
+    assert torch.equal(ours, theirs.to(ours.dtype))
+    assert 0 < metrics["off_policy_mask/masked_seq_fraction"] < 1
+
+
+def test_off_policy_sequence_mask_hand_values():
+    """Two sequences, mean log(pi_rollout / pi_theta) 0.5 over their 2 valid tokens (NaN in the
+    padding): the negative-advantage one is dropped at a threshold of 0.4 and kept at 0.6; the
+    positive one is kept whatever its divergence."""
+    rollout = torch.tensor([[-1.0, -1.0, float("nan")], [-1.0, -1.0, 5.0]])
+    train = torch.tensor([[-1.2, -1.8, float("nan")], [-1.2, -1.8, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    advantages = torch.tensor([-1.0, 1.0])
+    keep, metrics = C.off_policy_sequence_mask(train, rollout, advantages, mask, 0.4)
+    assert keep.tolist() == [[0.0], [1.0]]
+    assert metrics["off_policy_mask/masked_seq_fraction"] == 0.5
+    assert metrics["off_policy_mask/seq_kl_mean"] == pytest.approx(0.5)
+    keep, _ = C.off_policy_sequence_mask(train, rollout, advantages, mask, 0.6)
+    assert keep.tolist() == [[1.0], [1.0]]

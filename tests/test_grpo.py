@@ -566,17 +566,25 @@ def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
         ("cispo", "token-mean"),
         ("gpg", "token-mean"),
         ("sapo", "seq-mean-token-mean"),
+        ("dppo_tv", "token-mean"),
+        ("dppo_kl", "seq-mean-token-mean"),
+        ("dro", "token-mean"),
+        ("opsm", "token-mean"),
     ],
 )
 def test_the_other_policy_losses_are_micro_batch_invariant_too(policy_loss, mode):
-    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO, GPG and
-    SAPO are per token: micro-batch 8 and 64 give the same minibatch gradient (SAPO with the only
-    aggregation it allows)."""
+    """GSPO's ratio is per sequence and a sequence never spans two micro-batches; CISPO, GPG, SAPO,
+    DPPO and DRO are per token, DeepSeek-V3.2's off-policy mask ("opsm", over PPO-clip) per
+    sequence: micro-batch 8 and 64 give the same minibatch gradient (SAPO with the only aggregation
+    it allows)."""
     import minibatch_gradient
 
+    settings = {"policy_loss": policy_loss}
+    if policy_loss == "opsm":  # the fixed batch's rollout logprobs are 0.05 nats off
+        settings = {"off_policy_mask_threshold": 0.01}
     a, b = (
-        minibatch_gradient.minibatch_gradient(8, mode, policy_loss=policy_loss),
-        minibatch_gradient.minibatch_gradient(64, mode, policy_loss=policy_loss),
+        minibatch_gradient.minibatch_gradient(8, mode, **settings),
+        minibatch_gradient.minibatch_gradient(64, mode, **settings),
     )
     assert b.norm() > 0 and _relative_difference(a, b) < 1e-6
 
@@ -913,6 +921,17 @@ def test_bad_input_fails_before_any_model_loads(tmp_path, monkeypatch):
             dict(adv_estimator="grpo_passk", rollout_n=1),
             ValueError,
             "^--rollout-n must be >= 2 for --adv-estimator grpo_passk",
+        ),
+        (dict(policy_loss="dro"), ValueError, "^--dro-beta must be > 0 with --policy-loss dro"),
+        (
+            dict(use_bias_correction_kl=True),
+            ValueError,
+            "^--kl-loss-coef must be > 0 with --use-bias-correction-kl",
+        ),
+        (
+            dict(off_policy_mask_threshold=0.0),
+            ValueError,
+            "^--off-policy-mask-threshold must be > 0, got 0.0",
         ),
         (dict(train_batch_size=6, ppo_mini_batch_size=4), ValueError, "divisible"),
         (dict(ppo_micro_batch_size_per_gpu=7), ValueError, "--ppo-micro-batch-size-per-gpu 7"),
@@ -1284,3 +1303,42 @@ def test_copy_positions_counts_matches_and_repeats():
     assert rates == [1.0, 0.5, 0.5]
     assert repeats == pytest.approx(1 / 3)
     assert score == pytest.approx(0.625)
+
+
+def test_use_bias_correction_kl_weights_each_tokens_kl_by_the_ratio():
+    """DeepSeek-V3.2's unbiased KL (TRL's use_bias_correction_kl): the k3 estimate of KL(pi_theta ||
+    pi_ref) of each token, sampled from pi_old, times r = pi_theta / pi_old, then token-mean over
+    the mask (the values TRL's compute_loss gives: per_token_kl * coef_1); the plain KL loss without
+    the flag; a gradient through r."""
+    g = torch.Generator().manual_seed(2)
+    logprobs = (-torch.rand(3, 5, generator=g) * 2).requires_grad_(True)
+    old_logprobs = logprobs.detach() + 0.2 * torch.randn(3, 5, generator=g)
+    ref_logprobs = logprobs.detach() + 0.3 * torch.randn(3, 5, generator=g)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] + [0.0] * 4])
+    micro_batch = {
+        "advantages": torch.zeros(3),
+        "old_logprobs": old_logprobs,
+        "loss_mask": mask,
+        "ref_logprobs": ref_logprobs,
+        "rollout_logprobs": old_logprobs,
+    }
+    correction = corrections.RolloutCorrection.from_name("disabled")
+    info = dict(dp_size=1, batch_num_tokens=mask.sum().item(), global_batch_size=3)
+    d = (ref_logprobs - logprobs).detach()
+    k3 = torch.exp(d) - d - 1
+    ratio = torch.exp(logprobs.detach() - old_logprobs)
+    args = dataclasses.replace(grpo.Args(), kl_loss_coef=0.1, use_bias_correction_kl=True)
+    loss, terms, _, _ = grpo.grpo_loss(
+        logprobs, torch.zeros(3, 5), micro_batch, args, correction, info
+    )
+    tokens = mask.sum()
+    assert terms["actor/kl_loss"].item() == pytest.approx(
+        ((k3 * ratio * mask).sum() / tokens).item()
+    )
+    loss.backward()
+    assert logprobs.grad.abs().sum() > 0
+    plain = dataclasses.replace(args, use_bias_correction_kl=False)
+    _, terms, _, _ = grpo.grpo_loss(
+        logprobs, torch.zeros(3, 5), micro_batch, plain, correction, info
+    )
+    assert terms["actor/kl_loss"].item() == pytest.approx(((k3 * mask).sum() / tokens).item())

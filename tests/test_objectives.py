@@ -27,6 +27,8 @@ VERL_ESTIMATORS = {
     "remax": "compute_remax_outcome_advantage",
     "opo": "compute_opo_outcome_advantage",
     "grpo_passk": "compute_grpo_passk_outcome_advantage",
+    "gpg": "compute_gpg_outcome_advantage",
+    "gdpo": "compute_gdpo_outcome_advantage",
 }
 
 
@@ -42,7 +44,8 @@ def _load_verl():
     functional = load_functions(root, "utils/torch_functional.py", reductions, dict(base))
     verl_F = types.SimpleNamespace(**{name: functional[name] for name in reductions})
     ns = dict(base, verl_F=verl_F, AlgoConfig=Any)
-    return load_functions(root, "trainer/ppo/core_algos.py", set(VERL_ESTIMATORS.values()), ns)
+    names = set(VERL_ESTIMATORS.values())
+    return load_functions(root, "trainer/ppo/core_algos.py", names, ns)
 
 
 VERL = _load_verl()
@@ -78,7 +81,7 @@ def random_rollout(seed, min_group=1, T=12, bf16=False):
 def verl_advantages(name, token_level_rewards, mask, group_ids, baselines, norm_by_std):
     function = VERL[VERL_ESTIMATORS[name]]
     index = group_ids.numpy()
-    if name == "grpo":
+    if name in ("grpo", "gdpo"):  # gdpo without its components: one, the score
         return function(
             token_level_rewards.clone(), mask, index, norm_adv_by_std_in_grpo=norm_by_std
         )[0]
@@ -92,6 +95,65 @@ def verl_advantages(name, token_level_rewards, mask, group_ids, baselines, norm_
         config = {"norm_adv_by_std_in_grpo": norm_by_std}
         return function(token_level_rewards.clone(), mask, index, config=config)[0]
     return function(token_level_rewards.clone(), mask, index, config=None)[0]
+
+
+def verl_gdpo(components, mask, group_ids, norm_by_std, names=("format", "answer")):
+    """verl's GDPO with its per-component inputs as its trainer passes them: the component scores
+    in non_tensor_batch under algorithm.gdpo_reward_keys, placed on each response's last token
+    (from the attention mask after a 3-token prompt)."""
+    B = len(components)
+    batch = {
+        "prompts": torch.zeros(B, 3, dtype=torch.long),
+        "attention_mask": torch.cat([torch.ones(B, 3), mask], dim=1).long(),
+    }
+    non_tensor_batch = {name: components[:, k].numpy() for k, name in enumerate(names)}
+    return VERL[VERL_ESTIMATORS["gdpo"]](
+        torch.zeros_like(mask),
+        mask,
+        group_ids.numpy(),
+        norm_adv_by_std_in_grpo=norm_by_std,
+        config={"gdpo_reward_keys": list(names)},
+        non_tensor_batch=non_tensor_batch,
+        batch=batch,
+    )[0]
+
+
+@needs_verl
+@pytest.mark.parametrize("norm_by_std", [True, False])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gdpo_matches_verl_with_two_reward_components(norm_by_std, bf16):
+    """GDPO with a format and an answer component against verl 0.9.1's
+    compute_gdpo_outcome_advantage, given the components as verl's trainer gives them: groups of
+    1-8 shuffled, an all-equal group, padded responses, bf16-rounded scores; then one component
+    (scores (B,)) equals GRPO whitened over the tokens."""
+    for seed in range(5):
+        scores, group_ids, lengths, mask, _, _ = random_rollout(seed, bf16=bf16)
+        g = torch.Generator().manual_seed(seed + 100)
+        formats = (torch.rand(len(scores), generator=g) > 0.3).float()
+        components = torch.stack([formats, scores], dim=1)
+        ours = O.ADV_ESTIMATORS["gdpo"](components, group_ids, lengths, norm_by_std=norm_by_std)
+        theirs = verl_gdpo(components, mask, group_ids, norm_by_std)
+        assert torch.allclose(ours[:, None] * mask, theirs.float(), atol=2e-6, rtol=1e-5), seed
+    one = O.ADV_ESTIMATORS["gdpo"](scores, group_ids, lengths)
+    grpo_then_whiten = O._global_whiten(O.grpo_advantages(scores, group_ids), lengths)
+    assert torch.equal(one, grpo_then_whiten)
+
+
+def test_reward_components_of_the_rule_rewards():
+    """GDPO's components: format (an answer the rule can read) and answer (right), which add up to
+    what the plain reward gives where it has a format score (Countdown: 0.1 and 1.0)."""
+    import tasks
+
+    assert tasks.gsm8k_reward_components("so #### 42", "42") == {"format": 1.0, "answer": 1.0}
+    assert tasks.gsm8k_reward_components("so #### 41", "42") == {"format": 1.0, "answer": 0.0}
+    assert tasks.gsm8k_reward_components("so 42", "42") == {"format": 0.0, "answer": 0.0}
+    assert tasks.gsm8k_reward_components(None, "42") == {"format": 0.0, "answer": 0.0}
+    right, wrong = "<answer> (1 + 2) * 3 </answer>", "<answer> 1 + 2 + 3 </answer>"
+    assert tasks.countdown_reward_components(right, [1, 2, 3], 9) == {"format": 1.0, "answer": 1.0}
+    assert tasks.countdown_reward_components(wrong, [1, 2, 3], 9) == {"format": 1.0, "answer": 0.0}
+    assert tasks.countdown_reward_components("9", [1, 2, 3], 9) == {"format": 0.0, "answer": 0.0}
+    assert tasks.countdown_reward(right, [1, 2, 3], 9) == 1.0
+    assert tasks.countdown_reward(wrong, [1, 2, 3], 9) == 0.1
 
 
 @needs_verl
@@ -118,7 +180,7 @@ def test_estimators_match_verl(name, norm_by_std, bf16):
             name,
             seed,
         )
-        if name in ("grpo", "rloo", "opo", "grpo_passk"):
+        if name in ("grpo", "rloo", "opo", "grpo_passk", "gpg"):
             assert (ours[group_ids == 3] == 0).all()  # all-equal group: no signal
 
 
@@ -217,3 +279,44 @@ def test_whitening_estimators_use_the_whole_batch_over_two_ranks(tmp_path):
         assert torch.allclose(two_ranks, one_rank, atol=1e-6), name
         halves = O.ADV_ESTIMATORS[name](scores[:16], group_ids[:16], lengths[:16])
         assert not torch.allclose(halves, one_rank[:16], atol=1e-3)  # local stats would differ
+
+
+# the estimators whose baseline is a statistic of the response's own group
+GROUP_BASELINE_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg")
+
+
+@pytest.mark.parametrize("value", [0.7, 0.1, 2.2, 1 / 3])
+def test_all_equal_groups_give_exactly_zero_and_are_filtered(value):
+    """A group whose scores are all equal carries no signal: every group-baseline estimator gives
+    it advantage exactly 0.0 (GRPO and Dr.GRPO too) for scores that are not binary fractions and
+    groups of 2 to 512, where a float32 group mean rounds (verl's GRPO: +-0.06 for 16 x 0.7), and
+    DAPO's filter drops it. A group of the same size whose scores differ is unchanged: equal to
+    verl's advantages to float32 rounding."""
+    for n in (2, 3, 5, 16, 64, 100, 512):
+        same = torch.full((n,), value)
+        mixed = same.clone()
+        mixed[0] = value + 0.5
+        scores = torch.cat([same, mixed])
+        group_ids = torch.tensor([0] * n + [1] * n)
+        lengths = torch.arange(2 * n) % 7 + 1
+        for name in GROUP_BASELINE_ESTIMATORS:
+            for norm_by_std in (True, False):
+                advantages = O.ADV_ESTIMATORS[name](
+                    scores, group_ids, lengths, norm_by_std=norm_by_std
+                )
+                assert (advantages[:n] == 0.0).all(), (name, value, n, advantages[:n].abs().max())
+                if VERL is not None:
+                    T = int(lengths.max())
+                    mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
+                    token_rewards = torch.zeros(2 * n, T)
+                    token_rewards[torch.arange(2 * n), lengths - 1] = scores
+                    theirs = verl_advantages(
+                        name, token_rewards, mask, group_ids, None, norm_by_std
+                    )
+                    # float32 rounding: the group mean's sum order (ours index_add, verl's
+                    # torch.mean) differs in the last bits, divided by the std (measured: at most
+                    # 6.7e-6 of the largest advantage, groups of 512 scores near 2.2)
+                    difference = (advantages[n:, None] * mask[n:] - theirs[n:].float()).abs()
+                    assert difference.max() <= 1e-5 * theirs[n:].abs().max(), (name, value, n)
+        assert not grpo.has_reward_signal(same.tolist())
+        assert grpo.has_reward_signal(mixed.tolist())
