@@ -482,6 +482,9 @@ def geo_mean_token_loss(
     return losses, {k: float(v) for k, v in metrics.items()}
 
 
+DPPO_RATIO_CAP = 20.0  # verl's clip_ratio_c default for DPPO when none is set
+
+
 def _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c):
     """DPPO's per-token loss once its trust region `keep` is known: REINFORCE with the ratio as a
     stop-gradient weight truncated at clip_c, over the tokens the region keeps."""
@@ -499,9 +502,6 @@ def _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c):
         "pg_clipfrac_lower": masked_mean((ratio > cap).to(logprobs.dtype) * keep, valid),
     }
     return losses, {k: float(v) for k, v in metrics.items()}
-
-
-DPPO_RATIO_CAP = 20.0  # verl's clip_ratio_c default for DPPO when none is set
 
 
 def dppo_tv_token_loss(
