@@ -20,7 +20,8 @@ Every tensor is (B, T) over response tokens with a (B, T) 0/1 `mask` (bool or fl
 otherwise. Padding is sacred: values at padded positions (which may be NaN or inf) never reach a
 result or a gradient.
 
-Reading order: masked reductions -> token logprobs/entropy (fp32/TF32 heads) -> divergences -> IS
+Reading order: masked reductions -> token logprobs/entropy (the head's precision, the written-out
+gradient, a truncated sampler's kept set) -> divergences -> IS
 weights -> rejection masks -> veto -> diagnostics -> RolloutCorrection presets ->
 apply_rollout_correction (IS weights, mask and metrics in one call). The loss terms the weights
 multiply (PPO-clip, REINFORCE, the KL penalty, the aggregation) are in objectives.py; each trainer
@@ -38,8 +39,8 @@ import torch.utils.checkpoint
 
 # exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
 SAFETY_BOUND = 20.0
-# bf16 autocast on CUDA: the LM head's product in TF32 (docs/corrections.md#lm-head-precision)
-LM_HEAD_TF32 = True
+# --lm-head-precision's choices (head_mm; docs/corrections.md#lm-head-precision)
+HEAD_PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,104 +112,389 @@ def fp32_project(project, hidden):
     return out.to(torch.promote_types(out.dtype, torch.float32))
 
 
-def _tf32_mm(a, b):
-    """a @ b on TF32 tensor cores (CUDA), then the previous setting back: scoped, as vLLM's
+def _product(a, b, total):
+    """a @ b, or total += a @ b in place (no (V, H) temporary per chunk for the LM head's weight
+    gradient)."""
+    return a @ b if total is None else total.addmm_(a, b)
+
+
+def _tf32_mm(a, b, total=None):
+    """_product on TF32 tensor cores (CUDA), then the previous setting back: scoped, as vLLM's
     in-process worker resets torch's float32 matmul precision to "highest" when it starts
-    (fp32_precision: torch >= 2.9's API)."""
+    (fp32_precision: torch >= 2.9's API). On a CPU, IEEE fp32."""
     before = torch.backends.cuda.matmul.fp32_precision
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
-        return a @ b
+        return _product(a, b, total)
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
 
 
-class _TF32Linear(torch.autograd.Function):
-    """hidden @ weight.T in TF32, and its two backward products (which autograd runs later, outside
-    any scope)."""
+def head_mm(a, b, precision, total=None):
+    """a @ b for the LM head (or total += a @ b, in place), float32 out (in: float32, or bfloat16
+    for bf16), in `precision`:
+    fp32  IEEE float32 (the CPU path; --precision fp32)
+    tf32  TF32 tensor cores on CUDA (inputs rounded to 10 mantissa bits, fp32 sums); IEEE on a CPU
+    bf16  bfloat16 inputs, float32 output (torch.mm / addmm's out_dtype): bf16 tensor-core speed
+          without rounding the logits to bf16; a CPU emulates it exactly (inputs rounded to bf16,
+          fp32 sums)
+    Autocast is off inside (the callers' products are float32 by construction)."""
+    with torch.autocast(a.device.type, enabled=False):
+        if precision == "tf32":
+            return _tf32_mm(a, b, total)
+        if precision == "bf16" and a.is_cuda:
+            a_bf16 = a.bfloat16()
+            b_bf16 = b.bfloat16()
+            if total is None:
+                return torch.mm(a_bf16, b_bf16, out_dtype=torch.float32)
+            return torch.addmm(total, a_bf16, b_bf16, out_dtype=torch.float32, out=total)
+        if precision == "bf16":
+            # the emulation's sums in float32 (float64 stays float64)
+            dtype = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+            return _product(a.bfloat16().to(dtype), b.bfloat16().to(dtype), total)
+        return _product(a, b, total)
+
+
+class _HeadLinear(torch.autograd.Function):
+    """hidden @ weight.T in `precision` (head_mm), forward and both backward products (which
+    autograd runs later, outside any scope the caller set)."""
 
     @staticmethod
-    # float32 inputs, autocast off inside
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
-    def forward(ctx, hidden, weight):
+    def forward(ctx, hidden, weight, precision):
         ctx.save_for_backward(hidden, weight)
-        return _tf32_mm(hidden, weight.T)
+        ctx.precision = precision
+        return head_mm(hidden, weight.T, precision)
 
     @staticmethod
-    # autocast as in the forward (off), even if backward() runs under it
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad):
         hidden, weight = ctx.saved_tensors
-        return _tf32_mm(grad, weight), _tf32_mm(grad.T, hidden)
+        grad_hidden = head_mm(grad, weight, ctx.precision)
+        grad_weight = head_mm(grad.T, hidden, ctx.precision)
+        return grad_hidden, grad_weight, None
 
 
-def _logprob_entropy_chunk(project, hidden, tokens, temperature, banned, entropy_grad, tf32):
-    # (n, V) tensors, one chunk at a time: the LM head, then one float32 log-softmax for the logprob
-    # and the entropy
-    logits = (
-        _TF32Linear.apply(hidden, project.weight) if tf32 else fp32_project(project, hidden)
-    ) / temperature
+def _operand(weight, precision):
+    """The LM head's weight as its products read it: bfloat16 for the bf16 head (cast once per
+    call, not once per chunk: a (V, H) cast costs about as much as the product), else itself."""
+    if weight is None or precision != "bf16":
+        return weight
+    return weight.bfloat16()
+
+
+def _head_product(weight, hidden, precision):
+    """(n, V) float32 logits of n hidden states through the LM head in `precision` (weight None:
+    `hidden` are the logits)."""
+    if weight is None:
+        return hidden
+    if precision == "fp32":
+        return torch.nn.functional.linear(hidden, weight)
+    return _HeadLinear.apply(hidden, weight, precision)
+
+
+def truncation_mask(scaled_logits, top_k=0, top_p=1.0, min_p=0.0, order="hf"):
+    """(n, V) bool, the kept set K of a truncated sampler, from logits / T (banned tokens already
+    -inf), each rule as transformers' warpers and vLLM's sampler apply it:
+        top-k  keep z >= the k-th largest z (ties at the k-th kept; k = 0: off)
+        top-p  sort ascending, drop the tokens whose cumulative probability is <= 1 - p (the most
+               likely token always stays; p = 1: off)
+        min-p  keep p_v >= min_p * max_v p_v (min_p = 0: off)
+    in the engine's order: "hf" top-k, top-p, min-p (transformers' warper order); "vllm" min-p,
+    then top-k and top-p (vLLM v1's Sampler.sample: min-p is an argmax-invariant logits processor
+    that runs before its top-k/top-p sampler). Each rule sees the logits the previous one left.
+    The sampler draws from p_K = softmax over K, so for a sampled token
+        log pi_K(a) = log pi(a) - log S,   S = sum_{v in K} pi(v)   (the kept mass, <= 1)
+    and a trainer that scores the token over the full vocabulary sees a ratio pi / pi_K = S before
+    any update (TRL issue 6789; vLLM PR 49577 returns K for that reason)."""
+    z = scaled_logits
+    V = z.shape[-1]
+    top_k_on = 0 < top_k < V
+
+    def unsort(sorted_z, sorted_ids):
+        return torch.empty_like(sorted_z).scatter_(-1, sorted_ids, sorted_z)
+
+    def top_p_rule(sorted_z):
+        # ascending: drop what leaves the cumulative probability at or below 1 - p; the most
+        # likely token always stays
+        drop = torch.softmax(sorted_z, dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False
+        return sorted_z.masked_fill(drop, -math.inf)
+
+    def min_p_rule(z):
+        p = torch.softmax(z, dim=-1)
+        return z.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), -math.inf)
+
+    if order == "hf":
+        # TopKLogitsWarper (torch.topk), TopPLogitsWarper (its own sort of what top-k left),
+        # MinPLogitsWarper
+        if top_k_on:
+            z = z.masked_fill(z < torch.topk(z, top_k, dim=-1).values[:, -1:], -math.inf)
+        if top_p < 1.0:
+            sorted_z, sorted_ids = torch.sort(z, dim=-1)
+            z = unsort(top_p_rule(sorted_z), sorted_ids)
+        if min_p > 0.0:
+            z = min_p_rule(z)
+        return z > -math.inf
+    # vLLM: its min-p processor, then apply_top_k_top_p (one ascending sort for both)
+    if min_p > 0.0:
+        z = min_p_rule(z)
+    if top_k_on or top_p < 1.0:
+        sorted_z, sorted_ids = torch.sort(z, dim=-1)
+        if top_k_on:
+            kth = sorted_z[:, V - top_k : V - top_k + 1]
+            sorted_z = sorted_z.masked_fill(sorted_z < kth, -math.inf)
+        if top_p < 1.0:
+            sorted_z = top_p_rule(sorted_z)
+        z = unsort(sorted_z, sorted_ids)
+    return z > -math.inf
+
+
+def _scaled(logits, temperature, banned, truncation):
+    # logits / T with the tokens the sampler cannot emit at -inf: `banned` (V,) always, and with
+    # `truncation` (top_k, top_p, min_p, order) the tokens outside its kept set (replay)
+    logits = logits / temperature
     if banned is not None:
         logits = logits.masked_fill(banned, -math.inf)
+    if truncation is not None:
+        logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
+    return logits
+
+
+def _softmax_stats(logits, tokens, temperature, banned, entropy_grad, truncation=None):
+    # (n, V) float32, one chunk at a time: one log-softmax of logits / T for the logprob and the
+    # entropy
+    logits = _scaled(logits, temperature, banned, truncation)
     logp = torch.log_softmax(logits, dim=-1)
     z = logp if entropy_grad else logp.detach()
     p = z.exp()
-    if banned is not None:
-        z = z.masked_fill(banned, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
+    if banned is not None or truncation is not None:
+        z = z.masked_fill(logits == -math.inf, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
     return logp.gather(-1, tokens[:, None])[:, 0], -(p * z).sum(-1)
 
 
+def _softmax_grad(
+    logits,
+    tokens,
+    temperature,
+    banned,
+    grad_logprobs,
+    grad_entropy,
+    entropy,
+    entropy_grad,
+    dtype,
+    truncation=None,
+):
+    # d (g logprob + e H) / d logits = (g onehot(token) - p (g + e (log p + H))) / T, (n, V), in
+    # `dtype`: the products' input dtype (bf16 for the bf16 head: rounded here, in the same kernel)
+    logits = _scaled(logits, temperature, banned, truncation)
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    coefficient = grad_logprobs[:, None]
+    if entropy_grad:
+        if banned is not None or truncation is not None:
+            logp = logp.masked_fill(logits == -math.inf, 0.0)  # p = 0 there
+        coefficient = coefficient + grad_entropy[:, None] * (logp + entropy[:, None])
+    grad = (p * -coefficient).scatter_add(1, tokens[:, None], grad_logprobs[:, None])
+    return (grad / temperature).to(dtype)
+
+
+# On CUDA the two element-wise functions above run compiled (torch.compile: one fused kernel reads
+# a chunk's (n, V) logits once or twice, where eager torch makes ~12 passes over them); a CPU runs
+# them as written. False: eager everywhere.
+COMPILE_ON_CUDA = True
+_COMPILED = {}
+
+
+def _fused(function, tensor):
+    """`function`, compiled once per process when `tensor` is on CUDA (dynamic shapes: a chunk's
+    row count varies), else as written."""
+    if not (tensor.is_cuda and COMPILE_ON_CUDA):
+        return function
+    if function not in _COMPILED:
+        _COMPILED[function] = torch.compile(function, dynamic=True)
+    return _COMPILED[function]
+
+
+def _logprob_entropy_chunk(
+    weight, hidden, tokens, temperature, banned, entropy_grad, precision, truncation=None
+):
+    """(logprobs (n,), entropy (n,)) of one chunk: the LM head's product, then the float32
+    log-softmax (no gradient through the compiled path: _ChunkedHead writes it out)."""
+    logits = _head_product(weight, hidden, precision)
+    stats = _softmax_stats if torch.is_grad_enabled() else _fused(_softmax_stats, logits)
+    return stats(logits, tokens, temperature, banned, entropy_grad, truncation)
+
+
+def _chunked_stats(
+    weight, hidden, tokens, temperature, banned, entropy_grad, precision, truncation, chunk
+):
+    """(logprobs (N,), entropy (N,)): _logprob_entropy_chunk over chunks of `chunk` rows."""
+    if tokens.shape[0] == 0:
+        empty = hidden.new_zeros(0)
+        return empty, empty
+    parts = [
+        _logprob_entropy_chunk(
+            weight,
+            hidden[start : start + chunk],
+            tokens[start : start + chunk],
+            temperature,
+            banned,
+            entropy_grad,
+            precision,
+            truncation,
+        )
+        for start in range(0, tokens.shape[0], chunk)
+    ]
+    return torch.cat([logprob for logprob, _ in parts]), torch.cat([ent for _, ent in parts])
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """Logprobs and entropies of N tokens through the LM head, chunk by chunk, with the gradient
+    written out, so backward recomputes each chunk's logits and keeps nothing (N, V) in between:
+
+        z = h W^T / T,  p = softmax(z),  logprob = log p[token],  H = -sum_v p_v log p_v
+        d logprob / d z = onehot(token) - p
+        d H / d z       = -p * (log p + H)
+        d h = (d z / T) W,  d W = (d z / T)^T h        (the products in head_mm's precision)
+
+    What autograd's checkpoint of each chunk (which this replaces) did with the same four
+    products: run the chunk's forward again, then autograd's backward of every element-wise step
+    of it. The forward is _logprob_entropy_chunk itself, so the values are bit for bit those of the
+    no-gradient path (pi_old's recompute): the PPO ratio is exactly 1 on-policy."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, tokens, temperature, banned, entropy_grad, precision, chunk, truncation
+    ):
+        with torch.no_grad():
+            logprobs, entropy = _chunked_stats(
+                _operand(weight, precision),
+                hidden,
+                tokens,
+                temperature,
+                banned,
+                False,
+                precision,
+                truncation,
+                chunk,
+            )
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(hidden, weight, tokens, entropy, banned)
+        ctx.settings = (temperature, entropy_grad, precision, chunk, truncation)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, tokens, entropy, banned = ctx.saved_tensors
+        temperature, entropy_grad, precision, chunk, truncation = ctx.settings
+        grad_hidden = torch.empty_like(hidden)
+        needs_weight_grad = weight is not None and ctx.needs_input_grad[1]
+        grad_weight = torch.zeros_like(weight) if needs_weight_grad else None
+        softmax_grad = _fused(_softmax_grad, hidden)
+        operand = _operand(weight, precision)
+        for start in range(0, tokens.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            h = hidden[rows]
+            grad_z = softmax_grad(
+                _head_product(operand, h, precision),
+                tokens[rows],
+                temperature,
+                banned,
+                grad_logprobs[rows],
+                grad_entropy[rows],
+                entropy[rows],
+                entropy_grad,
+                operand.dtype if operand is not None else hidden.dtype,
+                truncation,
+            )
+            if weight is None:
+                grad_hidden[rows] = grad_z
+                continue
+            grad_hidden[rows] = head_mm(grad_z, operand, precision)
+            if grad_weight is not None:
+                head_mm(grad_z.T, h, precision, total=grad_weight)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def head_precision(requested, hidden):
+    """The LM head product's precision (head_mm) for --lm-head-precision `requested`: auto is tf32
+    on CUDA under bf16 or fp16 autocast (docs/corrections.md#lm-head-precision) and IEEE fp32
+    otherwise; a CPU always gets IEEE fp32."""
+    if not hidden.is_cuda:
+        return "fp32"
+    if requested == "auto":
+        return "tf32" if torch.is_autocast_enabled("cuda") else "fp32"
+    return requested
+
+
 def token_logprobs_and_entropy(
-    hidden, tokens, temperature, project=None, chunk_size=512, banned=None, entropy_grad=False
+    hidden,
+    tokens,
+    temperature,
+    project=None,
+    chunk_size=512,
+    banned=None,
+    entropy_grad=False,
+    precision="auto",
+    truncation=None,
 ):
     """Log-probability of each sampled token and the entropy of its distribution, for N positions:
 
-        z_t       = project(hidden_t) / T    (the LM head on hidden states; logits if no project)
+        z_t       = W hidden_t / T          (the LM head W; hidden are the logits if no project)
         logprob_t = log_softmax(z_t)[token_t]
         entropy_t = -sum_v p_t,v log p_t,v   (p_t = softmax(z_t); one log_softmax serves both)
 
     Dividing by the sampling temperature wherever a logprob is computed matches the distribution
     that was sampled (RLHF blog detail policy 1; verl does the same). `banned` (V,) bool removes
-    tokens the sampler can never emit. Work goes chunk by chunk over N, so the largest float32
-    tensor is (chunk_size, V); under autograd with several chunks each one is checkpointed, so
-    backward recomputes its logits instead of keeping all N x V of them (a single chunk is not: it
-    keeps one (N, V) log-softmax, no more than its recomputation would hold at once, and skips a
-    second LM-head product: 5-8% of a SmolLM2 PPO micro-step on CPU, bench/bench_ppo_cpu.py). The
-    entropy is a constant (no gradient) unless entropy_grad. Returns (logprobs (N,), entropy (N,))
-    in float32 (float64 stays float64). Under bf16 autocast on CUDA an LM head's product (forward
-    and backward) runs in TF32 (LM_HEAD_TF32)."""
-    project = project if project is not None else torch.nn.Identity()
-    # the bf16 path: an LM head's product (the heads have no bias) in TF32
-    tf32 = (
-        LM_HEAD_TF32
-        and hidden.is_cuda
-        and torch.is_autocast_enabled("cuda")
-        and isinstance(project, torch.nn.Linear)
-        and project.bias is None
-    )
-    logprob_parts, entropy_parts = [], []
-    for start in range(0, tokens.shape[0], chunk_size):
-        args = (
-            project,
-            hidden[start : start + chunk_size],
-            tokens[start : start + chunk_size],
+    tokens the sampler can never emit; `truncation` (top_k, top_p, min_p, order) scores each token
+    over the kept set K of a truncated sampler instead (replay: truncation_mask, recomputed from
+    these logits with the engine's rules), the distribution it was drawn from, so pi_train /
+    pi_rollout carries no log S. Work goes chunk by chunk over N, so the largest float32
+    tensor is (chunk_size, V); under autograd with several chunks the gradient is written out
+    (_ChunkedHead: backward recomputes each chunk's logits instead of keeping all N x V of them; a
+    single chunk keeps its one (N, V) log-softmax, no more than the recompute would hold at once,
+    and skips a second LM-head product: 5-8% of a SmolLM2 PPO micro-step on CPU,
+    bench/bench_ppo_cpu.py). The entropy is a constant (no gradient) unless entropy_grad. The
+    head's product runs in `precision` (head_precision: auto, fp32, tf32, bf16; IEEE fp32 on a
+    CPU), the softmax always in float32. Returns (logprobs (N,), entropy (N,)) in float32 (float64
+    stays float64). `project`: None or the LM head (an nn.Linear without bias)."""
+    if project is not None and not (isinstance(project, torch.nn.Linear) and project.bias is None):
+        raise ValueError("project must be None or an nn.Linear without bias (an LM head)")
+    weight = project.weight if project is not None else None
+    precision = head_precision(precision, hidden) if weight is not None else "fp32"
+    # float32 (float64 stays float64), autocast off: the softmax never sees bf16 logits
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden = hidden.to(dtype)
+        weight = weight.to(dtype) if weight is not None else None
+        # several chunks (or CUDA, whose no-gradient path is compiled): the written-out gradient
+        several = tokens.shape[0] > chunk_size or hidden.is_cuda
+        if torch.is_grad_enabled() and hidden.requires_grad and several:
+            return _ChunkedHead.apply(
+                hidden,
+                weight,
+                tokens,
+                temperature,
+                banned,
+                entropy_grad,
+                precision,
+                chunk_size,
+                truncation,
+            )
+        # no gradient: the bf16 head's weight cast once (with one, _HeadLinear's own cast keeps
+        # the weight's gradient in float32)
+        operand = weight if torch.is_grad_enabled() else _operand(weight, precision)
+        return _chunked_stats(
+            operand,
+            hidden,
+            tokens,
             temperature,
             banned,
             entropy_grad,
-            tf32,
+            precision,
+            truncation,
+            chunk_size,
         )
-        if torch.is_grad_enabled() and hidden.requires_grad and tokens.shape[0] > chunk_size:
-            chunk_logprobs, chunk_entropy = torch.utils.checkpoint.checkpoint(
-                _logprob_entropy_chunk, *args, use_reentrant=False
-            )
-        else:
-            chunk_logprobs, chunk_entropy = _logprob_entropy_chunk(*args)
-        logprob_parts.append(chunk_logprobs)
-        entropy_parts.append(chunk_entropy)
-    if not logprob_parts:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logprob_parts), torch.cat(entropy_parts)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -77,8 +77,19 @@ class Args:
     """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for
     --nnodes)."""
     temperature: float = 1.0
-    """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T) (top_p=1,
-    top_k=0)."""
+    """Sampling temperature; the trainer's logprobs use the same log_softmax(logits / T)."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the most likely tokens whose probability reaches top_p (1: off;
+    Qwen2.5-Instruct's generation config ships 0.8)."""
+    top_k: int = 0
+    """Draw from the k most likely tokens only (0: off; Qwen2.5-Instruct ships 20)."""
+    min_p: float = 0.0
+    """Drop the tokens below min_p x the most likely token's probability (0: off)."""
+    replay_sampling_mask: bool = True
+    """With --top-p/--top-k/--min-p: score each sampled token over the kept set the sampler drew
+    from (recomputed from the trainer's logits by the engine's rules, corrections.truncation_mask),
+    so pi_train / pi_rollout is 1 before any update; --no-replay-sampling-mask scores it over the
+    whole vocabulary, as most frameworks do, a ratio of S (the kept mass, < 1) on every token."""
     max_prompt_length: int = 16
     """Prompts longer than this (in tokens) are dropped (verl filter_overlong_prompts)."""
     max_response_length: int = 6
@@ -178,7 +189,17 @@ class Args:
     max_grad_norm: float = 1.0
     """Gradient clipping (verl grad_clip=1.0); a non-finite norm skips the step, as in verl."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward (verl enable_gradient_checkpointing)."""
+    """Recompute activations in backward (verl enable_gradient_checkpointing), in the layers
+    --recompute-num-layers says."""
+    recompute_num_layers: int = -1
+    """With --gradient-checkpointing: how many decoder layers (the first ones) recompute their
+    activations in backward; the others keep them (Megatron-LM's --recompute-num-layers, block
+    method). -1: the memory plan's choice for this GPU (harness.recompute_choice: the fewest that
+    fit; all of them without a GPU); scripts/plan_memory.py prints it."""
+    lm_head_precision: str = "auto"
+    """The LM head's product (the log-softmax is float32 always): auto (TF32 on CUDA under bf16 or
+    fp16 autocast, else IEEE fp32), fp32, tf32, or bf16 (bfloat16 inputs, float32 logits); a CPU
+    always runs IEEE fp32 (docs/corrections.md#lm-head-precision measures each)."""
     precision: str = "auto"
     """Forward dtype over fp32 master weights: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (verl's
     FSDP mixed precision) or fp16 (float16 autocast + a gradient scaler, Qi et al. 2025); the
@@ -486,13 +507,23 @@ def compute_advantages(scores, group_ids, lengths, baselines, args, device):
 
 
 def compute_logprobs(
-    model, batch, temperature, chunk_size=512, entropy_grad=False, rows=None, precision="auto"
+    model,
+    batch,
+    temperature,
+    chunk_size=512,
+    entropy_grad=False,
+    rows=None,
+    precision="auto",
+    head_precision="auto",
+    truncation=None,
 ):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
     log-softmax: the backbone's hidden states at the positions that predict a valid response token
     (position t predicts token t+1), then the LM head chunk by chunk
-    (corrections.token_logprobs_and_entropy, checkpointed under autograd), so the extra memory is
-    one chunk's (chunk_size, V) logits. Padding positions get logprob 0 and entropy 0."""
+    (corrections.token_logprobs_and_entropy, recomputed in backward, the product in
+    `head_precision`), so the extra memory is one chunk's (chunk_size, V) logits. Padding
+    positions get logprob 0 and entropy 0. `truncation`: score over a truncated sampler's kept set
+    (replayed_truncation)."""
     if rows is not None:
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
@@ -523,10 +554,21 @@ def compute_logprobs(
             project=lm_head,
             chunk_size=chunk_size,
             entropy_grad=entropy_grad,
+            precision=head_precision,
+            truncation=truncation,
         )
     logprobs = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_logprobs)
     entropy = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_entropy)
     return logprobs, entropy
+
+
+def replayed_truncation(args):
+    """What the trainer's logprobs replay of a truncated sampler (--top-p/--top-k/--min-p with
+    --replay-sampling-mask): (top_k, top_p, min_p, the engine's order), or None (the whole
+    vocabulary)."""
+    if not args.replay_sampling_mask:
+        return None
+    return rollout.sampling_truncation(args, args.backend)
 
 
 @torch.no_grad()
@@ -543,6 +585,8 @@ def batch_logprobs(model, batch, args):
             args.logprob_chunk_size,
             rows=slice(start, start + micro),
             precision=args.precision,
+            head_precision=args.lm_head_precision,
+            truncation=replayed_truncation(args),
         )
         parts.append(logprobs)
     return torch.cat(parts)
@@ -736,6 +780,8 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
                     args.logprob_chunk_size,
                     entropy_grad=args.entropy_coeff != 0,
                     precision=args.precision,
+                    head_precision=args.lm_head_precision,
+                    truncation=replayed_truncation(args),
                 )
                 loss, terms, pg_metrics, corr_metrics = grpo_loss(
                     logprobs, entropy, micro_batch, args, correction, global_info
@@ -1032,21 +1078,23 @@ def check_args(args, world_size=1):
         "policy_loss": tuple(objectives.POLICY_LOSSES),
         "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
         "tiny_arch": ("qwen2", "gpt2"),
+        "lm_head_precision": corrections.HEAD_PRECISIONS,
     }
     ranges = {
         ">= 1": "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
         "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
         "train_size copy_length arith_max_steps vllm_max_num_seqs",
         ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
-        "dro_beta "
+        "top_k dro_beta "
         "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
         "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
         "overlong_penalty_factor",
         "> 0": "lr temperature max_grad_norm num_cycles off_policy_mask_threshold",
         "in [0, 1]": "min_lr_ratio lr_warmup_steps_ratio",
-        "in [0, 1)": "clip_ratio_low",
-        "in (0, 1]": "vllm_gpu_memory_utilization",
+        "in [0, 1)": "clip_ratio_low min_p",
+        "in (0, 1]": "vllm_gpu_memory_utilization top_p",
         ">= 2": "arith_max_number",
+        ">= -1": "recompute_num_layers",
     }
     # finite numbers, --track able to log, then the choices and ranges above
     harness.check_flags(args, choices, ranges)
@@ -1085,12 +1133,13 @@ def check_args(args, world_size=1):
 
 def changeable_settings(args):
     """The settings a resume may change (harness.checkpoint_to_resume): the number of steps where
-    the learning-rate schedule does not depend on it, and dynamic sampling's cap (a run stopped by
-    it resumes with a larger one)."""
+    the learning-rate schedule does not depend on it, dynamic sampling's cap (a run stopped by it
+    resumes with a larger one) and the layers recomputed (memory, not the numbers)."""
     schedule_uses_total = args.lr_scheduler_type != "constant" or (
         args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
     )
-    return ("max_num_gen_batches",) + (() if schedule_uses_total else ("total_steps",))
+    changeable = ("max_num_gen_batches", "recompute_num_layers")
+    return changeable + (() if schedule_uses_total else ("total_steps",))
 
 
 def policy_path(args, rank, world_size):
@@ -1126,8 +1175,7 @@ def load_models(args, model_path, checkpoint, device, rank):
         device
     )
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        recompute_layers(model, args, device, rank)
     ref_model = None
     if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -1153,6 +1201,27 @@ def load_models(args, model_path, checkpoint, device, rank):
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
     return tokenizer, model, ref_model, optimizer, scaler, start_step
+
+
+def recompute_layers(model, args, device, rank):
+    """--gradient-checkpointing: the first k decoder layers recompute their activations in
+    backward, the others keep them; k = --recompute-num-layers, or the memory plan's choice for
+    this GPU (harness.plan_grpo, harness.recompute_choice)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    gpu_bytes = harness.gpu_memory_bytes() if device.type == "cuda" else None
+    plan = harness.plan_grpo(args, model.config, 1, gpu_bytes)
+    recomputed, total = plan["recompute_num_layers"]
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers[recomputed:]:
+        layer.gradient_checkpointing = False
+    if rank == 0:
+        print(
+            f"gradient checkpointing: {recomputed} of {total} decoder layers recomputed, planned "
+            f"train-phase peak {plan['totals']['train'] / harness.GIB:.2f} GiB"
+        )
 
 
 def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size):

@@ -487,7 +487,7 @@ class PolicyAndValue(nn.Module):
 def logprobs_from_hidden(lm, hidden, tokens, temperature, banned=None, chunk_rows=1024):
     """(logprobs, entropy), each (B, R), of `tokens` from response hidden states, logits / T
     ([policy 1]): corrections.token_logprobs_and_entropy with the LM head as `project`, as grpo.py.
-    Chunks of `chunk_rows` rows (B x R), checkpointed under autograd, so no float32 (B, R, V)
+    Chunks of `chunk_rows` rows (B x R), recomputed in backward, so no float32 (B, R, V)
     log-softmax exists; the LM head, log-softmax and entropy in float32 with autocast off: a bf16 LM
     head rounds gpt2's logits (30-130) by up to 0.25, ~0.1 nats of logprob error that would inflate
     approxkl, clipfrac and the KL reward (tests/test_grpo.py measures it). The entropy carries no

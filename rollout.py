@@ -27,11 +27,13 @@ import collections
 import contextlib
 import copy
 import functools
+import math
 import os
 import time
 
 import torch
 
+import corrections
 import harness
 
 BACKENDS = ("hf", "vllm")
@@ -196,21 +198,30 @@ class _LogprobRecorder:
 
     generate() calls it once per new token with the scores it is about to sample from. At call k it
     stores log_softmax(scores / T) (the processed distribution: our GenerationConfig makes
-    temperature the only warper, so this is exactly what gets sampled) and, from the input ids,
+    temperature the only warper, so this is exactly what gets sampled; with a truncation it first
+    sets the scores outside the kept set to -inf, so the log-softmax is over K) and, from the
+    input ids,
     which now end with token k-1, gathers the logprob of token k-1 from call k-1. The last token is
     gathered after generate() returns. (output_scores=True would keep all max_new_tokens x batch x
     vocab scores: 40 GB for 64 x 1024 tokens of Qwen2.5's 151k vocab.) HF runs custom processors
     before its warpers, which is why we divide by T here ourselves.
     """
 
-    def __init__(self, temperature):
+    def __init__(self, temperature, truncation=None):
         # greedy: report log_softmax(logits)
         self.temperature = temperature if temperature > 0 else 1.0
+        # truncated sampling (--top-k/--top-p/--min-p) applies to sampling only, never to greedy
+        self.truncation = truncation if temperature > 0 else None
         self.gathered, self.pending = [], None
 
     def __call__(self, input_ids, scores):
         if self.pending is not None:
             self.gathered.append(self.pending.gather(-1, input_ids[:, -1:])[:, 0])
+        if self.truncation is not None:
+            # the kept set K of logits / T, by the same rules the trainer replays
+            # (corrections.truncation_mask); generate() then samples from softmax over K only
+            kept = corrections.truncation_mask(scores.float() / self.temperature, *self.truncation)
+            scores = scores.masked_fill(~kept, -math.inf)
         self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
 
@@ -269,14 +280,16 @@ def generation_config(
 
 
 @torch.no_grad()
-def hf_generate(model, input_ids, attention_mask, config, temperature, precision="auto"):
+def hf_generate(
+    model, input_ids, attention_mask, config, temperature, precision="auto", truncation=None
+):
     """model.generate on a left-padded batch: (new_tokens (B, R), logprobs (B, R) of each under
     pi_rollout). Position ids are not passed: HF derives them from the attention mask (cumsum - 1),
     as the trainers' forwards do (RLHF blog detail general 3.4: passing them as well made
     generations collapse)."""
     from transformers import LogitsProcessorList
 
-    recorder = _LogprobRecorder(temperature)
+    recorder = _LogprobRecorder(temperature, truncation)
     try:
         with autocast_context(input_ids.device, precision):
             out = model.generate(
@@ -332,8 +345,10 @@ class HFBackend:
         mismatch="none",
         generation_batch_size=0,
         precision="auto",
+        truncation=None,
     ):
         self.eos_token_id = eos_token_id
+        self.truncation = truncation
         self.pad_token_id = pad_token_id
         self.precision = precision
         self.mismatch, self.generation_batch_size = mismatch, generation_batch_size
@@ -377,6 +392,7 @@ class HFBackend:
                     config,
                     temperature,
                     self.precision,
+                    self.truncation,
                 )
                 for ids, lps in zip(new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()):
                     # each response ends at its first EOS (kept: it is an action), or is cut at
@@ -528,9 +544,12 @@ class VLLMBackend:
         enforce_eager=False,
         max_num_batched_tokens=0,
         async_scheduling=None,
+        truncation=None,
         **engine_kwargs,
     ):
         _set_vllm_env()
+        # (top_k, top_p, min_p, "vllm") or None: vLLM's own sampler applies them
+        self.truncation = truncation
         t0 = time.perf_counter()
         import vllm
         from vllm.platforms import current_platform
@@ -631,13 +650,15 @@ class VLLMBackend:
         """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: EOS masked (as
         sample_fixed_length). Returns (response_ids, response_logprobs, finish_reasons); logprobs[t]
         = log_softmax(logits / T)[token_t]."""
+        # top_k 0 / top_p 1 / min_p 0: off; processed logprobs are then over the kept set
+        top_k, top_p, min_p, _ = self.truncation or (0, 1.0, 0.0, "vllm")
         params = [
             self._vllm.SamplingParams(
                 n=n,
                 temperature=temperature,
-                top_p=1.0,
-                top_k=0,  # top_k=0: disabled
-                min_p=0.0,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
                 presence_penalty=0.0,
                 frequency_penalty=0.0,
                 repetition_penalty=1.0,
@@ -724,6 +745,15 @@ def vllm_dtype(args, device):
     return names[resolve_precision(args.precision, device)]
 
 
+def sampling_truncation(args, backend):
+    """(top_k, top_p, min_p, order) of --top-k / --top-p / --min-p for `backend`'s sampler, or None
+    when sampling is not truncated; order: the engine's (corrections.truncation_mask: transformers
+    applies top-k, top-p, min-p; vLLM min-p, then top-k and top-p)."""
+    if args.top_k <= 0 and args.top_p >= 1.0 and args.min_p <= 0.0:
+        return None
+    return (args.top_k, args.top_p, args.min_p, "vllm" if backend == "vllm" else "hf")
+
+
 def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=None, world_size=1):
     """The rollout engine named by --backend. model_path: where an engine loads the (initial)
     weights from disk; the trainer's weights reach it through sync_weights. max_model_len: longest
@@ -742,6 +772,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
             args.mismatch,
             args.generation_batch_size,
             precision=args.precision,
+            truncation=sampling_truncation(args, "hf"),
         )
     check_vllm_available()
     device = next(model.parameters()).device
@@ -768,6 +799,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
         enforce_eager=args.vllm_enforce_eager,
         max_num_batched_tokens=args.vllm_max_num_batched_tokens,
         async_scheduling=args.vllm_async_scheduling,
+        truncation=sampling_truncation(args, "vllm"),
         **engine_kwargs,
     )
 

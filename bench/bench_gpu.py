@@ -4,17 +4,22 @@ process; the table is appended to bench/RESULTS.md with the machine and the vers
     python bench/bench_gpu.py              # one CUDA GPU: the real sizes below, < 10 min on an H100
     python bench/bench_gpu.py --no-write   # print the table only
     python bench/bench_gpu.py --tiny       # tiny sizes (what a CPU always runs: a few seconds; CI runs it)
+    python bench/bench_gpu.py --update-only --no-write   # the update rows alone (~1.5 min on an H100)
 
 Sizes: random-init models from the published configs (tests/model_configs, no weights),
 Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch 8, 512 prompt +
-1024 response tokens, gradient checkpointing as the gsm8k presets. Rows:
-  update      one training micro-batch, forward + backward, of grpo.compute_logprobs (the chunked logprob head: TF32
-              under bf16 autocast on CUDA), of the same with the IEEE fp32 head (corrections.LM_HEAD_TF32 = False:
-              the head's precision before issue 20), and of the plain-loss baseline: HF's causal-LM loss
-              (labels=input_ids, bf16 logits) under the same bf16 autocast on the same tokens. Seconds (median of 3
-              after a warm-up), tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence)
-              x tokens / seconds / 989 TFLOP/s (H100 SXM dense bf16), peak memory above the weights, and each as a
-              multiple of the plain loss's.
+1024 response tokens. Rows:
+  update      one training micro-batch, forward + backward, of the plain-loss baseline (HF's causal-LM loss,
+              labels=input_ids, bf16 logits, under bf16 autocast, every layer recomputed as the gsm8k presets did)
+              and of grpo.compute_logprobs on the same tokens: the chunked logprob head with its gradient written out
+              (corrections._ChunkedHead, compiled element-wise kernels on CUDA) with --lm-head-precision auto (TF32),
+              fp32 (IEEE) and bf16 (bf16 inputs, float32 logits), with eager element-wise kernels, and with fewer
+              layers recomputed: as many as keep the peak within one third of the plain loss's (the plan's
+              activation estimate, harness.activation_bytes, over the measured rest), and the number grpo.py
+              chooses for the preset on this GPU (harness.plan_grpo). Seconds (median of 3 after a warm-up),
+              tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence) x tokens / seconds
+              / 989 TFLOP/s (H100 SXM dense bf16), peak memory above the weights, and each as a multiple of the
+              plain loss's.
   rollout     HF generate (rollout.HFBackend) tokens/s: 64 prompts of 512 tokens, 256 new tokens, bf16 autocast.
   grpo vs TRL the GRPO step of bench/bench_smollm2.py (SmolLM2-135M-Instruct) against TRL's GRPOTrainer on the
               same work, when trl is importable (GPU only).
@@ -47,6 +52,7 @@ import plan_memory  # noqa: E402  (scripts/plan_memory.py: the published configs
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import harness  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
@@ -63,7 +69,8 @@ def row(*cells):
 
 
 def sizes(tiny):
-    """[(name, config, micro-batch, prompt, response)] of the update rows."""
+    """[(name, config, micro-batch, prompt, response, the preset of that model)] of the update
+    rows."""
     from transformers import Qwen2Config
 
     if tiny:
@@ -78,10 +85,13 @@ def sizes(tiny):
             max_position_embeddings=256,
             tie_word_embeddings=True,
         )
-        return [("tiny qwen2", config, 4, 32, 64)]
+        return [("tiny qwen2", config, 4, 32, 64, "tiny")]
     return [
-        (name, plan_memory.read_config(name), micro, 512, 1024)
-        for name, micro in (("Qwen/Qwen2.5-0.5B-Instruct", 16), ("Qwen/Qwen2.5-1.5B-Instruct", 8))
+        (name, plan_memory.read_config(name), micro, 512, 1024, preset)
+        for name, micro, preset in (
+            ("Qwen/Qwen2.5-0.5B-Instruct", 16, "gsm8k_qwen05b"),
+            ("Qwen/Qwen2.5-1.5B-Instruct", 8, "gsm8k_qwen15b"),
+        )
     ]
 
 
@@ -118,13 +128,15 @@ def measure(fn, device, repeats=3):
     return statistics.median(times), peak
 
 
-def update_rows(name, config, micro, prompt, response, device):
+def update_rows(name, config, micro, prompt, response, device, preset):
     from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
-    model.gradient_checkpointing_enable()  # the gsm8k presets' setting, for every row alike
+    model.gradient_checkpointing_enable()  # every layer, for the rows that say so
     model.config.use_cache = False
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     batch = random_batch(config.vocab_size, micro, prompt, response, device)
     tokens = micro * (prompt + response)
     # a tied LM head once: its product is counted in 6 x n
@@ -134,19 +146,26 @@ def update_rows(name, config, micro, prompt, response, device):
     )
     flops = tokens * (6 * n + 12 * config.num_hidden_layers * attention_width * (prompt + response))
 
-    def ours():
-        logprobs, _ = grpo.compute_logprobs(model, batch, 1.0)  # bf16 autocast on CUDA inside
-        (-logprobs.mean()).backward()
+    def recompute(k):
+        # what grpo.recompute_layers does: the first k layers recompute, the others keep
+        for i, layer in enumerate(layers):
+            layer.gradient_checkpointing = i < k
+
+    def ours(head="auto", k=len(layers), chunk=512, compiled=True):
+        recompute(k)
+        corrections.COMPILE_ON_CUDA = compiled
+        try:
+            # bf16 autocast on CUDA inside
+            logprobs, _ = grpo.compute_logprobs(
+                model, batch, 1.0, chunk_size=chunk, head_precision=head
+            )
+            (-logprobs.mean()).backward()
+        finally:
+            corrections.COMPILE_ON_CUDA = True
         model.zero_grad(set_to_none=True)
 
-    def fp32_head():
-        corrections.LM_HEAD_TF32 = False
-        try:
-            ours()
-        finally:
-            corrections.LM_HEAD_TF32 = True
-
     def plain_loss():
+        recompute(len(layers))
         with rollout.autocast_context(device):
             loss = model(
                 input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False
@@ -154,15 +173,49 @@ def update_rows(name, config, micro, prompt, response, device):
         loss.backward()
         model.zero_grad(set_to_none=True)
 
+    L = len(layers)
     results = {
-        label: measure(fn, device)
-        for label, fn in (
-            ("plain HF loss", plain_loss),
-            ("ours (TF32 head on CUDA)", ours),
-            ("ours, IEEE fp32 head", fp32_head),
-        )
+        "plain HF loss": measure(plain_loss, device),
+        f"ours, {L} of {L} layers recomputed, TF32 head (auto)": measure(ours, device),
     }
     base_s, base_peak = results["plain HF loss"]
+    # the layers to recompute for one third of the plain loss's peak: the memory plan's estimate
+    # of the activations (harness.activation_bytes), the rest of the peak as measured with every
+    # layer recomputed
+    shape = harness.model_shape(config)
+    measured_rest = results[f"ours, {L} of {L} layers recomputed, TF32 head (auto)"][1] - (
+        harness.activation_bytes(shape, tokens, L, 512)
+    )
+    third = harness.layers_to_recompute(shape, tokens, 512, base_peak / 3 - measured_rest)
+    # what grpo.py chooses by itself for the preset's micro-batch on this GPU (PLAN_FILL)
+    preset_args = plan_memory.preset_args("grpo", preset)
+    gpu_bytes = harness.gpu_memory_bytes() if device.type == "cuda" else None
+    chosen = harness.plan_grpo(preset_args, config, 1, gpu_bytes)["recompute_num_layers"][0]
+    variants = [
+        (f"ours, {L} of {L}, IEEE fp32 head", dict(head="fp32")),
+        (f"ours, {L} of {L}, bf16-input head", dict(head="bf16")),
+        (f"ours, {L} of {L}, TF32 head, eager element-wise", dict(compiled=False)),
+        (f"ours, {third} of {L} (1/3 of the plain peak), TF32 head", dict(k=third)),
+        (
+            f"ours, {third} of {L} (1/3 of the plain peak), bf16-input head",
+            dict(head="bf16", k=third),
+        ),
+        (f"ours, {chosen} of {L} (grpo.py's plan for {preset}, this GPU), TF32", dict(k=chosen)),
+    ]
+    for label, settings in variants:
+        try:
+            results[label] = measure(lambda: ours(**settings), device)
+        except torch.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            row(
+                "update",
+                f"{name}, {micro} x ({prompt} + {response}), {label}",
+                "out of memory",
+                "-",
+                "-",
+                "-",
+                "-",
+            )
     for label, (seconds, peak) in results.items():
         mfu = f"{flops / seconds / PEAK_FLOPS:.1%}" if device.type == "cuda" else "-"
         vs = (
@@ -179,6 +232,7 @@ def update_rows(name, config, micro, prompt, response, device):
             f"{peak / GIB:.2f}" if peak else "-",
             vs,
         )
+    recompute(L)
     return model
 
 
@@ -353,6 +407,9 @@ def main():
     parser.add_argument(
         "--no-write", action="store_true", help="do not append the table to bench/RESULTS.md"
     )
+    parser.add_argument(
+        "--update-only", action="store_true", help="only the update rows (~1 min on a GPU)"
+    )
     opts = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = opts.tiny or device.type == "cpu"
@@ -364,19 +421,22 @@ def main():
         flush=True,
     )
     t0 = time.time()
-    for name, config, micro, prompt, response in sizes(tiny):
-        model = update_rows(name, config, micro, prompt, response, device)
-        rollout_row(name, model, prompt, device, tiny)
+    for name, config, micro, prompt, response, preset in sizes(tiny):
+        model = update_rows(name, config, micro, prompt, response, device, preset)
+        if not opts.update_only:
+            rollout_row(name, model, prompt, device, tiny)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    trl_rows(device, tiny)
-    ppo_rows(device, tiny)
+    if not opts.update_only:
+        trl_rows(device, tiny)
+        ppo_rows(device, tiny)
     header = ("row", "setting", "seconds", "tokens/s", "MFU", "peak GiB", "vs baseline")
     lines = [
         f"## bench/bench_gpu.py on {machine}" + (" (tiny sizes: not GPU numbers)" if tiny else ""),
         "",
-        f"`python bench/bench_gpu.py{' --tiny' if opts.tiny else ''}` ({versions()}; "
+        f"`python bench/bench_gpu.py{' --tiny' if opts.tiny else ''}"
+        f"{' --update-only' if opts.update_only else ''}` ({versions()}; "
         f"{time.time() - t0:.0f} s). update: one micro-batch forward + backward; vs baseline: "
         "tokens/s and peak memory as multiples of the "
         "plain HF loss's in the same process.",

@@ -3,7 +3,7 @@ logprobs, against a float64 product, on SmolLM2-135M-Instruct's real weights (Q4
 a real forward's hidden states.
 
     .venv/bin/python bench/head_precision.py         # CPU: TF32 and bf16 emulated (below); prints the table
-    .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also the real TF32 path of corrections.py
+    .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also corrections.py's real TF32 and bf16 paths
 
 Emulated on CPU, with the rounding applied to the fp32 bit pattern (round to nearest, ties to even)
 and the sums in fp32, as tensor cores accumulate:
@@ -97,14 +97,14 @@ def logprob_errors(logits, hidden, weight, tokens):
     return out
 
 
-def cuda_tf32_logprobs(hidden, weight, tokens):
+def cuda_logprobs(hidden, weight, tokens, precision):
     """The trainer's own path on a GPU: corrections.token_logprobs_and_entropy under bf16 autocast
-    (TF32 head)."""
+    with --lm-head-precision `precision` (auto: TF32)."""
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).cuda()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         head.weight.copy_(weight)
         logprobs, _ = corrections.token_logprobs_and_entropy(
-            hidden.cuda(), tokens.cuda(), 1.0, project=head
+            hidden.cuda(), tokens.cuda(), 1.0, project=head, precision=precision
         )
     return logprobs.cpu()
 
@@ -121,11 +121,12 @@ def main():
         exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(
             -1, tokens[:, None]
         )[:, 0]
-        err = (cuda_tf32_logprobs(hidden, weight, tokens).double() - exact).abs()
-        errors[f"TF32 on {torch.cuda.get_device_name()} (corrections.py)"] = (
-            err.max().item(),
-            err.mean().item(),
-        )
+        for precision, label in (("tf32", "TF32"), ("bf16", "bf16 inputs, fp32 output")):
+            err = (cuda_logprobs(hidden, weight, tokens, precision).double() - exact).abs()
+            errors[f"{label} on {torch.cuda.get_device_name()} (corrections.py)"] = (
+                err.max().item(),
+                err.mean().item(),
+            )
     bf16_max, bf16_mean = errors["bf16 logits"]
     print(
         f"SmolLM2-135M-Instruct (Q4_1-de-quantised), {len(tokens)} tokens, max |logit| "

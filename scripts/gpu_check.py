@@ -48,6 +48,7 @@ os.chdir(ROOT)
 import plan_memory  # noqa: E402  (scripts/plan_memory.py, beside this file)
 import torch  # noqa: E402
 
+import corrections  # noqa: E402
 import grpo  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
@@ -162,8 +163,8 @@ def train_peak(grpo_args):
         ref.requires_grad_(False)
         rollout.bf16_frozen_linears_(ref)
     if grpo_args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        # the layers the plan chooses for this GPU (grpo.py's own call)
+        grpo.recompute_layers(model, grpo_args, torch.device("cuda"), 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     micro, P, R = (
         grpo_args.ppo_micro_batch_size_per_gpu,
@@ -439,7 +440,7 @@ def head_precision():
     exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, tokens[:, None])[
         :, 0
     ]
-    tf32_max = (H.cuda_tf32_logprobs(hidden, weight, tokens).double() - exact).abs().max().item()
+    tf32_max = (H.cuda_logprobs(hidden, weight, tokens, "tf32").double() - exact).abs().max().item()
     row(
         "head precision",
         "SmolLM2, TF32 head (bf16 autocast) vs float64",
@@ -447,6 +448,36 @@ def head_precision():
         "<= 1/4 of bf16 logits'",
         tf32_max <= bf16_max / 4,
     )
+
+
+def head_gradient():
+    """The LM head on this GPU as the trainer runs it (corrections._ChunkedHead: compiled
+    element-wise kernels, the gradient written out), against eager autograd through one full
+    log-softmax of the same products, for the TF32 and the bf16-input heads: logprobs and the
+    gradients of hidden and W (random Qwen2.5-0.5B-sized head, 3000 rows, chunks of 512)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(151936, 896, device="cuda", generator=g) * 0.02).requires_grad_()
+    hidden = (torch.randn(3000, 896, device="cuda", generator=g) * 3).requires_grad_()
+    tokens = torch.randint(0, 151936, (3000,), device="cuda", generator=g)
+    upstream = torch.randn(3000, device="cuda", generator=g)
+    for precision in ("tf32", "bf16"):
+        logprobs, _ = corrections._ChunkedHead.apply(
+            hidden, weight, tokens, 1.0, None, False, precision, 512, None
+        )
+        got = torch.autograd.grad((logprobs * upstream).sum(), (hidden, weight))
+        expected_logprobs, _ = corrections._logprob_entropy_chunk(
+            weight, hidden, tokens, 1.0, None, False, precision
+        )
+        expected = torch.autograd.grad((expected_logprobs * upstream).sum(), (hidden, weight))
+        logprob_err = (logprobs - expected_logprobs).abs().max().item()
+        grad_err = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, expected))
+        row(
+            "head gradient",
+            f"{precision} head, compiled + written-out gradient vs eager autograd",
+            f"max |dlogprob| {logprob_err:.1e}, gradient rel. err {grad_err:.1e}",
+            "< 1e-4, < 1e-3",
+            logprob_err < 1e-4 and grad_err < 1e-3,
+        )
 
 
 def main():
@@ -501,6 +532,7 @@ def main():
             )
         if device == "cuda":
             head_precision()
+            head_gradient()
         else:
             row(
                 "head precision",

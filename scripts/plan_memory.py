@@ -50,16 +50,25 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
 
 import grpo  # noqa: E402
+import harness  # noqa: E402
+from harness import (  # noqa: E402  (the byte model the trainer reads too)
+    CONTEXT_ROW,
+    GIB,
+    REFERENCE_GPU_GIB,
+    activation_bytes,
+    count_parameters,
+    gpu_memory_bytes,
+    kv_cache_bytes_per_token,
+    memory_plan,
+    model_shape,
+    optimizer_step_rows,
+    plan_grpo,
+)
 import ppo_rlhf  # noqa: E402
 import tasks  # noqa: E402
 
-GIB = 2**30
-# the GPU size for vLLM's share when none is given or seen, and --all's GPU size
-REFERENCE_GPU_GIB = 80.0
-CONTEXT_ROW = "CUDA context + allocator slack (estimate)"
 # hub name -> tests/model_configs folder (values of the published config.json, no weights)
 PUBLISHED_CONFIGS = {
     "Qwen/Qwen2.5-0.5B-Instruct": "Qwen2.5-0.5B-Instruct",
@@ -118,182 +127,10 @@ def load_model_config(trainer, args):
     return args.base_model, read_config(args.base_model)
 
 
-def model_shape(config):
-    """The sizes the plan needs, from an HF config (gpt2's n_embd/n_layer/n_inner or llama/qwen2
-    names): dict(hidden, layers, intermediate, vocab, heads, kv_dim, gated_mlp, tied,
-    max_positions)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    intermediate = (
-        getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    )
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return dict(
-        hidden=hidden,
-        layers=config.num_hidden_layers,
-        intermediate=intermediate,
-        vocab=config.vocab_size,
-        heads=heads,
-        kv_dim=kv_heads * head_dim,
-        gated_mlp=hasattr(config, "intermediate_size"),
-        tied=bool(getattr(config, "tie_word_embeddings", False)),
-        max_positions=getattr(config, "max_position_embeddings", None),
-    )
-
-
-def count_parameters(config):
-    """Exact number of parameters of AutoModelForCausalLM.from_config(config), built on the meta
-    device (no memory, no weights read); a tied LM head is counted once (module.parameters()
-    de-duplicates shared tensors)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# 2. Bytes: KV cache, activations, the optimizer step, and a plan's phases
+# 2. One rank of ppo_rlhf.py (grpo.py's, harness.plan_grpo, is read by the trainer itself: it chooses
+# the layers to recompute; the bytes of KV cache, activations and the optimizer step are harness's too)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def gpu_memory_bytes(gpu_memory_gib=0.0):
-    """A plan's GPU size: --gpu-memory-gib if given, else the total memory of the GPU torch sees,
-    else None."""
-    if gpu_memory_gib > 0:
-        return int(gpu_memory_gib * GIB)
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[1]
-    return None
-
-
-def kv_cache_bytes_per_token(shape, dtype_bytes=2):
-    """K and V of every layer for one token: 2 * layers * kv_dim * bytes (bf16 on GPU: 2)."""
-    return 2 * shape["layers"] * shape["kv_dim"] * dtype_bytes
-
-
-def activation_bytes(shape, tokens, gradient_checkpointing, logprob_rows):
-    """Estimated activation memory of one training micro-batch of `tokens` = micro_batch * padded
-    length, under bf16 autocast with fp32 weights (the residual stream stays fp32). Per layer and
-    token, what backward keeps:
-        fp32: the inputs of the two norms and their normalised fp32 copies        16 * hidden bytes
-        bf16: two norm outputs, q/k/v, attention output, o_proj input              8 * hidden + 4 * kv_dim
-        bf16: MLP  (gated: gate, up, act(gate), product = 8 * I; gpt2: fc out, gelu out = 4 * I)
-    (the attention matrix is not stored: SDPA/flash recompute it). With gradient checkpointing only
-    each layer's fp32 input (4 * hidden per token) is kept, plus one layer's full set while it is
-    recomputed. The LM head runs in chunks of `logprob_rows` positions
-    (corrections.token_logprobs_and_entropy): 3 fp32 (rows, V) tensors at a time."""
-    h, kv, inter = shape["hidden"], shape["kv_dim"], shape["intermediate"]
-    per_token_layer = 16 * h + 8 * h + 4 * kv + (8 if shape["gated_mlp"] else 4) * inter
-    if gradient_checkpointing:
-        layers = shape["layers"] * tokens * 4 * h + tokens * per_token_layer
-    else:
-        layers = shape["layers"] * tokens * per_token_layer
-    return layers + 3 * logprob_rows * shape["vocab"] * 4
-
-
-def optimizer_step_rows(name, n, shape):
-    """The step's temporaries: torch's foreach Adam/AdamW (CUDA's default) takes sqrt(v) of all n
-    parameters in one fp32 list before dividing (torch/optim/adam.py, _multi_tensor_adam);
-    adam_tf.AdamTF runs torch's fused kernel, which updates theta, m and v in place element by
-    element: no temporaries."""
-    if name == "adam_tf":
-        return {"AdamTF step temporaries (fused kernel: none)": 0}
-    return {f"{name} step temporaries (foreach sqrt(v), fp32)": 4 * n}
-
-
-def memory_plan(gpu_bytes, phases):
-    """Per-GPU memory plan: `phases` maps a phase name to an ordered dict {row: bytes}; a phase's
-    total is the sum of its rows, and the plan's peak is the largest phase total (the phases do not
-    overlap in time). Returns dict(phases, totals, peak, gpu_bytes, fits); gpu_bytes None = unknown
-    (fits is None)."""
-    totals = {name: sum(rows.values()) for name, rows in phases.items()}
-    peak = max(totals.values())
-    return dict(
-        phases=phases,
-        totals=totals,
-        peak=peak,
-        gpu_bytes=gpu_bytes,
-        fits=None if gpu_bytes is None else peak <= gpu_bytes,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 3. One rank of each trainer
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def plan_grpo(args, config, world_size, gpu_bytes):
-    """Per-GPU bytes of one GRPO rank (grpo.train: AdamW over fp32 weights, bf16 (or fp16) autocast
-    unless --precision fp32):
-      train:   weights, gradients, AdamW (m, v), autocast's bf16 weight copies, the reference model (kl_loss_coef > 0),
-               activations of one micro-batch, vLLM's share unless --vllm-sleep-mode
-      step:    weights, gradients, AdamW (m, v), the reference, AdamW's temporaries, vLLM's share unless asleep
-      rollout: weights, AdamW (m, v), the reference + HF generate's KV cache for generation_batch_size rows (and one
-               fp32 row of logits each), or vLLM's whole share
-      all:     with --rollout-staleness K, the lagging rollout copy and K + 1 weight snapshots (fp32)."""
-    shape, n = model_shape(config), count_parameters(config)
-    bf16 = args.precision != "fp32"  # fp16 autocast holds the same 2-byte copies
-    # bf16_frozen_linears_ (only under bf16: under fp16 the reference stays fp32)
-    ref_bf16 = args.precision in ("auto", "bf16")
-    seq = args.max_prompt_length + args.max_response_length
-    # kept fp32 by bf16_frozen_linears_
-    embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
-    ref = (
-        0
-        if args.kl_loss_coef <= 0
-        else (2 * (n - embeddings) + 4 * embeddings if ref_bf16 else 4 * n)
-    )
-    share = (
-        args.vllm_gpu_memory_utilization * (gpu_bytes or REFERENCE_GPU_GIB * GIB)
-        if args.backend == "vllm"
-        else 0
-    )
-    resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
-    if ref:
-        resident["reference model (bf16 linears)" if ref_bf16 else "reference model (fp32)"] = ref
-    # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
-    if args.rollout_staleness:
-        resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
-            4 * n * (args.rollout_staleness + 2)
-        )
-    # asleep the engine holds ~0: level 1 offloads its weights, drops its KV cache, and
-    # (rollout.VLLMBackend passes sleep_mode_offload_cudagraph) offloads its CUDA-graph pool too,
-    # which vLLM otherwise keeps on the GPU
-    awake = {"vLLM share, awake": share} if share and not args.vllm_sleep_mode else {}
-    train_rows = {**resident, "gradients (fp32)": 4 * n}
-    step_rows = {**train_rows, **optimizer_step_rows("AdamW", n, shape), **awake}
-    if bf16:
-        train_rows["autocast bf16 weight copies"] = 2 * n
-    micro = args.ppo_micro_batch_size_per_gpu
-    train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
-        shape, micro * seq, args.gradient_checkpointing, args.logprob_chunk_size
-    )
-    train_rows.update(awake)
-    rollout_rows = dict(resident)
-    if args.backend == "vllm":
-        rollout_rows[f"vLLM share ({args.vllm_gpu_memory_utilization:g} of the GPU)"] = share
-    else:
-        seqs = args.generation_batch_size or args.train_batch_size // world_size * args.rollout_n
-        rollout_rows[f"KV cache (HF generate, {seqs} x {seq} tokens)"] = (
-            seqs * seq * kv_cache_bytes_per_token(shape, 2 if bf16 else 4)
-            + seqs * shape["vocab"] * 4
-        )
-    phases = {"train": train_rows, "optimizer step": step_rows, "rollout": rollout_rows}
-    plan = memory_plan(
-        gpu_bytes, {name: {**rows, CONTEXT_ROW: GIB} for name, rows in phases.items()}
-    )
-    plan["n_params"] = n
-    # what vLLM's share must hold: its bf16 weights, then KV cache (more runs in waves)
-    if args.backend == "vllm":
-        seqs = args.train_batch_size // world_size * args.rollout_n
-        plan["note"] = (
-            f"vLLM share {share / GIB:.2f} GiB = bf16 weights {2 * n / GIB:.2f} + KV cache/activations "
-            f"{(share - 2 * n) / GIB:.2f}; the whole rollout ({seqs} x {seq} tokens) "
-            f"needs {seqs * seq * kv_cache_bytes_per_token(shape) / GIB:.2f} GiB of KV"
-        )
-    return plan
 
 
 def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
@@ -326,7 +163,7 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     if bf16:
         train_rows["autocast bf16 weight copies"] = 2 * n
     train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
-        shape, micro * seq, False, micro * args.response_length
+        shape, micro * seq, 0, micro * args.response_length
     )
     rollout_rows = dict(resident)
     rollout_rows[f"KV cache + scores (generate, {micro} x {seq} tokens)"] = (
@@ -342,7 +179,7 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. A preset's plan, printed
+# 3. A preset's plan, printed
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -462,6 +299,13 @@ def format_memory_plan(plan):
         lines.append(
             f"  peak {plan['peak'] / GIB:.2f} GiB of {plan['gpu_bytes'] / GIB:.2f} GiB: {verdict}"
         )
+    if "recompute_num_layers" in plan:
+        recomputed, layers = plan["recompute_num_layers"]
+        lines.append(
+            f"  gradient checkpointing: {recomputed} of {layers} decoder layers recomputed "
+            "(grpo.py --recompute-num-layers; -1 chooses the fewest that fit "
+            f"{harness.PLAN_FILL:.0%} of the GPU)"
+        )
     if "note" in plan:
         lines.append("  " + plan["note"])
     return "\n".join(lines)
@@ -474,8 +318,8 @@ def format_all_plans(gpu_bytes):
         f"Per-GPU plans on GPUs of {gpu_bytes / GIB:.0f} GiB (`python scripts/plan_memory.py --all`), GiB: peak "
         "(train / optimizer step / rollout)",
         "",
-        "| preset | model (parameters) | 1 GPU | 8 GPUs, per GPU | fits |",
-        "| --- | --- | --- | --- | --- |",
+        "| preset | model (parameters) | 1 GPU | 8 GPUs, per GPU | layers recomputed | fits |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     refused = []
     for trainer, preset, flags in ALL_PLANS:
@@ -487,15 +331,21 @@ def format_all_plans(gpu_bytes):
         fits = " / ".join("yes" if p["fits"] else "NO" for p in plans)
         refused += [p["title"] for p in plans if not p["fits"]]
         command = f"`{trainer} {preset}{''.join(' ' + f for f in flags)}`"
+        recompute = " / ".join(
+            f"{p['recompute_num_layers'][0]} of {p['recompute_num_layers'][1]}"
+            if "recompute_num_layers" in p
+            else "-"
+            for p in plans
+        )
         lines.append(
             f"| {command} | {plans[0]['model']} ({plans[0]['n_params'] / 1e6:.1f}M) | {cells[0]} | "
-            f"{cells[1]} | {fits} |"
+            f"{cells[1]} | {recompute} | {fits} |"
         )
     return "\n".join(lines), refused
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. The command line
+# 4. The command line
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """corrections.py: hand-computed values, parity with verl 0.9.1's own source, gradients, and padding
 properties."""
 
+import importlib.util
 import math
 import types
 from pathlib import Path
@@ -889,8 +890,11 @@ def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(bann
         banned = torch.zeros(11, dtype=torch.bool)
         banned[banned_id] = True
         tokens[tokens == banned_id] = 0
+    head = torch.nn.Linear(5, 11, bias=False)
+    head.weight = torch.nn.Parameter(weight.detach())
+    weight = head.weight
     logprobs, entropy = C.token_logprobs_and_entropy(
-        hidden, tokens, 0.7, project=lambda h: h @ weight.T, chunk_size=4, banned=banned
+        hidden, tokens, 0.7, project=head, chunk_size=4, banned=banned
     )
     logits = (hidden @ weight.T) / 0.7
     if banned is not None:
@@ -932,28 +936,88 @@ def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The LM head's precision: TF32 under bf16 autocast on CUDA (corrections.LM_HEAD_TF32), measured on
-# real weights
+# The LM head's precision: TF32 under bf16 autocast on CUDA (--lm-head-precision auto), bf16 inputs
+# with float32 logits, measured on real weights
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_tf32_linear_gives_the_linear_product_and_gradients_and_restores_the_setting():
-    """corrections._TF32Linear, the LM head's product on CUDA under bf16 autocast: its forward and
-    both backward products are the plain ones (on CPU, which has no TF32, exactly F.linear's), and
-    the CUDA matmul precision it sets around each product is put back (it is never left on for the
-    rest of the program)."""
+def test_head_linear_gives_the_linear_product_and_gradients_and_restores_the_setting():
+    """corrections._HeadLinear, the LM head's product in TF32 or bf16 (the single-chunk path under
+    autograd): in tf32 its forward and both backward products are the plain ones (a CPU has no
+    TF32: exactly F.linear's), and the CUDA matmul precision it sets around each product is put
+    back (never left on for the rest of the program); in bf16 (emulated on a CPU: inputs rounded to
+    bfloat16, float32 sums) each product is the float32 product of the bf16-rounded operands."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, generator=g, dtype=torch.float32, requires_grad=True)
     weight = torch.randn(11, 5, generator=g, dtype=torch.float32, requires_grad=True)
     upstream = torch.randn(7, 11, generator=g, dtype=torch.float32)
     before = torch.backends.cuda.matmul.fp32_precision
-    out = C._TF32Linear.apply(hidden, weight)
+    out = C._HeadLinear.apply(hidden, weight, "tf32")
     got = torch.autograd.grad(out, (hidden, weight), upstream)
     expected = torch.nn.functional.linear(hidden, weight)
     assert torch.equal(out, expected)
     for a, b in zip(got, torch.autograd.grad(expected, (hidden, weight), upstream)):
         assert torch.equal(a, b)
     assert torch.backends.cuda.matmul.fp32_precision == before
+
+    def bf16(x):
+        return x.detach().bfloat16().float()
+
+    out = C._HeadLinear.apply(hidden, weight, "bf16")
+    grad_hidden, grad_weight = torch.autograd.grad(out, (hidden, weight), upstream)
+    assert torch.equal(out, bf16(hidden) @ bf16(weight).T)
+    assert torch.equal(grad_hidden, bf16(upstream) @ bf16(weight))
+    assert torch.equal(grad_weight, bf16(upstream).T @ bf16(hidden))
+    assert not torch.equal(out, expected)  # the rounding is real
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("banned_id", [None, 3])
+def test_chunked_head_gradient_is_autograds(precision, entropy_grad, banned_id):
+    """corrections._ChunkedHead, the written-out gradient of the chunked LM head (several chunks
+    under autograd): logprobs and entropies bit for bit those of the no-gradient path (the same
+    chunks), and d/d(hidden, W) of sum(a * logprob + b * entropy) equal to autograd's through one
+    full log-softmax of the same products (float64 for fp32: 1e-12; bf16, emulated: 1e-4), with
+    banned tokens and a temperature."""
+    g = torch.Generator().manual_seed(1)
+    head = torch.nn.Linear(6, 11, bias=False)
+    head.weight = torch.nn.Parameter(torch.randn(11, 6, generator=g))
+    hidden = torch.randn(13, 6, generator=g).requires_grad_()
+    tokens = torch.randint(0, 11, (13,), generator=g)
+    banned = None
+    if banned_id is not None:
+        banned = torch.zeros(11, dtype=torch.bool)
+        banned[banned_id] = True
+        tokens[tokens == banned_id] = 0
+    a, b = torch.randn(13, generator=g), torch.randn(13, generator=g)
+    args = (hidden, head.weight, tokens, 0.7, banned, entropy_grad, precision, 4, None)
+    logprobs, entropy = C._ChunkedHead.apply(*args)
+    assert entropy.requires_grad == entropy_grad
+    with torch.no_grad():
+        if precision == "fp32":  # the trainer's own no-gradient path (a CPU: IEEE fp32)
+            no_grad = C.token_logprobs_and_entropy(hidden, tokens, 0.7, head, 4, banned)
+        else:
+            chunks = [
+                C._logprob_entropy_chunk(
+                    head.weight, hidden[i : i + 4], tokens[i : i + 4], 0.7, banned, False, precision
+                )
+                for i in range(0, 13, 4)
+            ]
+            no_grad = [torch.cat(values) for values in zip(*chunks)]
+    assert torch.equal(logprobs, no_grad[0]) and torch.equal(entropy, no_grad[1])
+    objective = (a * logprobs).sum() + ((b * entropy).sum() if entropy_grad else 0)
+    got = torch.autograd.grad(objective, (hidden, head.weight))
+    logprobs, entropy = C._logprob_entropy_chunk(
+        head.weight, hidden, tokens, 0.7, banned, entropy_grad, precision
+    )
+    objective = (a * logprobs).sum() + ((b * entropy).sum() if entropy_grad else 0)
+    expected = torch.autograd.grad(objective, (hidden, head.weight))
+    # bf16: each side rounds d/dz to bf16 before the products, and a last-digit difference in
+    # float64 can flip a rounding (one bf16 ulp of one element: ~1e-5 here)
+    tolerance = 1e-12 if precision == "fp32" else 1e-4
+    for x, y in zip(got, expected):
+        assert torch.allclose(x, y.to(x.dtype), atol=tolerance, rtol=0)
 
 
 def test_head_precision_rounding_emulation():
@@ -1118,3 +1182,94 @@ def test_off_policy_sequence_mask_hand_values():
     assert metrics["off_policy_mask/seq_kl_mean"] == pytest.approx(0.5)
     keep, _ = C.off_policy_sequence_mask(train, rollout, advantages, mask, 0.6)
     assert keep.tolist() == [[1.0], [1.0]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Truncated sampling (--top-k / --top-p / --min-p): the kept set and its replay
+# ---------------------------------------------------------------------------------------------------------------
+
+TRUNCATIONS = [(5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.05), (5, 0.8, 0.05), (3, 0.5, 0.2)]
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", TRUNCATIONS)
+def test_truncation_mask_is_transformers_and_vllms_rules(top_k, top_p, min_p):
+    """corrections.truncation_mask keeps exactly the tokens transformers' warpers keep (TopK,
+    TopP, MinP, in generate()'s order) and exactly those vLLM's sampler keeps (its min-p logits
+    processor, then apply_top_k_top_p), on float32 logits / T with ties at the k-th value."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(64, 50, generator=g, dtype=torch.float32) * 2).round(decimals=1)
+    ids = torch.zeros(64, 1, dtype=torch.long)
+    hf = z.clone()
+    if top_k:
+        hf = TopKLogitsWarper(top_k)(ids, hf)
+    if top_p < 1:
+        hf = TopPLogitsWarper(top_p)(ids, hf)
+    if min_p:
+        hf = MinPLogitsWarper(min_p)(ids, hf)
+    ours = C.truncation_mask(z, top_k, top_p, min_p, "hf")
+    assert torch.equal(ours, hf > -math.inf)
+    assert (ours.sum(-1) >= 1).all() and not ours.all()
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    engine = z.clone()
+    if min_p:
+        processor = object.__new__(MinPLogitsProcessor)
+        processor.min_p_count = 1
+        processor.min_p = torch.full((64, 1), min_p)
+        engine = processor.apply(engine)
+    k = torch.full((64,), top_k) if top_k else None
+    p = torch.full((64,), top_p) if top_p < 1 else None
+    engine = apply_top_k_top_p_pytorch(engine, k, p)
+    assert torch.equal(C.truncation_mask(z, top_k, top_p, min_p, "vllm"), engine > -math.inf)
+
+
+def test_truncated_logprob_is_the_full_one_minus_log_kept_mass():
+    """The closed form of the mismatch: a token drawn from the kept set K has log pi_K = log pi -
+    log S (S = the kept mass), so scoring it over the whole vocabulary gives a log-ratio of log S
+    before any update; replay (truncation=...) gives log pi_K. Logits 2, 1, 0, -1 at T = 1, top-k
+    2: K = {0, 1}, S = (e^2 + e) / (e^2 + e + 1 + e^-1), by hand."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 2, dtype=torch.float64)
+    tokens = torch.tensor([0, 1])
+    full, _ = C.token_logprobs_and_entropy(logits, tokens, 1.0)
+    kept, entropy = C.token_logprobs_and_entropy(
+        logits, tokens, 1.0, truncation=(2, 1.0, 0.0, "hf")
+    )
+    e = math.e
+    log_s = math.log((e**2 + e) / (e**2 + e + 1 + 1 / e))
+    assert torch.allclose(full - kept, torch.full((2,), log_s, dtype=torch.float64), atol=1e-12)
+    assert math.isclose(kept[0].item(), math.log(e**2 / (e**2 + e)), abs_tol=1e-12)
+    # the entropy of the distribution sampled from: two tokens, p = e / (e + 1) and 1 / (e + 1)
+    p = e / (e + 1)
+    assert math.isclose(entropy[0].item(), -(p * math.log(p) + (1 - p) * math.log(1 - p)))
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_chunked_head_gradient_with_a_replayed_kept_set_is_autograds(entropy_grad):
+    """The written-out gradient with truncation (top-k 3, top-p 0.8, min-p 0.05): d/dz is zero
+    outside the kept set and equals autograd's through the masked log-softmax (float64)."""
+    g = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(6, 11, bias=False)
+    head.weight = torch.nn.Parameter(torch.randn(11, 6, generator=g))
+    hidden = torch.randn(13, 6, generator=g).requires_grad_()
+    truncation = (3, 0.8, 0.05, "hf")
+    with torch.no_grad():
+        kept = C.truncation_mask((hidden @ head.weight.T) / 0.7, *truncation)
+    # each token one its sampler could have drawn
+    tokens = kept.float().multinomial(1, generator=g)[:, 0]
+    a, b = torch.randn(13, generator=g), torch.randn(13, generator=g)
+    args = (hidden, head.weight, tokens, 0.7, None, entropy_grad, "fp32", 4, truncation)
+    logprobs, entropy = C._ChunkedHead.apply(*args)
+    objective = (a * logprobs).sum() + ((b * entropy).sum() if entropy_grad else 0)
+    got = torch.autograd.grad(objective, (hidden, head.weight))
+    logprobs, entropy = C._logprob_entropy_chunk(
+        head.weight, hidden, tokens, 0.7, None, entropy_grad, "fp32", truncation
+    )
+    objective = (a * logprobs).sum() + ((b * entropy).sum() if entropy_grad else 0)
+    expected = torch.autograd.grad(objective, (hidden, head.weight))
+    for x, y in zip(got, expected):
+        assert torch.allclose(x, y, atol=1e-12, rtol=0)

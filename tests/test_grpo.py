@@ -287,6 +287,51 @@ def rollout_batch(tiny):
     return args, batch
 
 
+@pytest.mark.parametrize(
+    "flags", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.05}, {"top_k": 5, "top_p": 0.8}]
+)
+def test_replay_scores_each_sampled_token_as_the_truncated_sampler_did(tiny, flags):
+    """--top-p 0.8 / --top-k 5 / --min-p 0.05 on the HF engine: with --replay-sampling-mask (the
+    default) the trainer's fp32 logprobs of the sampled tokens equal the sampler's to 1e-6, so the
+    ratio at the first minibatch is 1; without it the trainer scores them over the whole
+    vocabulary and the per-token log-ratio is log S, S the mass of the kept set (the trainer's own
+    full softmax over the sampler's rules), never > 0 (to rounding)."""
+    model, tokenizer = tiny
+    args = _small_args(**flags)
+    backend = rollout.make_backend("hf", None, model, args, tokenizer)
+    prompts = _prompts(tokenizer)
+    responses, rollout_logprobs, _ = backend.generate(
+        prompts, args.rollout_n, args.max_response_length, 1.0, seed=5
+    )
+    batch = rollout.make_batch(
+        [p for p in prompts for _ in range(args.rollout_n)],
+        responses,
+        rollout_logprobs,
+        tokenizer.pad_token_id,
+        args.max_response_length,
+        CPU,
+    )
+    mask = batch["response_mask"].bool()
+    replayed = grpo.batch_logprobs(model, batch, args)
+    assert (replayed - batch["rollout_logprobs"])[mask].abs().max() < 1e-6
+    full = grpo.batch_logprobs(model, batch, dataclasses.replace(args, replay_sampling_mask=False))
+    log_ratio = (full - batch["rollout_logprobs"])[mask]
+    assert (log_ratio <= 1e-6).all()
+    # (min-p 0.05 keeps every token of the tiny random model's flat distributions: S = 1 there)
+    assert "min_p" in flags or (log_ratio < -1e-3).any()
+    # log S by hand: the full softmax's mass on the kept set, token by token
+    with torch.no_grad():
+        hidden = model.get_decoder()(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).last_hidden_state[:, -args.max_response_length - 1 : -1]
+        logits = model.get_output_embeddings()(hidden)[mask] / args.temperature
+        kept = corrections.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
+        log_kept_mass = torch.log((torch.softmax(logits, -1) * kept).sum(-1))
+    assert torch.allclose(log_ratio, log_kept_mass, atol=1e-5)
+
+
 def _run_update(model, args, batch, preset, ref_model=None):
     model = copy.deepcopy(model)
     batch = dict(batch)
@@ -1101,6 +1146,8 @@ def test_response_text_strips_only_the_final_eos_and_keeps_other_special_tokens(
         (["--clip-ratio-low", "-1"], "--clip-ratio-low must be in [0, 1)"),
         (["--kl-loss-coef", "-1"], "--kl-loss-coef must be >= 0"),
         (["--temperature", "0"], "--temperature must be > 0"),
+        (["--recompute-num-layers", "-2"], "--recompute-num-layers must be >= -1"),
+        (["--lm-head-precision", "fp16"], "--lm-head-precision must be one of"),
         (
             ["--model-name-or-path", "/no/such/model_dir"],
             "--model-name-or-path '/no/such/model_dir': not a local directory",
@@ -1133,6 +1180,45 @@ def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(
         and len(err) == 1
         and err[0].startswith("grpo.py: error: " + named)
     ), err
+
+
+def test_recomputed_layers_change_memory_not_gradients(tmp_path):
+    """--gradient-checkpointing with --recompute-num-layers k: the first k decoder layers recompute
+    in backward, the others keep their activations (grpo.recompute_layers); -1 on a CPU recomputes
+    every layer (no GPU size to plan for). Whichever layers recompute, the loss and every gradient
+    are those of no checkpointing, bit for bit (a CPU's recompute is deterministic)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = tasks.build_tiny_model(None, arch="qwen2", seed=3)[0].float()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=g)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(12).expand(3, -1),
+        "responses": ids[:, 4:],
+        "response_mask": torch.ones(3, 8),
+    }
+
+    def gradients(recompute):
+        m = copy.deepcopy(model).train()
+        flags = {"gradient_checkpointing": recompute is not None}
+        if recompute is not None:
+            flags["recompute_num_layers"] = recompute
+        args = grpo.Args(**flags)
+        if recompute is not None:
+            grpo.recompute_layers(m, args, torch.device("cpu"), rank=1)
+        layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
+        logprobs, _ = grpo.compute_logprobs(m, batch, 1.0, chunk_size=5)
+        logprobs.sum().backward()
+        return [x.gradient_checkpointing for x in layers], [p.grad for p in m.parameters()]
+
+    recomputing, expected = gradients(None)
+    assert recomputing == [False, False]
+    for recompute, pattern in ((0, [False, False]), (1, [True, False]), (-1, [True, True])):
+        recomputing, got = gradients(recompute)
+        assert recomputing == pattern
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 # ------------------------------------------------------------------------------------------------ DAPO

@@ -91,7 +91,8 @@ def test_parameter_counts_from_the_config_alone_are_exact(name, by_hand, publish
 def test_countdown_plan_rows_by_hand():
     """Every row of the Qwen2.5-3B countdown plan on 1 x 80 GiB (HF backend), recomputed here from
     the formulas."""
-    args = plan_memory.preset_args("grpo", "countdown")
+    # every layer recomputed (the choice of layers: the test below)
+    args = plan_memory.preset_args("grpo", "countdown", ("--recompute-num-layers", "36"))
     plan = plan_memory.plan_grpo(args, config_of("Qwen2.5-3B"), world_size=1, gpu_bytes=80 * GIB)
     n, h, L, inter, kv, V = 3_085_938_688, 2048, 36, 11008, 256, 151936
     train, step, rollout_ = (plan["phases"][p] for p in ("train", "optimizer step", "rollout"))
@@ -103,7 +104,7 @@ def test_countdown_plan_rows_by_hand():
     ref = 2 * (n - V * h) + 4 * V * h  # tied embedding kept fp32
     assert train["reference model (bf16 linears)"] == ref
     tokens = 8 * (256 + 1024)  # micro-batch 8 x (prompt + response)
-    checkpointed = L * tokens * 4 * h + tokens * (24 * h + 4 * kv + 8 * inter)
+    checkpointed = L * tokens * 4 * h + tokens * (32 * h + 4 * kv + 8 * inter)
     assert train["activations (8 x 1280 tokens, estimate)"] == checkpointed + 3 * 512 * V * 4
     seqs = 256  # generation_batch_size
     kv_cache = seqs * 1280 * (2 * L * kv * 2) + seqs * V * 4
@@ -118,8 +119,9 @@ def test_countdown_plan_rows_by_hand():
     assert (
         plan["peak"] == plan["totals"]["optimizer step"] and round(plan["peak"] / GIB, 2) == 64.81
     )
-    # the trainer's former --dry-run
-    assert round(plan["totals"]["train"] / GIB, 2) == 64.06 and plan["fits"]
+    # the trainer's former --dry-run (64.06 GiB before the measured 8 x hidden bytes per token and
+    # layer of attention copies)
+    assert round(plan["totals"]["train"] / GIB, 2) == 64.22 and plan["fits"]
     # --rollout-staleness 2: a rollout copy and 3 snapshots, fp32, resident in every phase
     stale = plan_memory.plan_grpo(
         dataclasses.replace(args, rollout_staleness=2), config_of("Qwen2.5-3B"), 1, 80 * GIB
@@ -127,6 +129,48 @@ def test_countdown_plan_rows_by_hand():
     for phase in ("train", "optimizer step", "rollout"):
         assert stale["phases"][phase]["rollout copy + 3 weight snapshots (fp32)"] == 4 * n * 4
         assert stale["totals"][phase] == plan["totals"][phase] + 16 * n
+
+
+def test_layers_recomputed_are_the_fewest_that_fit():
+    """harness.recompute_choice: without --gradient-checkpointing none; --recompute-num-layers k
+    as given (at most every layer); -1 on a GPU the fewest k whose train phase fits PLAN_FILL of it
+    (k - 1 would not); -1 with no GPU size (a CPU): every layer. Each kept layer adds its whole
+    activation set, each recomputed one only its fp32 input."""
+    import harness
+
+    config = config_of("Qwen2.5-3B")
+    shape = harness.model_shape(config)
+    args = plan_memory.preset_args("grpo", "countdown")
+    tokens = 8 * (256 + 1024)
+
+    def plan(gpu_bytes, *flags):
+        return plan_memory.plan_grpo(
+            plan_memory.preset_args("grpo", "countdown", flags), config, 1, gpu_bytes
+        )
+
+    assert plan(80 * GIB, "--no-gradient-checkpointing")["recompute_num_layers"] == (0, 36)
+    assert plan(80 * GIB, "--recompute-num-layers", "5")["recompute_num_layers"] == (5, 36)
+    assert plan(80 * GIB, "--recompute-num-layers", "99")["recompute_num_layers"] == (36, 36)
+    assert plan(None)["recompute_num_layers"] == (36, 36)
+    # 70 GiB: not even every layer recomputed fits PLAN_FILL of it: every layer
+    assert plan(70 * GIB)["recompute_num_layers"] == (36, 36)
+    for gpu_gib in (80, 141):
+        chosen = plan(gpu_gib * GIB)
+        k = chosen["recompute_num_layers"][0]
+        assert chosen["totals"]["train"] <= harness.PLAN_FILL * gpu_gib * GIB
+        if k > 0:
+            fewer = plan(gpu_gib * GIB, "--recompute-num-layers", str(k - 1))
+            assert fewer["totals"]["train"] > harness.PLAN_FILL * gpu_gib * GIB
+    # each layer recomputed instead of kept saves its activations but its fp32 input
+    saved = [
+        harness.activation_bytes(shape, tokens, k, 512)
+        - harness.activation_bytes(shape, tokens, k + 1, 512)
+        for k in range(1, 36)
+    ]
+    assert len(set(saved)) == 1 and saved[0] > 0
+    assert plan(80 * GIB)["recompute_num_layers"] == (34, 36)  # the README's table
+    assert plan(141 * GIB)["recompute_num_layers"][0] < 34
+    assert args.recompute_num_layers == -1
 
 
 @pytest.mark.parametrize("preset", ["gsm8k_qwen05b", "gsm8k_qwen15b", "countdown"])
@@ -149,6 +193,13 @@ def test_countdown_with_vllm_awake_does_not_fit_and_sleep_mode_frees_the_share()
         "grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm", "--vllm-sleep-mode")
     )
     assert not awake["fits"] and asleep["fits"]
+    # with the share in the train phase the plan recomputes more layers (here: every layer)
+    assert awake["recompute_num_layers"] == (36, 36) and asleep["recompute_num_layers"] == (34, 36)
+    every = ("--recompute-num-layers", "36")
+    awake = plan_memory.plan_preset("grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm", *every))
+    asleep = plan_memory.plan_preset(
+        "grpo", "countdown", 1, 80 * GIB, ("--backend", "vllm", "--vllm-sleep-mode", *every)
+    )
     for phase in ("train", "optimizer step"):  # the engine's whole share, 0.3 x 80 GiB
         assert awake["totals"][phase] - asleep["totals"][phase] == 0.3 * 80 * GIB
 
@@ -163,7 +214,7 @@ def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
     n = 124_439_808 + 768 + 1  # + value head
     assert plan["phases"]["train"]["Adam state (fp32 m and v)"] == 8 * n
     assert plan["phases"]["optimizer step"]["AdamTF step temporaries (fused kernel: none)"] == 0
-    assert plan["fits"] and round(plan["peak"] / GIB, 2) == 6.84
+    assert plan["fits"] and round(plan["peak"] / GIB, 2) == 7.23
     assert not any("DDP" in row for rows in plan["phases"].values() for row in rows)
     adam = plan_memory.plan_preset("ppo_rlhf", preset, gpus, 80 * GIB, ("--optimizer", "adam"))
     assert (
@@ -179,7 +230,8 @@ def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
 def test_plan_prints_and_refuses_in_one_line(capsys):
     status, out, err = run_cli(capsys, "grpo", "countdown", "--gpu-memory-gib", "80")
     assert status == 0 and err == ""
-    assert "reference model (bf16 linears)" in out and "peak 64.81 GiB of 80.00 GiB: fits" in out
+    assert "reference model (bf16 linears)" in out and "peak 67.01 GiB of 80.00 GiB: fits" in out
+    assert "gradient checkpointing: 34 of 36 decoder layers recomputed" in out
     status, out, err = run_cli(capsys, "grpo", "countdown", "--gpu-memory-gib", "40")
     assert status == 2 and "does NOT fit" in out  # the plan on stdout, the one error line on stderr
     assert err.count("\n") == 1
@@ -189,11 +241,11 @@ def test_plan_prints_and_refuses_in_one_line(capsys):
     status, out, err = run_cli(
         capsys, "ppo_rlhf", "gpt2_sentiment", "--gpus", "1", "--gpu-memory-gib", "80"
     )
-    assert status == 0 and "peak 6.84 GiB of 80.00 GiB: fits" in out
+    assert status == 0 and "peak 7.23 GiB of 80.00 GiB: fits" in out
     status, _, err = run_cli(capsys, "ppo_rlhf", "gpt2_sentiment", "--gpu-memory-gib", "5")
     assert (
         status == 2
-        and err.startswith("plan_memory.py: error: the plan needs 6.84 GiB")
+        and err.startswith("plan_memory.py: error: the plan needs 7.23 GiB")
         and err.count("\n") == 1
     )
 
@@ -272,9 +324,10 @@ def test_all_prints_every_gpu_preset_without_vllm():
         ("ppo_rlhf", "gpt2_tldr"),
     ]:
         row = next(r for r in rows if r.startswith(f"| `{trainer} {preset}`"))
-        assert row.count("|") == 6 and row.endswith("| yes / yes |")  # 1 GPU, 8 GPUs, fits on both
+        # 1 GPU, 8 GPUs, layers recomputed, fits on both
+        assert row.count("|") == 7 and row.endswith("| yes / yes |")
     assert (
-        "| `grpo countdown` | Qwen/Qwen2.5-3B (3085.9M) | 64.81 (64.06 / 64.81 / 53.21) |"
+        "| `grpo countdown` | Qwen/Qwen2.5-3B (3085.9M) | 67.01 (67.01 / 64.81 / 53.21) |"
         in out.stdout
     )
     assert len(rows) == len(plan_memory.ALL_PLANS)
