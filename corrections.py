@@ -304,10 +304,10 @@ COMPILE_ON_CUDA = True
 _COMPILED = {}
 
 
-def _fused(function, tensor):
+def _fused(function, tensor, truncation=None):
     """`function`, compiled once per process when `tensor` is on CUDA (dynamic shapes: a chunk's
-    row count varies), else as written."""
-    if not (tensor.is_cuda and COMPILE_ON_CUDA):
+    row count varies), else as written; a truncation's sort runs eager (not measured compiled)."""
+    if not (tensor.is_cuda and COMPILE_ON_CUDA) or truncation is not None:
         return function
     if function not in _COMPILED:
         _COMPILED[function] = torch.compile(function, dynamic=True)
@@ -320,7 +320,9 @@ def _logprob_entropy_chunk(
     """(logprobs (n,), entropy (n,)) of one chunk: the LM head's product, then the float32
     log-softmax (no gradient through the compiled path: _ChunkedHead writes it out)."""
     logits = _head_product(weight, hidden, precision)
-    stats = _softmax_stats if torch.is_grad_enabled() else _fused(_softmax_stats, logits)
+    stats = (
+        _softmax_stats if torch.is_grad_enabled() else _fused(_softmax_stats, logits, truncation)
+    )
     return stats(logits, tokens, temperature, banned, entropy_grad, truncation)
 
 
@@ -390,7 +392,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         needs_weight_grad = weight is not None and ctx.needs_input_grad[1]
         grad_weight = torch.zeros_like(weight) if needs_weight_grad else None
-        softmax_grad = _fused(_softmax_grad, hidden)
+        softmax_grad = _fused(_softmax_grad, hidden, truncation)
         operand = _operand(weight, precision)
         for start in range(0, tokens.shape[0], chunk):
             rows = slice(start, start + chunk)
