@@ -385,6 +385,7 @@ def test_sleep_mode_call_order_with_a_recording_engine():
         False,
     )
     backend.eos_token_id, backend.sleep_mode, backend._asleep = 0, True, set()
+    backend.truncation = None
     backend._sleep()  # what __init__ does last
     torch_empty_cache = torch.cuda.empty_cache
     try:
