@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import corrections  # noqa: E402
@@ -90,14 +91,15 @@ def policy_pieces(args, repeats):
     def micro_step(checkpointed):
         hidden, values = model(query_responses, context, pad)
         flat, tokens = hidden.reshape(-1, hidden.shape[-1]), responses.reshape(-1)
+        # corrections._logprob_entropy_chunk's arguments: the head's weight, IEEE fp32 (a CPU)
         chunk_args = (
-            lm.get_output_embeddings(),
+            lm.get_output_embeddings().weight,
             flat,
             tokens,
             args.temperature,
             banned,
             False,
-            False,
+            "fp32",
         )
         if checkpointed:
             logprobs, _ = torch.utils.checkpoint.checkpoint(
@@ -108,7 +110,7 @@ def policy_pieces(args, repeats):
                 flat,
                 tokens,
                 args.temperature,
-                project=chunk_args[0],
+                project=lm.get_output_embeddings(),
                 chunk_size=args.logprob_chunk_rows,
                 banned=banned,
             )
