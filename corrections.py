@@ -35,7 +35,6 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 
 # exp(20) ~ 4.9e8, exp(-20) ~ 2.1e-9: log-ratios are clamped here before exponentiating (verl)
 SAFETY_BOUND = 20.0
@@ -933,7 +932,7 @@ def off_policy_sequence_mask(logprobs, sampling_logprobs, advantages, mask, thre
     valid = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     divergence = torch.where(valid, sampling_logprobs - logprobs.detach(), zero)
-    mean_divergence = divergence.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+    mean_divergence = masked_mean(divergence, valid, dim=-1)[:, None]
     advantage = advantages if advantages.dim() == 1 else advantages[:, :1]
     keep = (advantage.reshape(-1, 1) >= 0) | (mean_divergence <= threshold)
     sequences = valid.any(-1, keepdim=True)

@@ -1147,11 +1147,12 @@ def activation_bytes(shape, tokens, recomputed_layers, logprob_rows):
     (the attention matrix is not stored: SDPA/flash recompute it; the third row is what an H100
     measured beyond the first two: 1.466 GiB per kept Qwen2.5-0.5B layer at 16 x 1536 tokens,
     bench/RESULTS.md). Of each of the `recomputed_layers` (gradient checkpointing) only its fp32
-    input (4 * hidden per token) is kept,
-    plus one layer's full set while it is recomputed. The LM head runs in chunks of `logprob_rows`
-    positions (corrections.token_logprobs_and_entropy): 3 fp32 (rows, V) tensors at a time."""
+    input (4 * hidden per token) is kept, plus one layer's full set while it is recomputed. The LM
+    head runs in chunks of `logprob_rows` positions (corrections.token_logprobs_and_entropy): 3
+    fp32 (rows, V) tensors at a time."""
     h, kv, inter = shape["hidden"], shape["kv_dim"], shape["intermediate"]
-    per_token_layer = 16 * h + 16 * h + 4 * kv + (8 if shape["gated_mlp"] else 4) * inter
+    # the four rows above, in order
+    per_token_layer = 16 * h + (8 * h + 4 * kv) + 8 * h + (8 if shape["gated_mlp"] else 4) * inter
     kept = (shape["layers"] - recomputed_layers) * tokens * per_token_layer
     recomputed = recomputed_layers * tokens * 4 * h
     if recomputed_layers:

@@ -879,19 +879,25 @@ def test_property_masks_never_gain_ones_and_outputs_stay_finite(batch, preset, m
         assert loss.item() == 0.0  # empty rows / all-rejected batch: a zero loss, never NaN
 
 
-@pytest.mark.parametrize("banned_id", [None, 3])
-def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(banned_id):
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(11, 5, generator=g, requires_grad=True)  # a tiny "LM head"
-    hidden = torch.randn(13, 5, generator=g).requires_grad_()
+def _tiny_head_and_tokens(g, hidden_size, banned_id):
+    """A bias-free (11, hidden_size) LM head, 13 hidden states that require grad, 13 tokens, and
+    the (11,) banned mask (None, or token banned_id, which no token then is)."""
+    head = torch.nn.Linear(hidden_size, 11, bias=False)
+    head.weight = torch.nn.Parameter(torch.randn(11, hidden_size, generator=g))
+    hidden = torch.randn(13, hidden_size, generator=g).requires_grad_()
     tokens = torch.randint(0, 11, (13,), generator=g)
     banned = None
     if banned_id is not None:
         banned = torch.zeros(11, dtype=torch.bool)
         banned[banned_id] = True
         tokens[tokens == banned_id] = 0
-    head = torch.nn.Linear(5, 11, bias=False)
-    head.weight = torch.nn.Parameter(weight.detach())
+    return head, hidden, tokens, banned
+
+
+@pytest.mark.parametrize("banned_id", [None, 3])
+def test_token_logprobs_and_entropy_match_a_full_log_softmax_with_gradients(banned_id):
+    g = torch.Generator().manual_seed(0)
+    head, hidden, tokens, banned = _tiny_head_and_tokens(g, 5, banned_id)
     weight = head.weight
     logprobs, entropy = C.token_logprobs_and_entropy(
         hidden, tokens, 0.7, project=head, chunk_size=4, banned=banned
@@ -981,15 +987,7 @@ def test_chunked_head_gradient_is_autograds(precision, entropy_grad, banned_id):
     full log-softmax of the same products (float64 for fp32: 1e-12; bf16, emulated: 1e-4), with
     banned tokens and a temperature."""
     g = torch.Generator().manual_seed(1)
-    head = torch.nn.Linear(6, 11, bias=False)
-    head.weight = torch.nn.Parameter(torch.randn(11, 6, generator=g))
-    hidden = torch.randn(13, 6, generator=g).requires_grad_()
-    tokens = torch.randint(0, 11, (13,), generator=g)
-    banned = None
-    if banned_id is not None:
-        banned = torch.zeros(11, dtype=torch.bool)
-        banned[banned_id] = True
-        tokens[tokens == banned_id] = 0
+    head, hidden, tokens, banned = _tiny_head_and_tokens(g, 6, banned_id)
     a, b = torch.randn(13, generator=g), torch.randn(13, generator=g)
     args = (hidden, head.weight, tokens, 0.7, banned, entropy_grad, precision, 4, None)
     logprobs, entropy = C._ChunkedHead.apply(*args)

@@ -261,16 +261,13 @@ def test_grpo_advantages_hand_computed():
 # ------------------------------------------------------------------------------------------------ the update
 
 
-@pytest.fixture(scope="module")
-def rollout_batch(tiny):
-    """One rollout of a tiny GRPO step from an int8 rollout copy (so pi_rollout != pi_old), with
-    advantages."""
-    model, tokenizer = tiny
-    args = _small_args(mismatch="int8")
+def _rollout(model, tokenizer, args, seed):
+    """(responses, batch): one HF-engine rollout of _prompts at T 1, rollout_n samples each, as
+    the trainer's tensors."""
     backend = rollout.make_backend("hf", None, model, args, tokenizer)
     prompts = _prompts(tokenizer)
     responses, logprobs, _ = backend.generate(
-        prompts, args.rollout_n, args.max_response_length, 1.0, seed=11
+        prompts, args.rollout_n, args.max_response_length, 1.0, seed=seed
     )
     batch = rollout.make_batch(
         [p for p in prompts for _ in range(args.rollout_n)],
@@ -280,9 +277,19 @@ def rollout_batch(tiny):
         args.max_response_length,
         CPU,
     )
+    return responses, batch
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(tiny):
+    """One rollout of a tiny GRPO step from an int8 rollout copy (so pi_rollout != pi_old), with
+    advantages."""
+    model, tokenizer = tiny
+    args = _small_args(mismatch="int8")
+    responses, batch = _rollout(model, tokenizer, args, seed=11)
     # any non-constant score
     scores = torch.tensor([len(r) / args.max_response_length for r in responses])
-    group_ids = torch.arange(len(prompts)).repeat_interleave(args.rollout_n)
+    group_ids = torch.arange(len(responses) // args.rollout_n).repeat_interleave(args.rollout_n)
     batch["advantages"] = objectives.grpo_advantages(scores, group_ids)
     return args, batch
 
@@ -298,19 +305,7 @@ def test_replay_scores_each_sampled_token_as_the_truncated_sampler_did(tiny, fla
     full softmax over the sampler's rules), never > 0 (to rounding)."""
     model, tokenizer = tiny
     args = _small_args(**flags)
-    backend = rollout.make_backend("hf", None, model, args, tokenizer)
-    prompts = _prompts(tokenizer)
-    responses, rollout_logprobs, _ = backend.generate(
-        prompts, args.rollout_n, args.max_response_length, 1.0, seed=5
-    )
-    batch = rollout.make_batch(
-        [p for p in prompts for _ in range(args.rollout_n)],
-        responses,
-        rollout_logprobs,
-        tokenizer.pad_token_id,
-        args.max_response_length,
-        CPU,
-    )
+    _, batch = _rollout(model, tokenizer, args, seed=5)
     mask = batch["response_mask"].bool()
     replayed = grpo.batch_logprobs(model, batch, args)
     assert (replayed - batch["rollout_logprobs"])[mask].abs().max() < 1e-6
