@@ -1210,6 +1210,7 @@ def recompute_layers(model, args, device, rank):
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     gpu_bytes = harness.gpu_memory_bytes() if device.type == "cuda" else None
+    # (world size 1: only the rollout phase depends on it, and the choice reads the train phase)
     plan = harness.plan_grpo(args, model.config, 1, gpu_bytes)
     recomputed, total = plan["recompute_num_layers"]
     model.gradient_checkpointing_enable()
