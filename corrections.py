@@ -258,16 +258,21 @@ def _scaled(logits, temperature, banned, truncation):
     return logits
 
 
-def _softmax_stats(logits, tokens, temperature, banned, entropy_grad, truncation=None):
+def _softmax_stats(
+    logits, tokens, temperature, banned, entropy_grad, truncation=None, sum_squares=False
+):
     # (n, V) float32, one chunk at a time: one log-softmax of logits / T for the logprob and the
-    # entropy
+    # entropy (and, for the optimal token baseline, sum_v p_v^2)
     logits = _scaled(logits, temperature, banned, truncation)
     logp = torch.log_softmax(logits, dim=-1)
     z = logp if entropy_grad else logp.detach()
     p = z.exp()
+    stats = (logp.gather(-1, tokens[:, None])[:, 0],)
+    if sum_squares:
+        stats = stats + ((p * p).sum(-1),)
     if banned is not None or truncation is not None:
         z = z.masked_fill(logits == -math.inf, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
-    return logp.gather(-1, tokens[:, None])[:, 0], -(p * z).sum(-1)
+    return stats[:1] + (-(p * z).sum(-1),) + stats[1:]
 
 
 def _softmax_grad(
@@ -314,24 +319,43 @@ def _fused(function, tensor, truncation=None):
 
 
 def _logprob_entropy_chunk(
-    weight, hidden, tokens, temperature, banned, entropy_grad, precision, truncation=None
+    weight,
+    hidden,
+    tokens,
+    temperature,
+    banned,
+    entropy_grad,
+    precision,
+    truncation=None,
+    sum_squares=False,
 ):
-    """(logprobs (n,), entropy (n,)) of one chunk: the LM head's product, then the float32
-    log-softmax (no gradient through the compiled path: _ChunkedHead writes it out)."""
+    """(logprobs (n,), entropy (n,)[, sum_v p_v^2 (n,)]) of one chunk: the LM head's product, then
+    the float32 log-softmax (no gradient through the compiled path: _ChunkedHead writes it
+    out)."""
     logits = _head_product(weight, hidden, precision)
     stats = (
         _softmax_stats if torch.is_grad_enabled() else _fused(_softmax_stats, logits, truncation)
     )
-    return stats(logits, tokens, temperature, banned, entropy_grad, truncation)
+    return stats(logits, tokens, temperature, banned, entropy_grad, truncation, sum_squares)
 
 
 def _chunked_stats(
-    weight, hidden, tokens, temperature, banned, entropy_grad, precision, truncation, chunk
+    weight,
+    hidden,
+    tokens,
+    temperature,
+    banned,
+    entropy_grad,
+    precision,
+    truncation,
+    chunk,
+    sum_squares=False,
 ):
-    """(logprobs (N,), entropy (N,)): _logprob_entropy_chunk over chunks of `chunk` rows."""
+    """(logprobs (N,), entropy (N,)[, sum_v p_v^2 (N,)]): _logprob_entropy_chunk over chunks of
+    `chunk` rows."""
+    outputs = 3 if sum_squares else 2
     if tokens.shape[0] == 0:
-        empty = hidden.new_zeros(0)
-        return empty, empty
+        return (hidden.new_zeros(0),) * outputs
     parts = [
         _logprob_entropy_chunk(
             weight,
@@ -342,10 +366,11 @@ def _chunked_stats(
             entropy_grad,
             precision,
             truncation,
+            sum_squares,
         )
         for start in range(0, tokens.shape[0], chunk)
     ]
-    return torch.cat([logprob for logprob, _ in parts]), torch.cat([ent for _, ent in parts])
+    return tuple(torch.cat([part[k] for part in parts]) for k in range(outputs))
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -438,6 +463,7 @@ def token_logprobs_and_entropy(
     entropy_grad=False,
     precision="auto",
     truncation=None,
+    sum_pi_squared=False,
 ):
     """Log-probability of each sampled token and the entropy of its distribution, for N positions:
 
@@ -458,7 +484,9 @@ def token_logprobs_and_entropy(
     bench/bench_ppo_cpu.py). The entropy is a constant (no gradient) unless entropy_grad. The
     head's product runs in `precision` (head_precision: auto, fp32, tf32, bf16; IEEE fp32 on a
     CPU), the softmax always in float32. Returns (logprobs (N,), entropy (N,)) in float32 (float64
-    stays float64). `project`: None or the LM head (an nn.Linear without bias)."""
+    stays float64). `project`: None or the LM head (an nn.Linear without bias). sum_pi_squared
+    (no gradient): a third output, sum_v p_t,v^2 (N,), from the same chunks (the optimal token
+    baseline's w_t, objectives.optimal_token_baseline_advantages; over K with `truncation`)."""
     if project is not None and not (isinstance(project, torch.nn.Linear) and project.bias is None):
         raise ValueError("project must be None or an nn.Linear without bias (an LM head)")
     weight = project.weight if project is not None else None
@@ -470,6 +498,11 @@ def token_logprobs_and_entropy(
         weight = weight.to(dtype) if weight is not None else None
         # several chunks (or CUDA, whose no-gradient path is compiled): the written-out gradient
         several = tokens.shape[0] > chunk_size or hidden.is_cuda
+        differentiable = torch.is_grad_enabled() and (
+            hidden.requires_grad or (weight is not None and weight.requires_grad)
+        )
+        if sum_pi_squared and differentiable:
+            raise ValueError("sum_pi_squared is computed without a gradient (torch.no_grad())")
         if torch.is_grad_enabled() and hidden.requires_grad and several:
             return _ChunkedHead.apply(
                 hidden,
@@ -495,6 +528,7 @@ def token_logprobs_and_entropy(
             precision,
             truncation,
             chunk_size,
+            sum_pi_squared,
         )
 
 

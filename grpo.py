@@ -17,9 +17,10 @@ numbered as there:
        groups whose rewards differ are in hand
     3. advantages: per prompt group (score - mean) / (std + eps), objectives.grpo_advantages (std
        off for Dr.GRPO), or another estimator of objectives.py (--adv-estimator: RLOO, REINFORCE++,
-       ReMax, OPO, pass@k)
+       ReMax, OPO, pass@k, GPG, GDPO)
     4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
-       (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on
+       (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on; the optimal token
+       baseline's per-token advantages come here, since they need pi_old
     5. update: grpo_loss, one micro-batch's whole objective: PPO's clipped surrogate
        (objectives.ppo_clip_token_loss; another loss of objectives.py with --policy-loss) times the
        correction's IS weights, over the tokens its rejection mask keeps, + the KL-to-reference and
@@ -149,8 +150,10 @@ class Args:
     # --- advantages (step 3)
     adv_estimator: str = "grpo"
     """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
-    remax (baseline: the greedy answer's score, generated each step), opo, grpo_passk, gpg or gdpo
-    (each reward component normalised in its group: tasks.py's format and answer)."""
+    remax (baseline: the greedy answer's score, generated each step), opo, grpo_passk, gpg, gdpo
+    (each reward component normalised in its group: tasks.py's format and answer) or
+    optimal_token_baseline (a baseline per token from pi_old's probabilities, computed after step
+    4)."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group std (grpo, grpo_passk); False is Dr.GRPO (score - group mean)."""
 
@@ -516,6 +519,7 @@ def compute_logprobs(
     precision="auto",
     head_precision="auto",
     truncation=None,
+    sum_pi_squared=False,
 ):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
     log-softmax: the backbone's hidden states at the positions that predict a valid response token
@@ -523,7 +527,8 @@ def compute_logprobs(
     (corrections.token_logprobs_and_entropy, recomputed in backward, the product in
     `head_precision`), so the extra memory is one chunk's (chunk_size, V) logits. Padding
     positions get logprob 0 and entropy 0. `truncation`: score over a truncated sampler's kept set
-    (replayed_truncation)."""
+    (replayed_truncation). sum_pi_squared (no gradient): a third (B, R) output, sum_v pi(v)^2 of
+    each token's distribution (the optimal token baseline's)."""
     if rows is not None:
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
@@ -547,7 +552,7 @@ def compute_logprobs(
         )
         # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (shared with
         # ppo_rlhf.py)
-        token_logprobs, token_entropy = corrections.token_logprobs_and_entropy(
+        token_stats = corrections.token_logprobs_and_entropy(
             hidden,
             tokens,
             temperature,
@@ -556,10 +561,13 @@ def compute_logprobs(
             entropy_grad=entropy_grad,
             precision=head_precision,
             truncation=truncation,
+            sum_pi_squared=sum_pi_squared,
         )
-    logprobs = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_logprobs)
-    entropy = torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, token_entropy)
-    return logprobs, entropy
+    # (B, R) each: logprobs, entropy[, sum_v pi(v)^2]
+    return tuple(
+        torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, stat)
+        for stat in token_stats
+    )
 
 
 def replayed_truncation(args):
@@ -572,13 +580,13 @@ def replayed_truncation(args):
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, args):
+def batch_logprobs(model, batch, args, sum_pi_squared=False):
     """(B, R) logprobs of the whole local batch under `model`, no gradient, one micro-batch at a
-    time."""
+    time; with sum_pi_squared also (B, R) sum_v pi(v)^2, as a pair."""
     micro = args.ppo_micro_batch_size_per_gpu
     parts = []
     for start in range(0, batch["responses"].shape[0], micro):
-        logprobs, _ = compute_logprobs(
+        stats = compute_logprobs(
             model,
             batch,
             args.temperature,
@@ -587,9 +595,12 @@ def batch_logprobs(model, batch, args):
             precision=args.precision,
             head_precision=args.lm_head_precision,
             truncation=replayed_truncation(args),
+            sum_pi_squared=sum_pi_squared,
         )
-        parts.append(logprobs)
-    return torch.cat(parts)
+        parts.append(stats)
+    if sum_pi_squared:
+        return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+    return torch.cat([p[0] for p in parts])
 
 
 def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
@@ -602,6 +613,8 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
         RS/veto mask, which replaces the response mask for every loss term
     bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy
         corrects each micro-batch against the current policy (verl rollout_corr_math.md, 3.1)
+    The optimal token baseline also takes sum_v pi_old(v)^2 from the recompute (verl
+    actor.calculate_sum_pi_squared).
     """
     model.eval()
     batch["loss_mask"] = batch["response_mask"]
@@ -609,7 +622,13 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     if correction.bypass_mode:
         batch["old_logprobs"] = batch["rollout_logprobs"]
     else:
-        batch["old_logprobs"] = batch_logprobs(model, batch, args)
+        if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
+            # the same pass gives each token's sum_v pi_old(v)^2
+            batch["old_logprobs"], batch["sum_pi_squared"] = batch_logprobs(
+                model, batch, args, sum_pi_squared=True
+            )
+        else:
+            batch["old_logprobs"] = batch_logprobs(model, batch, args)
         is_weights, batch["loss_mask"], corr_metrics = corrections.apply_rollout_correction(
             batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
         )
@@ -648,8 +667,11 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
     logprobs, entropy: (b, R) of the current policy. micro_batch: its rows of the step's batch.
     Returns (loss, the terms to log, the policy loss's metrics, bypass mode's correction metrics).
     """
-    # (b,) -> (b, R): the response's advantage at each of its tokens
-    advantages = micro_batch["advantages"][:, None].expand_as(logprobs)
+    # (b,) -> (b, R): the response's advantage at each of its tokens (the optimal token baseline
+    # gives (b, R) already)
+    advantages = micro_batch["advantages"]
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
     old_logprobs = micro_batch["old_logprobs"]
     # decoupled: step 4's RS/veto mask and IS weights pi_old / pi_rollout; bypass: the response mask
     loss_mask = micro_batch["loss_mask"]
@@ -965,15 +987,26 @@ def train(args, backend=None):
             advantage_scores, component_metrics = reward_components(
                 response_ids, indices, task, tokenizer, args
             )
-        batch["advantages"] = compute_advantages(
-            advantage_scores, group_ids, lengths, baselines, args, device
-        )
+        if args.adv_estimator not in objectives.TOKEN_LEVEL_ESTIMATORS:
+            batch["advantages"] = compute_advantages(
+                advantage_scores, group_ids, lengths, baselines, args, device
+            )
 
         # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
         #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL
-        #    loss is on.
+        #    loss is on. The optimal token baseline's advantages come here: they need pi_old.
         t0 = time.time()
         corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
+        if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
+            batch["advantages"] = objectives.optimal_token_baseline_advantages(
+                scores.to(device),
+                group_ids,
+                lengths,
+                batch["old_logprobs"],
+                batch["sum_pi_squared"],
+                batch["loss_mask"],
+                batch.get("is_weights"),
+            )
         timing["timing/logprobs"] = time.time() - t0
 
         # 5. Update: grpo_loss (the policy loss with the correction's weights and mask, entropy and
@@ -1275,6 +1308,10 @@ def validate(backend, lag, tokenizer, task, args, step, rank, world_size):
 def step_metrics(step, args, scores, lengths, finish_reasons, prompt_ids, advantages):
     """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*,
     ...), and DAPO's overlong penalty when it is on."""
+    if advantages.dim() == 2:
+        # per-token advantages (the optimal token baseline): their mean over the response tokens
+        valid = torch.arange(advantages.shape[1]) < lengths[:, None]
+        advantages = advantages[valid.to(advantages.device)]
     metrics = {
         "reward/mean": scores.mean().item(),
         "reward/max": scores.max().item(),
@@ -1331,7 +1368,10 @@ def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, advanta
             "prompt": tasks.response_text(tokenizer, prompt_ids[i // args.rollout_n]),
             "response": tasks.response_text(tokenizer, response_ids[i]),
             "score": scores[i].item(),
-            "advantage": advantages[i].item(),
+            # one per response, or one per token (the optimal token baseline)
+            "advantage": advantages[i].item()
+            if advantages.dim() == 1
+            else advantages[i, : len(response_ids[i])].tolist(),
         }
         for i in range(min(args.num_log_samples, len(response_ids)))
     ]

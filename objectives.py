@@ -23,7 +23,8 @@ token, and gamma = 1 (verl's default), so a response's return is its score at ev
 number per response says everything. Shapes: scores (B,) float, group_ids (B,) ints (which prompt
 a response answers; responses of a group need not be adjacent), lengths (B,) response lengths in
 tokens, baselines (B,) or None. Each returns advantages (B,) float32; grpo.py broadcasts them over
-the response's tokens, as verl's (B, T) advantages are.
+the response's tokens, as verl's (B, T) advantages are. The one exception is the optimal token
+baseline, a baseline per token from pi_old's probabilities: it returns (B, T).
 """
 
 import torch
@@ -244,6 +245,84 @@ def gdpo_advantages(scores, group_ids, lengths, baselines=None, eps=1e-6, norm_b
     return _global_whiten(total, lengths)
 
 
+def optimal_token_baseline_advantages(
+    scores, group_ids, lengths, old_logprobs, sum_pi_squared, mask, is_weights=None, eps=1e-8
+):
+    """The optimal token baseline, OTB (verl compute_optimal_token_baseline_advantage): one
+    baseline per token position of each group, the return weighted by how much gradient the path
+    to that position carries. The variance-minimising constant baseline of a score-function
+    estimator is b* = E[G |grad log pi|^2] / E[|grad log pi|^2] (Greensmith, Bartlett and Baxter
+    2004, "Variance Reduction Techniques for Gradient Estimates in RL", JMLR 5, section 6); with
+    respect to the logits z_j of token j, |d log pi(a_j) / dz_j|^2 = |onehot(a_j) - pi_j|^2, so
+
+        w_j    = 1 - 2 pi_old(a_j) + sum_v pi_old(v)^2     (times rho_j^2 with IS weights rho)
+        W_i,t  = sum_{j <= t} w_i,j                         (the path's energy up to token t)
+        B_t    = sum_i G_i,t W_i,t / (sum_i W_i,t + eps)    (over the group's responses valid at t)
+        A_i,t  = G_i,t - B_t
+
+    G_i,t is the return from token t: the score sits on the response's last token (of `lengths`,
+    the responses as sampled) and gamma = 1, so G is the score at every token if the mask keeps
+    that last token and 0 if it does not (verl's reward-to-go of the masked rewards). Where only
+    the group's longest response reaches (beyond the second longest) B = 0, and a group of one has
+    B = 0 (verl's handle_zero_tail): one sample cannot be its own baseline. Where every response of
+    the group has the same return at t, B_t is that return exactly (so an all-equal group gets 0,
+    as _group_stats; verl's sum rounds).
+
+    old_logprobs, sum_pi_squared, mask, is_weights: (B, T), pi_old's (grpo.py step 4; sum_v
+    pi_old(v)^2 from the same chunked pass, corrections.token_logprobs_and_entropy); mask: the
+    response mask after the correction's rejection (verl passes the RS-modified response_mask).
+    Returns advantages (B, T) float32, 0 outside the mask."""
+    mask = mask.float()
+    scores = torch.as_tensor(scores, dtype=torch.float32, device=mask.device)
+    batch, T = mask.shape
+    positions = torch.arange(T, device=mask.device)
+    # the score on each response's last token, then the (B, T) reward-to-go of the masked rewards
+    lengths = torch.as_tensor(lengths, device=mask.device).long()
+    last = (lengths - 1).clamp(min=0)
+    rewards = torch.zeros_like(mask).scatter_(1, last[:, None], scores[:, None])
+    rewards = rewards * (lengths > 0)[:, None]
+    returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    w = 1 - 2 * old_logprobs.exp() + sum_pi_squared
+    if is_weights is not None:
+        w = w * is_weights**2
+    path_energy = (w * mask).cumsum(-1)
+    _, group = torch.unique(torch.as_tensor(group_ids, device=mask.device), return_inverse=True)
+    groups = int(group.max()) + 1 if batch else 0
+    # (G, T) sums over each group's responses valid at t
+    numerator = torch.zeros(groups, T, device=mask.device).index_add_(
+        0, group, returns * path_energy * mask
+    )
+    denominator = torch.zeros(groups, T, device=mask.device).index_add_(
+        0, group, path_energy * mask
+    )
+    baseline = numerator / (denominator + eps)
+    # exact where the group's valid returns at t are all equal
+    rows = group[:, None].expand(-1, T)
+    lowest = torch.full((groups, T), torch.inf, device=mask.device).scatter_reduce(
+        0, rows, torch.where(mask.bool(), returns, torch.inf), "amin"
+    )
+    highest = torch.full((groups, T), -torch.inf, device=mask.device).scatter_reduce(
+        0, rows, torch.where(mask.bool(), returns, -torch.inf), "amax"
+    )
+    same = (lowest == highest) & torch.isfinite(lowest)
+    baseline = torch.where(same, lowest, baseline)[group]
+    # no baseline for a group of one, nor where the longest response is alone (lengths after the
+    # rejection: the mask's)
+    count = torch.bincount(group, minlength=groups)[group]
+    lengths = mask.sum(-1)
+    longest = torch.full((groups,), -1.0, device=mask.device).scatter_reduce(
+        0, group, lengths, "amax"
+    )[group]
+    at_longest = lengths == longest
+    alone = at_longest & (torch.bincount(group, weights=at_longest.float())[group] == 1)
+    second = torch.full((groups,), -1.0, device=mask.device).scatter_reduce(
+        0, group, lengths.masked_fill(at_longest, -1.0), "amax"
+    )[group]
+    tail = alone[:, None] & (positions[None, :] >= second[:, None])
+    baseline = baseline.masked_fill(tail | (count == 1)[:, None], 0.0)
+    return (returns - baseline) * mask
+
+
 # --adv-estimator: verl's algorithm.adv_estimator names
 ADV_ESTIMATORS = {
     "grpo": grpo_advantages,
@@ -255,7 +334,11 @@ ADV_ESTIMATORS = {
     "grpo_passk": grpo_passk_advantages,
     "gpg": gpg_advantages,
     "gdpo": gdpo_advantages,
+    # per token, from step 4's pi_old: grpo.py calls it by name after that step
+    "optimal_token_baseline": optimal_token_baseline_advantages,
 }
+# estimators that need pi_old's logprobs (and sum_v pi_old(v)^2), so run after step 4
+TOKEN_LEVEL_ESTIMATORS = ("optimal_token_baseline",)
 
 # --------------------------------------------------------------------------------------------------
 # 2. Policy losses (verl actor.policy_loss.loss_mode). Each takes (logprobs, old_logprobs,
@@ -816,6 +899,16 @@ def check_objective(args, correction):
         raise ValueError(
             f"--policy-loss {args.policy_loss} needs a decoupled --correction (bypass presets "
             f"bring their own loss), got {args.correction!r}"
+        )
+    if args.adv_estimator in TOKEN_LEVEL_ESTIMATORS and correction.bypass_mode:
+        # sum_v pi_old(v)^2 comes from pi_old's recompute, which bypass skips (verl asserts)
+        harness.refuse(
+            args, "correction", f"a decoupled preset with --adv-estimator {args.adv_estimator}"
+        )
+    if args.adv_estimator in TOKEN_LEVEL_ESTIMATORS and args.off_policy_mask_threshold:
+        # the mask keeps a sequence by the sign of its one advantage; these have one per token
+        harness.refuse(
+            args, "off_policy_mask_threshold", f"None with --adv-estimator {args.adv_estimator}"
         )
     setting = REQUIRED_POSITIVE.get(args.policy_loss)
     if setting and not getattr(args, setting) > 0:

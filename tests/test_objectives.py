@@ -29,7 +29,10 @@ VERL_ESTIMATORS = {
     "grpo_passk": "compute_grpo_passk_outcome_advantage",
     "gpg": "compute_gpg_outcome_advantage",
     "gdpo": "compute_gdpo_outcome_advantage",
+    "optimal_token_baseline": "compute_optimal_token_baseline_advantage",
 }
+# estimators with the (scores, group_ids, lengths, baselines) signature
+OUTCOME_ESTIMATORS = [n for n in O.ADV_ESTIMATORS if n not in O.TOKEN_LEVEL_ESTIMATORS]
 
 
 def _load_verl():
@@ -157,7 +160,7 @@ def test_reward_components_of_the_rule_rewards():
 
 
 @needs_verl
-@pytest.mark.parametrize("name", list(O.ADV_ESTIMATORS))
+@pytest.mark.parametrize("name", OUTCOME_ESTIMATORS)
 @pytest.mark.parametrize("norm_by_std", [True, False])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_estimators_match_verl(name, norm_by_std, bf16):
@@ -182,6 +185,136 @@ def test_estimators_match_verl(name, norm_by_std, bf16):
         )
         if name in ("grpo", "rloo", "opo", "grpo_passk", "gpg"):
             assert (ours[group_ids == 3] == 0).all()  # all-equal group: no signal
+
+
+def otb_inputs(seed, T=12, bf16=False, rejection=False, is_weights=False):
+    """random_rollout's step with what the optimal token baseline also takes from step 4:
+    pi_old's logprobs of the sampled tokens, sum_v pi_old(v)^2 (at least pi_old(a)^2, at most 1),
+    the mask after a token-level rejection (holes, one response rejected whole) and IS weights."""
+    scores, group_ids, lengths, mask, token_rewards, _ = random_rollout(seed, T=T, bf16=bf16)
+    g = torch.Generator().manual_seed(seed + 7)
+    B = len(scores)
+    pi = torch.rand(B, T, generator=g) * 0.98 + 0.01
+    sum_sq = pi**2 + (1 - pi) ** 2 * torch.rand(B, T, generator=g)
+    old_logprobs = pi.log() * mask
+    if rejection:
+        mask = mask * (torch.rand(B, T, generator=g) > 0.15).float()
+        mask[0] = 0.0
+    weights = (torch.rand(B, T, generator=g) * 2).clamp(max=2.0) * mask if is_weights else None
+    return scores, group_ids, lengths, mask, token_rewards, old_logprobs, sum_sq, weights
+
+
+@needs_verl
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("rejection", [False, True])
+@pytest.mark.parametrize("is_weights", [False, True])
+def test_optimal_token_baseline_matches_verl(bf16, rejection, is_weights):
+    """objectives.optimal_token_baseline_advantages against verl 0.9.1's
+    compute_optimal_token_baseline_advantage (run from its source) on 5 random steps: groups of
+    1-8 shuffled, an all-equal group, padded responses of different lengths (so the longest of a
+    group is often alone beyond the second longest: verl's zero tail), bf16-rounded scores, the
+    mask after a token-level rejection (verl passes the RS-modified response mask; the reward
+    stays on each response's sampled last token) and the IS weights' rho^2 factor."""
+    for seed in range(5):
+        scores, group_ids, lengths, mask, token_rewards, old, sum_sq, weights = otb_inputs(
+            seed, bf16=bf16, rejection=rejection, is_weights=is_weights
+        )
+        ours = O.optimal_token_baseline_advantages(
+            scores, group_ids, lengths, old, sum_sq, mask, weights
+        )
+        theirs, _ = VERL[VERL_ESTIMATORS["optimal_token_baseline"]](
+            token_rewards.clone(),
+            mask,
+            group_ids.numpy(),
+            old_log_probs=old,
+            sum_pi_squared=sum_sq,
+            rollout_is_weights=weights,
+        )
+        assert ours.shape == mask.shape and ours.dtype == torch.float32
+        assert torch.allclose(ours, theirs.float(), atol=2e-6, rtol=1e-5), seed
+        assert (ours[mask == 0] == 0).all()
+
+
+def test_optimal_token_baseline_hand_values():
+    """One group of two: scores 1 and 0, lengths 2 and 3, pi_old(a_t) and sum_v pi_old(v)^2 given.
+    w = 1 - 2 pi + sum pi^2: (0.5, 0.5) and (0.75, 0.5, 0); W = (0.5, 1.0) and (0.75, 1.25, 1.25);
+    B_0 = (1 x 0.5 + 0 x 0.75) / 1.25 = 0.4, B_1 = 1.0 / 2.25; beyond the second longest (t = 2)
+    the longest response is alone: B = 0. An all-equal group of equal lengths gets exactly 0, for
+    scores that are not binary fractions and groups of 16 and 512."""
+    pi = torch.tensor([[0.5, 0.5, 1.0], [0.25, 0.5, 1.0]])
+    sum_sq = torch.tensor([[0.5, 0.5, 1.0], [0.25, 0.5, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    advantages = O.optimal_token_baseline_advantages(
+        torch.tensor([1.0, 0.0]), torch.tensor([4, 4]), torch.tensor([2, 3]), pi.log(), sum_sq, mask
+    )
+    b1 = 1.0 / 2.25
+    expected = torch.tensor([[0.6, 1 - b1, 0.0], [-0.4, -b1, 0.0]])
+    assert torch.allclose(advantages, expected, atol=1e-6)
+    for value in (0.7, 2.2, 1 / 3):
+        for n in (16, 512):
+            g = torch.Generator().manual_seed(n)
+            pi = torch.rand(n, 5, generator=g) * 0.9 + 0.05
+            same = O.optimal_token_baseline_advantages(
+                torch.full((n,), value),
+                torch.zeros(n, dtype=torch.long),
+                torch.full((n,), 5),
+                pi.log(),
+                pi**2 + 0.01,
+                torch.ones(n, 5),
+            )
+            assert (same == 0.0).all(), (value, n)
+
+
+def test_sum_pi_squared_comes_from_the_chunked_pass():
+    """corrections.token_logprobs_and_entropy(sum_pi_squared=True): a third output, sum_v p_v^2 of
+    softmax(logits / T), chunk by chunk (3 chunks here), equal to the full softmax's; with a
+    replayed truncation, of the kept set's renormalised distribution; refused with a gradient."""
+    import corrections
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(40, 16, generator=g)
+    tokens = torch.randint(0, 50, (40,), generator=g)
+    with torch.no_grad():
+        logprobs, entropy, sum_sq = corrections.token_logprobs_and_entropy(
+            hidden, tokens, 0.7, project=head, chunk_size=16, sum_pi_squared=True
+        )
+        p = torch.softmax(head(hidden) / 0.7, -1)
+        assert torch.allclose(sum_sq, (p * p).sum(-1), atol=1e-6)
+        plain = corrections.token_logprobs_and_entropy(
+            hidden, tokens, 0.7, project=head, chunk_size=16
+        )
+        assert torch.equal(plain[0], logprobs) and torch.equal(plain[1], entropy)
+        truncation = (5, 1.0, 0.0, "hf")
+        _, _, kept_sq = corrections.token_logprobs_and_entropy(
+            hidden,
+            tokens,
+            0.7,
+            project=head,
+            chunk_size=16,
+            truncation=truncation,
+            sum_pi_squared=True,
+        )
+        z = head(hidden) / 0.7
+        kept = corrections.truncation_mask(z, *truncation)
+        p_kept = torch.softmax(z.masked_fill(~kept, -math.inf), -1)
+        assert torch.allclose(kept_sq, (p_kept * p_kept).sum(-1), atol=1e-6)
+    with pytest.raises(ValueError, match="without a gradient"):
+        corrections.token_logprobs_and_entropy(
+            hidden, tokens, 0.7, project=head, chunk_size=16, sum_pi_squared=True
+        )
+
+
+def test_optimal_token_baseline_refuses_what_it_cannot_run():
+    """In one line, before any model loads: a bypass correction (verl computes sum_v pi^2 in the
+    pi_old recompute that bypass skips, and asserts) and the off-policy sequence mask (it keeps a
+    sequence by the sign of one advantage; OTB's are per token)."""
+    base = dataclasses.replace(grpo.PRESETS["tiny"][1], adv_estimator="optimal_token_baseline")
+    with pytest.raises(ValueError, match="--correction must be a decoupled preset"):
+        grpo.check_args(dataclasses.replace(base, correction="bypass_ppo_clip"))
+    with pytest.raises(ValueError, match="--off-policy-mask-threshold must be None"):
+        grpo.check_args(dataclasses.replace(base, off_policy_mask_threshold=0.5))
+    grpo.check_args(base)
 
 
 def test_estimators_hand_values():
