@@ -79,7 +79,7 @@ DEFAULT_ARMS = (
 # (metric, first step, last step, column heading), each the mean over those steps
 EARLY_METRICS = (
     ("rollout_corr/k3_kl", 1, 20, "k3 KL(rollout, train) per token, steps 1-20"),
-    ("rollout_corr/chi2_token", 1, 20, "ratio spread E[rho^2] - 1, steps 1-20"),
+    ("rollout_corr/chi2_token", 1, 20, "chi2_token E[rho^2] - 1, steps 1-20"),
     ("actor/grad_norm", 1, 20, "grad norm, steps 1-20"),
     ("actor/pg_clipfrac", 1, 20, "pg_clipfrac, steps 1-20"),
     ("actor/entropy", 21, 30, "entropy, steps 21-30"),
