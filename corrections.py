@@ -267,12 +267,13 @@ def _softmax_stats(
     logp = torch.log_softmax(logits, dim=-1)
     z = logp if entropy_grad else logp.detach()
     p = z.exp()
-    stats = (logp.gather(-1, tokens[:, None])[:, 0],)
-    if sum_squares:
-        stats = stats + ((p * p).sum(-1),)
+    logprobs = logp.gather(-1, tokens[:, None])[:, 0]
     if banned is not None or truncation is not None:
         z = z.masked_fill(logits == -math.inf, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
-    return stats[:1] + (-(p * z).sum(-1),) + stats[1:]
+    entropy = -(p * z).sum(-1)
+    if sum_squares:
+        return logprobs, entropy, (p * p).sum(-1)
+    return logprobs, entropy
 
 
 def _softmax_grad(

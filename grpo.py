@@ -598,9 +598,10 @@ def batch_logprobs(model, batch, args, sum_pi_squared=False):
             sum_pi_squared=sum_pi_squared,
         )
         parts.append(stats)
+    logprobs = torch.cat([stats[0] for stats in parts])
     if sum_pi_squared:
-        return torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
-    return torch.cat([p[0] for p in parts])
+        return logprobs, torch.cat([stats[2] for stats in parts])
+    return logprobs
 
 
 def compute_pi_old_and_ref(model, ref_model, batch, args, correction):

@@ -309,14 +309,14 @@ def optimal_token_baseline_advantages(
     # no baseline for a group of one, nor where the longest response is alone (lengths after the
     # rejection: the mask's)
     count = torch.bincount(group, minlength=groups)[group]
-    lengths = mask.sum(-1)
+    kept_lengths = mask.sum(-1)
     longest = torch.full((groups,), -1.0, device=mask.device).scatter_reduce(
-        0, group, lengths, "amax"
+        0, group, kept_lengths, "amax"
     )[group]
-    at_longest = lengths == longest
+    at_longest = kept_lengths == longest
     alone = at_longest & (torch.bincount(group, weights=at_longest.float())[group] == 1)
     second = torch.full((groups,), -1.0, device=mask.device).scatter_reduce(
-        0, group, lengths.masked_fill(at_longest, -1.0), "amax"
+        0, group, kept_lengths.masked_fill(at_longest, -1.0), "amax"
     )[group]
     tail = alone[:, None] & (positions[None, :] >= second[:, None])
     baseline = baseline.masked_fill(tail | (count == 1)[:, None], 0.0)
