@@ -41,7 +41,8 @@ from corrections import SAFETY_BOUND, masked_mean, masked_sum
 
 def _group_stats(scores, group_ids):
     """(group (B,) 0..G-1, count (G,), mean (G,), unbiased std (G,)) of each prompt's group,
-    vectorised with index_add (group ids may be any ints, in any order).
+    vectorised with index_add (group ids may be any ints, in any order): the sums of verl's
+    vectorised GRPO (utils/groupwise.py group_mean_std), so a mixed group's mean rounds as there.
 
     A group whose scores are all equal gets that score itself as its mean (and so std 0), not the
     rounded mean of a float32 sum: 16 scores of 0.7 summed and divided by 16 differ from 0.7 in
