@@ -598,9 +598,9 @@ def batch_logprobs(model, batch, args, sum_pi_squared=False):
             sum_pi_squared=sum_pi_squared,
         )
         parts.append(stats)
-    logprobs = torch.cat([stats[0] for stats in parts])
+    logprobs = torch.cat([part[0] for part in parts])
     if sum_pi_squared:
-        return logprobs, torch.cat([stats[2] for stats in parts])
+        return logprobs, torch.cat([part[2] for part in parts])
     return logprobs
 
 
