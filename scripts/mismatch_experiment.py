@@ -288,7 +288,11 @@ def plot(args, arms, path):
                     runs.append(read_rows(os.path.join(out, "metrics.jsonl")))
             if not runs:
                 continue
-            style = {"color": "black", "linestyle": "--"} if arm == reference else {}
+            # one colour per remedy in every column, the reference dashed black
+            remedy = arm.split("/")[1]
+            style = {"color": f"C{list(REMEDIES).index(remedy)}"}
+            if arm == reference:
+                style = {"color": "black", "linestyle": "--"}
             label = "reference (no mismatch)" if arm == reference else arm.split("/")[1]
             for row, (key, *_) in enumerate(PLOT_ROWS):
                 steps = sorted({r["step"] for r in runs[0] if key in r})
