@@ -289,11 +289,12 @@ def plot(args, arms, path):
             if not runs:
                 continue
             # one colour per remedy in every column, the reference dashed black
-            remedy = arm.split("/")[1]
+            _, remedy = parse_arm(arm)
             style = {"color": f"C{list(REMEDIES).index(remedy)}"}
+            label = remedy
             if arm == reference:
                 style = {"color": "black", "linestyle": "--"}
-            label = "reference (no mismatch)" if arm == reference else arm.split("/")[1]
+                label = "reference (no mismatch)"
             for row, (key, *_) in enumerate(PLOT_ROWS):
                 steps = sorted({r["step"] for r in runs[0] if key in r})
                 per_step = [
