@@ -247,23 +247,40 @@ def truncation_mask(scaled_logits, top_k=0, top_p=1.0, min_p=0.0, order="hf"):
     return z > -math.inf
 
 
-def _scaled(logits, temperature, banned, truncation):
+def _scaled(logits, tokens, temperature, banned, truncation):
     # logits / T with the tokens the sampler cannot emit at -inf: `banned` (V,) always, and with
-    # `truncation` (top_k, top_p, min_p, order) the tokens outside its kept set (replay)
+    # `truncation` (top_k, top_p, min_p, order) the tokens outside its kept set (replay); and
+    # left_out (n,) bool, the sampled tokens that kept set leaves out (None without truncation)
     logits = logits / temperature
     if banned is not None:
         logits = logits.masked_fill(banned, -math.inf)
-    if truncation is not None:
-        logits = logits.masked_fill(~truncation_mask(logits, *truncation), -math.inf)
-    return logits
+    if truncation is None:
+        return logits, None
+    kept = truncation_mask(logits, *truncation)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    left_out = ~kept[rows, tokens]
+    # the sampled token was in the sampler's kept set, so it stays in this one: the set is
+    # recomputed from these logits, whose boundary can leave it out (rounding at the top-p cut;
+    # pi_theta after an update; pi_ref, a different model), and log 0 = -inf would turn the
+    # ratio or the KL into inf / NaN (prime-rl PR 2601 keeps the label's logit)
+    kept[rows, tokens] = True
+    return logits.masked_fill(~kept, -math.inf), left_out
 
 
 def _softmax_stats(
-    logits, tokens, temperature, banned, entropy_grad, truncation=None, sum_squares=False
+    logits,
+    tokens,
+    temperature,
+    banned,
+    entropy_grad,
+    truncation=None,
+    sum_squares=False,
+    left_out=False,
 ):
     # (n, V) float32, one chunk at a time: one log-softmax of logits / T for the logprob and the
-    # entropy (and, for the optimal token baseline, sum_v p_v^2)
-    logits = _scaled(logits, temperature, banned, truncation)
+    # entropy (and, for the optimal token baseline, sum_v p_v^2; with left_out, 1.0 where the
+    # replayed kept set leaves out the sampled token)
+    logits, left_out_tokens = _scaled(logits, tokens, temperature, banned, truncation)
     logp = torch.log_softmax(logits, dim=-1)
     z = logp if entropy_grad else logp.detach()
     p = z.exp()
@@ -271,9 +288,12 @@ def _softmax_stats(
     if banned is not None or truncation is not None:
         z = z.masked_fill(logits == -math.inf, 0.0)  # p = 0 there; avoids 0 * -inf = NaN
     entropy = -(p * z).sum(-1)
+    stats = (logprobs, entropy)
     if sum_squares:
-        return logprobs, entropy, (p * p).sum(-1)
-    return logprobs, entropy
+        stats += ((p * p).sum(-1),)
+    if left_out:
+        stats += (left_out_tokens.float(),)
+    return stats
 
 
 def _softmax_grad(
@@ -290,7 +310,7 @@ def _softmax_grad(
 ):
     # d (g logprob + e H) / d logits = (g onehot(token) - p (g + e (log p + H))) / T, (n, V), in
     # `dtype`: the products' input dtype (bf16 for the bf16 head: rounded here, in the same kernel)
-    logits = _scaled(logits, temperature, banned, truncation)
+    logits, _ = _scaled(logits, tokens, temperature, banned, truncation)
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
     coefficient = grad_logprobs[:, None]
@@ -329,15 +349,18 @@ def _logprob_entropy_chunk(
     precision,
     truncation=None,
     sum_squares=False,
+    left_out=False,
 ):
-    """(logprobs (n,), entropy (n,)[, sum_v p_v^2 (n,)]) of one chunk: the LM head's product, then
-    the float32 log-softmax (no gradient through the compiled path: _ChunkedHead writes it
-    out)."""
+    """(logprobs (n,), entropy (n,)[, sum_v p_v^2 (n,)][, left out (n,)]) of one chunk: the LM
+    head's product, then the float32 log-softmax (no gradient through the compiled path:
+    _ChunkedHead writes it out)."""
     logits = _head_product(weight, hidden, precision)
     stats = (
         _softmax_stats if torch.is_grad_enabled() else _fused(_softmax_stats, logits, truncation)
     )
-    return stats(logits, tokens, temperature, banned, entropy_grad, truncation, sum_squares)
+    return stats(
+        logits, tokens, temperature, banned, entropy_grad, truncation, sum_squares, left_out
+    )
 
 
 def _chunked_stats(
@@ -351,10 +374,11 @@ def _chunked_stats(
     truncation,
     chunk,
     sum_squares=False,
+    left_out=False,
 ):
-    """(logprobs (N,), entropy (N,)[, sum_v p_v^2 (N,)]): _logprob_entropy_chunk over chunks of
-    `chunk` rows."""
-    outputs = 3 if sum_squares else 2
+    """(logprobs (N,), entropy (N,)[, sum_v p_v^2 (N,)][, left out (N,)]):
+    _logprob_entropy_chunk over chunks of `chunk` rows."""
+    outputs = 2 + int(sum_squares) + int(left_out)
     if tokens.shape[0] == 0:
         return (hidden.new_zeros(0),) * outputs
     parts = [
@@ -368,6 +392,7 @@ def _chunked_stats(
             precision,
             truncation,
             sum_squares,
+            left_out,
         )
         for start in range(0, tokens.shape[0], chunk)
     ]
@@ -465,6 +490,7 @@ def token_logprobs_and_entropy(
     precision="auto",
     truncation=None,
     sum_pi_squared=False,
+    left_out_of_kept_set=False,
 ):
     """Log-probability of each sampled token and the entropy of its distribution, for N positions:
 
@@ -474,20 +500,23 @@ def token_logprobs_and_entropy(
 
     Dividing by the sampling temperature wherever a logprob is computed matches the distribution
     that was sampled (RLHF blog detail policy 1; verl does the same). `banned` (V,) bool removes
-    tokens the sampler can never emit; `truncation` (top_k, top_p, min_p, order) scores each token
-    over the kept set K of a truncated sampler instead (replay: truncation_mask, recomputed from
-    these logits with the engine's rules), the distribution it was drawn from, so pi_train /
-    pi_rollout carries no log S. Work goes chunk by chunk over N, so the largest float32
-    tensor is (chunk_size, V); under autograd with several chunks the gradient is written out
-    (_ChunkedHead: backward recomputes each chunk's logits instead of keeping all N x V of them; a
-    single chunk keeps its one (N, V) log-softmax, no more than the recompute would hold at once,
-    and skips a second LM-head product: 5-8% of a SmolLM2 PPO micro-step on CPU,
-    bench/bench_ppo_cpu.py). The entropy is a constant (no gradient) unless entropy_grad. The
-    head's product runs in `precision` (head_precision: auto, fp32, tf32, bf16; IEEE fp32 on a
-    CPU), the softmax always in float32. Returns (logprobs (N,), entropy (N,)) in float32 (float64
-    stays float64). `project`: None or the LM head (an nn.Linear without bias). sum_pi_squared
-    (no gradient): a third output, sum_v p_t,v^2 (N,), from the same chunks (the optimal token
-    baseline's w_t, objectives.optimal_token_baseline_advantages; over K with `truncation`)."""
+    tokens the sampler can never emit; `truncation` (top_k, top_p, min_p, order) scores each
+    token over the kept set K of a truncated sampler instead (replay: truncation_mask, recomputed
+    from these logits with the engine's rules, the sampled token always kept), the distribution
+    it was drawn from, so pi_train / pi_rollout carries no log S. Work goes chunk by chunk over
+    N, so the largest float32 tensor is (chunk_size, V); under autograd with several chunks the
+    gradient is written out (_ChunkedHead: backward recomputes each chunk's logits instead of
+    keeping all N x V of them; a single chunk keeps its one (N, V) log-softmax, no more than the
+    recompute would hold at once, and skips a second LM-head product: 5-8% of a SmolLM2 PPO
+    micro-step on CPU, bench/bench_ppo_cpu.py). The entropy is a constant (no gradient) unless
+    entropy_grad. The head's product runs in `precision` (head_precision: auto, fp32, tf32, bf16;
+    IEEE fp32 on a CPU), the softmax always in float32. Returns (logprobs (N,), entropy (N,)) in
+    float32 (float64 stays float64). `project`: None or the LM head (an nn.Linear without bias).
+    sum_pi_squared (no gradient): a third output, sum_v p_t,v^2 (N,), from the same chunks (the
+    optimal token baseline's w_t, objectives.optimal_token_baseline_advantages; over K with
+    `truncation`). left_out_of_kept_set (no gradient, with `truncation`): a last output (N,), 1.0
+    where the kept set recomputed from these logits leaves out the sampled token (it is scored
+    over K + the token: the sampler's set and this one differ there)."""
     if project is not None and not (isinstance(project, torch.nn.Linear) and project.bias is None):
         raise ValueError("project must be None or an nn.Linear without bias (an LM head)")
     weight = project.weight if project is not None else None
@@ -502,8 +531,13 @@ def token_logprobs_and_entropy(
         differentiable = torch.is_grad_enabled() and (
             hidden.requires_grad or (weight is not None and weight.requires_grad)
         )
-        if sum_pi_squared and differentiable:
-            raise ValueError("sum_pi_squared is computed without a gradient (torch.no_grad())")
+        if (sum_pi_squared or left_out_of_kept_set) and differentiable:
+            raise ValueError(
+                "sum_pi_squared and left_out_of_kept_set are computed without a gradient"
+                " (torch.no_grad())"
+            )
+        if left_out_of_kept_set and truncation is None:
+            raise ValueError("left_out_of_kept_set needs a truncation (the kept set's rules)")
         if torch.is_grad_enabled() and hidden.requires_grad and several:
             return _ChunkedHead.apply(
                 hidden,
@@ -530,6 +564,7 @@ def token_logprobs_and_entropy(
             truncation,
             chunk_size,
             sum_pi_squared,
+            left_out_of_kept_set,
         )
 
 

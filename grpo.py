@@ -520,6 +520,7 @@ def compute_logprobs(
     head_precision="auto",
     truncation=None,
     sum_pi_squared=False,
+    left_out_of_kept_set=False,
 ):
     """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
     log-softmax: the backbone's hidden states at the positions that predict a valid response token
@@ -528,7 +529,9 @@ def compute_logprobs(
     `head_precision`), so the extra memory is one chunk's (chunk_size, V) logits. Padding
     positions get logprob 0 and entropy 0. `truncation`: score over a truncated sampler's kept set
     (replayed_truncation). sum_pi_squared (no gradient): a third (B, R) output, sum_v pi(v)^2 of
-    each token's distribution (the optimal token baseline's)."""
+    each token's distribution (the optimal token baseline's); left_out_of_kept_set (no gradient,
+    with `truncation`): a last (B, R) output, 1.0 where the replayed kept set leaves out the
+    sampled token."""
     if rows is not None:
         batch = {k: v[rows] for k, v in batch.items()}
     backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
@@ -562,8 +565,9 @@ def compute_logprobs(
             precision=head_precision,
             truncation=truncation,
             sum_pi_squared=sum_pi_squared,
+            left_out_of_kept_set=left_out_of_kept_set,
         )
-    # (B, R) each: logprobs, entropy[, sum_v pi(v)^2]
+    # (B, R) each: logprobs, entropy[, sum_v pi(v)^2][, left out]
     return tuple(
         torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, stat)
         for stat in token_stats
@@ -580,9 +584,14 @@ def replayed_truncation(args):
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch, args, sum_pi_squared=False):
-    """(B, R) logprobs of the whole local batch under `model`, no gradient, one micro-batch at a
-    time; with sum_pi_squared also (B, R) sum_v pi(v)^2, as a pair."""
+def batch_logprobs(model, batch, args, sum_pi_squared=False, left_out_of_kept_set=False):
+    """{"logprobs": (B, R)} of the whole local batch under `model`, no gradient, one micro-batch
+    at a time; with sum_pi_squared also "sum_pi_squared" (B, R), sum_v pi(v)^2, and with
+    left_out_of_kept_set "left_out_of_kept_set" (B, R), 1.0 where the replayed kept set leaves
+    out the sampled token (compute_logprobs)."""
+    names = ["logprobs", "entropy"]
+    names += ["sum_pi_squared"] if sum_pi_squared else []
+    names += ["left_out_of_kept_set"] if left_out_of_kept_set else []
     micro = args.ppo_micro_batch_size_per_gpu
     parts = []
     for start in range(0, batch["responses"].shape[0], micro):
@@ -596,12 +605,14 @@ def batch_logprobs(model, batch, args, sum_pi_squared=False):
             head_precision=args.lm_head_precision,
             truncation=replayed_truncation(args),
             sum_pi_squared=sum_pi_squared,
+            left_out_of_kept_set=left_out_of_kept_set,
         )
         parts.append(stats)
-    logprobs = torch.cat([part[0] for part in parts])
-    if sum_pi_squared:
-        return logprobs, torch.cat([part[2] for part in parts])
-    return logprobs
+    return {
+        name: torch.cat([part[k] for part in parts])
+        for k, name in enumerate(names)
+        if name != "entropy"
+    }
 
 
 def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
@@ -615,7 +626,10 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy
         corrects each micro-batch against the current policy (verl rollout_corr_math.md, 3.1)
     The optimal token baseline also takes sum_v pi_old(v)^2 from the recompute (verl
-    actor.calculate_sum_pi_squared).
+    actor.calculate_sum_pi_squared). With a replayed truncated sampler the recompute also counts
+    the sampled tokens that its kept set, recomputed from the trainer's logits, leaves out: the
+    sampler kept them, so there the two sets differ (training/sampled_outside_kept_set; the
+    engine's own set is not read, see docs/corrections.md).
     """
     model.eval()
     batch["loss_mask"] = batch["response_mask"]
@@ -623,20 +637,26 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
     if correction.bypass_mode:
         batch["old_logprobs"] = batch["rollout_logprobs"]
     else:
-        if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
+        token_level = args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS
+        replayed = replayed_truncation(args) is not None
+        old = batch_logprobs(
+            model, batch, args, sum_pi_squared=token_level, left_out_of_kept_set=replayed
+        )
+        batch["old_logprobs"] = old["logprobs"]
+        if token_level:
             # the same pass gives each token's sum_v pi_old(v)^2
-            batch["old_logprobs"], batch["sum_pi_squared"] = batch_logprobs(
-                model, batch, args, sum_pi_squared=True
-            )
-        else:
-            batch["old_logprobs"] = batch_logprobs(model, batch, args)
+            batch["sum_pi_squared"] = old["sum_pi_squared"]
         is_weights, batch["loss_mask"], corr_metrics = corrections.apply_rollout_correction(
             batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
         )
         if is_weights is not None:
             batch["is_weights"] = is_weights
+        if replayed:
+            corr_metrics["training/sampled_outside_kept_set"] = corrections.masked_mean(
+                old["left_out_of_kept_set"], batch["response_mask"]
+            ).item()
     if ref_model is not None:
-        batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args)
+        batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args)["logprobs"]
     return corr_metrics
 
 

@@ -1246,10 +1246,25 @@ def test_truncated_logprob_is_the_full_one_minus_log_kept_mass():
     assert math.isclose(entropy[0].item(), -(p * math.log(p) + (1 - p) * math.log(1 - p)))
 
 
+def test_a_sampled_token_outside_the_recomputed_kept_set_stays_in_it():
+    """Replay recomputes K from the scoring model's logits; a sampled token that this K leaves out
+    (rounding at a boundary, or another model: pi_theta after an update, pi_ref) is scored over K
+    + the token, never log 0. Logits 2, 1, 0, -1, top-k 2, token 3: K = {0, 1, 3}, by hand."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float64)
+    logprobs, entropy = C.token_logprobs_and_entropy(
+        logits, torch.tensor([3]), 1.0, truncation=(2, 1.0, 0.0, "hf")
+    )
+    e = math.e
+    assert math.isclose(logprobs.item(), math.log((1 / e) / (e**2 + e + 1 / e)), abs_tol=1e-12)
+    p = torch.tensor([e**2, e, 1 / e], dtype=torch.float64) / (e**2 + e + 1 / e)
+    assert math.isclose(entropy.item(), -(p * p.log()).sum().item(), abs_tol=1e-12)
+
+
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_chunked_head_gradient_with_a_replayed_kept_set_is_autograds(entropy_grad):
     """The written-out gradient with truncation (top-k 3, top-p 0.8, min-p 0.05): d/dz is zero
-    outside the kept set and equals autograd's through the masked log-softmax (float64)."""
+    outside the kept set (+ the sampled token) and equals autograd's through the masked
+    log-softmax (float64)."""
     g = torch.Generator().manual_seed(2)
     head = torch.nn.Linear(6, 11, bias=False)
     head.weight = torch.nn.Parameter(torch.randn(11, 6, generator=g))
@@ -1257,8 +1272,9 @@ def test_chunked_head_gradient_with_a_replayed_kept_set_is_autograds(entropy_gra
     truncation = (3, 0.8, 0.05, "hf")
     with torch.no_grad():
         kept = C.truncation_mask((hidden @ head.weight.T) / 0.7, *truncation)
-    # each token one its sampler could have drawn
+    # each token one its sampler could have drawn, and three the recomputed set leaves out
     tokens = kept.float().multinomial(1, generator=g)[:, 0]
+    tokens[:3] = (~kept[:3]).float().multinomial(1, generator=g)[:, 0]
     a, b = torch.randn(13, generator=g), torch.randn(13, generator=g)
     args = (hidden, head.weight, tokens, 0.7, None, entropy_grad, "fp32", 4, truncation)
     logprobs, entropy = C._ChunkedHead.apply(*args)

@@ -294,6 +294,19 @@ def rollout_batch(tiny):
     return args, batch
 
 
+@torch.no_grad()
+def _response_logits(model, batch, args):
+    """(N, V) logits / T at the positions that predict the N valid response tokens, from a plain
+    forward with the whole LM head (no chunks, no kept set)."""
+    hidden = model.get_decoder()(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+    ).last_hidden_state[:, -args.max_response_length - 1 : -1]
+    mask = batch["response_mask"].bool()
+    return model.get_output_embeddings()(hidden)[mask] / args.temperature
+
+
 @pytest.mark.parametrize(
     "flags", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.05}, {"top_k": 5, "top_p": 0.8}]
 )
@@ -307,24 +320,59 @@ def test_replay_scores_each_sampled_token_as_the_truncated_sampler_did(tiny, fla
     args = _small_args(**flags)
     _, batch = _rollout(model, tokenizer, args, seed=5)
     mask = batch["response_mask"].bool()
-    replayed = grpo.batch_logprobs(model, batch, args)
+    replayed = grpo.batch_logprobs(model, batch, args)["logprobs"]
     assert (replayed - batch["rollout_logprobs"])[mask].abs().max() < 1e-6
-    full = grpo.batch_logprobs(model, batch, dataclasses.replace(args, replay_sampling_mask=False))
+    full_vocabulary = dataclasses.replace(args, replay_sampling_mask=False)
+    full = grpo.batch_logprobs(model, batch, full_vocabulary)["logprobs"]
     log_ratio = (full - batch["rollout_logprobs"])[mask]
     assert (log_ratio <= 1e-6).all()
     # (min-p 0.05 keeps every token of the tiny random model's flat distributions: S = 1 there)
     assert "min_p" in flags or (log_ratio < -1e-3).any()
     # log S by hand: the full softmax's mass on the kept set, token by token
-    with torch.no_grad():
-        hidden = model.get_decoder()(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).last_hidden_state[:, -args.max_response_length - 1 : -1]
-        logits = model.get_output_embeddings()(hidden)[mask] / args.temperature
-        kept = corrections.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
-        log_kept_mass = torch.log((torch.softmax(logits, -1) * kept).sum(-1))
+    logits = _response_logits(model, batch, args)
+    kept = corrections.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
+    log_kept_mass = torch.log((torch.softmax(logits, -1) * kept).sum(-1))
     assert torch.allclose(log_ratio, log_kept_mass, atol=1e-5)
+
+
+def test_replay_keeps_the_sampled_token_for_every_model_that_scores_it(tiny):
+    """With replay each model scores a sampled token over the kept set recomputed from its own
+    logits plus that token (the sampler kept it). A reference model other than the sampler (a
+    re-initialised copy) leaves some sampled tokens out of its own top-5: their pi_ref is then
+    over K_ref + the token, by hand, finite, and the KL loss's update is finite (without the
+    token kept, log 0 = -inf: `grpo.py tiny --top-k 5 --kl-loss-coef 0.01` stopped at step 3 on
+    a NaN loss). The pass reports which tokens its set left out: those by hand for the
+    reference, none for the sampler's own weights (training/sampled_outside_kept_set 0)."""
+    model, tokenizer = tiny
+    args = _small_args(top_k=5, kl_loss_coef=0.01)
+    responses, batch = _rollout(model, tokenizer, args, seed=5)
+    scores = torch.tensor([len(r) / args.max_response_length for r in responses])
+    group_ids = torch.arange(len(responses) // args.rollout_n).repeat_interleave(args.rollout_n)
+    batch["advantages"] = objectives.grpo_advantages(scores, group_ids)
+    ref_model = copy.deepcopy(model)
+    torch.manual_seed(3)
+    ref_model.apply(ref_model._init_weights)
+    ref_stats = grpo.batch_logprobs(ref_model, batch, args, left_out_of_kept_set=True)
+    ref_logprobs = ref_stats["logprobs"]
+    mask = batch["response_mask"].bool()
+    assert torch.isfinite(ref_logprobs).all()
+    # by hand: the reference's full softmax, its own top-5 set, the sampled token added
+    logits = _response_logits(ref_model, batch, args)
+    tokens = batch["responses"][mask]
+    rows = torch.arange(tokens.shape[0])
+    kept = corrections.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
+    left_out = ~kept[rows, tokens]
+    # the case this test is about happens in this batch
+    assert left_out.sum() >= 3
+    assert torch.equal(ref_stats["left_out_of_kept_set"][mask], left_out.float())
+    assert (ref_stats["left_out_of_kept_set"][~mask] == 0).all()
+    kept[rows, tokens] = True
+    by_hand = torch.log_softmax(logits.masked_fill(~kept, -math.inf), -1)[rows, tokens]
+    assert torch.allclose(ref_logprobs[mask], by_hand, atol=1e-6)
+    _, metrics = _run_update(model, args, batch, "disabled", ref_model=ref_model)
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+    assert metrics["actor/kl_loss"] > 0
+    assert metrics["training/sampled_outside_kept_set"] == 0
 
 
 def _run_update(model, args, batch, preset, ref_model=None):
@@ -671,6 +719,26 @@ def test_one_minibatch_gradient_is_the_same_on_two_ranks_as_on_one(tmp_path):
 def _read_metrics(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def test_tiny_run_with_truncated_sampling_and_a_kl_to_the_reference_is_finite(tmp_path):
+    """`grpo.py tiny --top-k 5 --kl-loss-coef 0.01` stopped on a NaN loss at step 3 while a kept
+    set recomputed from the reference's logits could leave out the sampled token (log 0); its
+    first steps now run, and the HF sampler's kept sets are the trainer's in every step
+    (training/sampled_outside_kept_set 0)."""
+    args = dataclasses.replace(
+        _tiny_cpu(),
+        output_dir=str(tmp_path),
+        total_steps=5,
+        val_every=0,
+        save_every=0,
+        top_k=5,
+        kl_loss_coef=0.01,
+    )
+    rows = _read_metrics(grpo.train(args))
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert all(row["training/sampled_outside_kept_set"] == 0 for row in rows)
+    assert all(row["actor/kl_loss"] > 0 for row in rows[2:])
 
 
 def test_tiny_run_learns(tmp_path):
