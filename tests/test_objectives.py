@@ -273,7 +273,8 @@ def test_optimal_token_baseline_hand_values():
 def test_sum_pi_squared_comes_from_the_chunked_pass():
     """corrections.token_logprobs_and_entropy(sum_pi_squared=True): a third output, sum_v p_v^2 of
     softmax(logits / T), chunk by chunk (3 chunks here), equal to the full softmax's; with a
-    replayed truncation, of the kept set's renormalised distribution; refused with a gradient."""
+    replayed truncation, of the renormalised distribution over the kept set and the sampled token
+    (these random tokens are often outside the top 5); refused with a gradient."""
     import corrections
 
     g = torch.Generator().manual_seed(0)
@@ -302,6 +303,7 @@ def test_sum_pi_squared_comes_from_the_chunked_pass():
         )
         z = head(hidden) / 0.7
         kept = corrections.truncation_mask(z, *truncation)
+        kept[torch.arange(40), tokens] = True
         p_kept = torch.softmax(z.masked_fill(~kept, -math.inf), -1)
         assert torch.allclose(kept_sq, (p_kept * p_kept).sum(-1), atol=1e-6)
     with pytest.raises(ValueError, match="without a gradient"):
