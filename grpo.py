@@ -203,6 +203,10 @@ class Args:
     """The LM head's product (the log-softmax is float32 always): auto (TF32 on CUDA under bf16 or
     fp16 autocast, else IEEE fp32), fp32, tf32, or bf16 (bfloat16 inputs, float32 logits); a CPU
     always runs IEEE fp32 (docs/corrections.md#lm-head-precision measures each)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer (harness.compile_decoder_layers): fused element-wise
+    kernels in the trainer's forward and backward; the first steps pay the compile, HF generate
+    stays eager (bench/bench_gpu.py measures it)."""
     precision: str = "auto"
     """Forward dtype over fp32 master weights: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (verl's
     FSDP mixed precision) or fp16 (float16 autocast + a gradient scaler, Qi et al. 2025); the
@@ -1188,11 +1192,12 @@ def check_args(args, world_size=1):
 def changeable_settings(args):
     """The settings a resume may change (harness.checkpoint_to_resume): the number of steps where
     the learning-rate schedule does not depend on it, dynamic sampling's cap (a run stopped by it
-    resumes with a larger one) and the layers recomputed (memory, not the numbers)."""
+    resumes with a larger one), the layers recomputed (memory, not the numbers) and compiled (the
+    same arithmetic, rounded as fused kernels round it)."""
     schedule_uses_total = args.lr_scheduler_type != "constant" or (
         args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
     )
-    changeable = ("max_num_gen_batches", "recompute_num_layers")
+    changeable = ("max_num_gen_batches", "recompute_num_layers", "compile_layers")
     return changeable + (() if schedule_uses_total else ("total_steps",))
 
 
@@ -1230,6 +1235,10 @@ def load_models(args, model_path, checkpoint, device, rank):
     )
     if args.gradient_checkpointing:
         recompute_layers(model, args, device, rank)
+    if args.compile_layers:
+        compiled = harness.compile_decoder_layers(model)
+        if rank == 0:
+            print(f"torch.compile: {compiled} decoder layers (the first steps pay the compile)")
     ref_model = None
     if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

@@ -1074,7 +1074,7 @@ def start_logs(args, script, rank, world_size, resume_step=None):
 
 # --------------------------------------------------------------------------------------------------
 # 5. GPU memory: the bytes one rank holds (scripts/plan_memory.py prints the plan; grpo.py reads its
-# choice of layers to recompute)
+# choice of layers to recompute), and the decoder layers compiled
 # --------------------------------------------------------------------------------------------------
 
 GIB = 2**30
@@ -1288,3 +1288,39 @@ def recompute_choice(args, shape, tokens, gpu_bytes, train_rows):
         return shape["layers"]
     budget = PLAN_FILL * gpu_bytes - sum(train_rows.values()) - GIB
     return layers_to_recompute(shape, tokens, args.logprob_chunk_size, budget)
+
+
+def compile_decoder_layers(model):
+    """--compile-layers: torch.compile each decoder layer on its own, so that its element-wise
+    work (RMSNorm, rotary, SiLU x up, the residual adds, the casts autocast inserts) runs as fused
+    kernels. The layers share one compiled graph (the same code; the parameters are its inputs):
+    one compile per shape, not one per layer (torchtitan's apply_compile compiles per block for
+    this reason). A forward with a KV cache (HF generate) stays eager: its shapes change at every
+    token. Returns the number of layers compiled."""
+    import types
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    compiled = {}
+    for layer in layers:
+        eager_forward = type(layer).forward
+        if eager_forward not in compiled:
+            compiled[eager_forward] = torch.compile(eager_forward)
+        # a bound method: a deepcopy of the model (rollout.HFBackend's copy) binds it to the copy
+        layer.forward = types.MethodType(
+            layer_forward(eager_forward, compiled[eager_forward]), layer
+        )
+    return len(layers)
+
+
+def layer_forward(eager_forward, compiled_forward):
+    """A decoder layer's forward that runs `compiled_forward` unless a KV cache is passed in."""
+    from transformers.cache_utils import Cache
+
+    def forward(self, *args, **kwargs):
+        if any(isinstance(value, Cache) for value in (*args, *kwargs.values())):
+            return eager_forward(self, *args, **kwargs)
+        return compiled_forward(self, *args, **kwargs)
+
+    return forward

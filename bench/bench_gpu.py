@@ -4,7 +4,8 @@ process; the table is appended to bench/RESULTS.md with the machine and the vers
     python bench/bench_gpu.py              # one CUDA GPU: the real sizes below, < 10 min on an H100
     python bench/bench_gpu.py --no-write   # print the table only
     python bench/bench_gpu.py --tiny       # tiny sizes (what a CPU always runs: a few seconds; CI runs it)
-    python bench/bench_gpu.py --update-only --no-write   # the update rows alone (~1.5 min on an H100)
+    python bench/bench_gpu.py --update-only --no-write   # the update rows alone (~1.5 min on an H100
+                                                         # before the compiled rows, + their compiles)
 
 Sizes: random-init models from the published configs (tests/model_configs, no weights),
 Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch 8, 512 prompt +
@@ -16,7 +17,10 @@ Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch
               fp32 (IEEE) and bf16 (bf16 inputs, float32 logits), with eager element-wise kernels, and with fewer
               layers recomputed: as many as keep the peak within one third of the plain loss's (the plan's
               activation estimate, harness.activation_bytes, over the measured rest), and the number grpo.py
-              chooses for the preset on this GPU (harness.plan_grpo). Seconds (median of 3 after a warm-up),
+              chooses for the preset on this GPU (harness.plan_grpo); then with the decoder layers compiled
+              (grpo.py --compile-layers, harness.compile_decoder_layers): the plain loss (a peer row: what
+              compiling alone buys), ours with the TF32 and bf16 heads, and bf16 at a third of the plain peak.
+              Seconds (median of 3 after a warm-up),
               tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence) x tokens / seconds
               / 989 TFLOP/s (H100 SXM dense bf16), peak memory above the weights, and each as a multiple of the
               plain loss's.
@@ -202,9 +206,26 @@ def update_rows(name, config, micro, prompt, response, device, preset):
         ),
         (f"ours, {chosen} of {L} (grpo.py's plan for {preset}, this GPU), TF32", dict(k=chosen)),
     ]
-    for label, settings in variants:
+    # then the same rows with every decoder layer compiled (grpo.py --compile-layers); the plain
+    # loss with compiled layers is a peer row: what compiling alone buys
+    compiled = [
+        ("plain HF loss, compiled layers", plain_loss),
+        (f"ours, {L} of {L}, TF32 head, compiled layers", dict()),
+        (f"ours, {L} of {L}, bf16-input head, compiled layers", dict(head="bf16")),
+        (
+            f"ours, {third} of {L} (1/3 of the plain peak), bf16-input head, compiled layers",
+            dict(head="bf16", k=third),
+        ),
+    ]
+    for label, settings in variants + compiled:
+        if label == compiled[0][0]:
+            # from here on the decoder layers run compiled
+            harness.compile_decoder_layers(model)
         try:
-            results[label] = measure(lambda: ours(**settings), device)
+            if callable(settings):
+                results[label] = measure(settings, device)
+            else:
+                results[label] = measure(lambda: ours(**settings), device)
         except torch.OutOfMemoryError:
             model.zero_grad(set_to_none=True)
             row(

@@ -6,7 +6,8 @@ Rows:
   grpo step           one GRPO step with the HF backend on the tiny copy task per --precision (bf16, fp16, fp32):
                       finite actor/grad_norm, and the trainer-vs-rollout logprob difference
                       (training/rollout_probs_diff_max): ~1e-6 in fp32 (same weights, same precision), larger in
-                      bf16 and fp16 (the sampler and the trainer round differently)
+                      bf16 and fp16 (the sampler and the trainer round differently); GPU: the bf16 step again with
+                      --compile-layers, its grad_norm within 1% of the eager step's
   fp16 vs bf16        GPU: scripts/precision_mismatch.py, the rollout (HF generate) vs the trainer's recompute on the
                       same model and prompts, under --precision bf16 and fp16: KL (k1, k3) and |p_rollout - p_train|
                       (SmolLM2 when converted, else a random-init Qwen2.5-0.5B-Instruct on random prompts)
@@ -76,14 +77,15 @@ def last_metrics(path):
         return json.loads(f.read().strip().splitlines()[-1])
 
 
-def grpo_step(tmp, precision, device):
+def grpo_step(tmp, precision, device, compile_layers=False):
     """One GRPO step on the tiny preset (HF backend) with --precision `precision` (fp16: float16
-    autocast and the gradient scaler)."""
+    autocast and the gradient scaler), its decoder layers compiled with `compile_layers`; returns
+    its metrics."""
     # PRESETS entries: (description, Args or a function making it)
     tiny = plan_memory.preset_args("grpo", "tiny")
     args = dataclasses.replace(
         tiny,
-        output_dir=os.path.join(tmp, f"grpo_{precision}"),
+        output_dir=os.path.join(tmp, f"grpo_{precision}{'_compiled' * compile_layers}"),
         total_steps=1,
         train_batch_size=8,
         ppo_mini_batch_size=8,
@@ -91,8 +93,10 @@ def grpo_step(tmp, precision, device):
         val_every=0,
         save_every=0,
     )
-    args = dataclasses.replace(args, precision=precision)
+    args = dataclasses.replace(args, precision=precision, compile_layers=compile_layers)
     m = last_metrics(grpo.train(args))
+    if compile_layers:
+        return m
     grad_norm, diff = m["actor/grad_norm"], m["training/rollout_probs_diff_max"]
     row(
         "grpo step",
@@ -108,6 +112,22 @@ def grpo_step(tmp, precision, device):
         f"probs_diff_max {diff:.2e}",
         f"< {limit:g}",
         diff < limit,
+    )
+    return m
+
+
+def compiled_step(tmp, eager):
+    """GPU: the bf16 GRPO step again with its decoder layers compiled (grpo.py --compile-layers):
+    the same rollout (HF generate stays eager), so the update's grad_norm differs from the eager
+    step's `eager` metrics only by the fused kernels' rounding (2e-5 relative on a CPU)."""
+    compiled = grpo_step(tmp, "bf16", "cuda", compile_layers=True)
+    a, b = compiled["actor/grad_norm"], eager["actor/grad_norm"]
+    row(
+        "grpo step",
+        "bf16, compiled layers vs eager",
+        f"grad_norm {a:.4g} vs {b:.4g} (rel. diff {abs(a - b) / b:.1e})",
+        "< 1e-2",
+        abs(a - b) < 1e-2 * b,
     )
 
 
@@ -503,7 +523,9 @@ def main():
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for precision in ("bf16", "fp16", "fp32") if device == "cuda" else ("fp32",):
-            grpo_step(tmp, precision, device)
+            metrics = grpo_step(tmp, precision, device)
+            if precision == "bf16":
+                compiled_step(tmp, metrics)
         ppo_update(tmp, device)
         plans(device)
         if importlib.util.find_spec("vllm") is None:

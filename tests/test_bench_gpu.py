@@ -1,7 +1,7 @@
 """bench/bench_gpu.py --tiny --no-write (the GPU bench at its CPU size, issue 20) runs end to end in
-one process and prints every row with sane numbers, and leaves bench/RESULTS.md alone. ~20 s on 2
-shared cores (one subprocess: the bench is a command, so it is tested as one; pinned to the CPU so a
-GPU machine runs the same quick check)."""
+one process and prints every row with sane numbers, and leaves bench/RESULTS.md alone. ~50 s on 2
+shared cores, most of it the two compiles of the compiled-layer rows (one subprocess: the bench is a
+command, so it is tested as one; pinned to the CPU so a GPU machine runs the same quick check)."""
 
 import os
 import re
@@ -38,9 +38,10 @@ def test_bench_gpu_tiny_prints_sane_rows_and_writes_nothing():
     ]
     kinds = [r[0] for r in rows]
     # plain loss, ours with every layer recomputed, fp32 / bf16 heads, eager element-wise, the
-    # layers for a third of the plain peak (TF32, bf16), grpo.py's own choice
+    # layers for a third of the plain peak (TF32, bf16), grpo.py's own choice; then with compiled
+    # layers: the plain loss, ours with TF32 / bf16 heads, a third of the plain peak (bf16)
     assert (
-        kinds.count("update") == 8
+        kinds.count("update") == 12
         and kinds.count("rollout") == 1
         and kinds.count("grpo vs TRL") == 1
     )
@@ -50,6 +51,7 @@ def test_bench_gpu_tiny_prints_sane_rows_and_writes_nothing():
             assert number(r[2]) > 0 and number(r[3]) > 0, r  # seconds, tokens/s (episodes/s)
     updates = {r[1].split(", ", 2)[-1]: r for r in rows if r[0] == "update"}
     assert updates["plain HF loss"][6].startswith("1.00x")
+    assert sum(label.endswith("compiled layers") for label in updates) == 4
     # throughput against the plain loss on the same tokens: a plausible multiple
     for r in updates.values():
         assert 0.1 < number(r[6]) < 10, r

@@ -1245,6 +1245,19 @@ def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(
     ), err
 
 
+def _random_batch(vocab_size):
+    """The tensors grpo.compute_logprobs reads: 3 rows of 4 prompt + 8 response tokens, no padding."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (3, 12), generator=g)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(12).expand(3, -1),
+        "responses": ids[:, 4:],
+        "response_mask": torch.ones(3, 8),
+    }
+
+
 def test_recomputed_layers_change_memory_not_gradients(tmp_path):
     """--gradient-checkpointing with --recompute-num-layers k: the first k decoder layers recompute
     in backward, the others keep their activations (grpo.recompute_layers); -1 on a CPU recomputes
@@ -1253,15 +1266,7 @@ def test_recomputed_layers_change_memory_not_gradients(tmp_path):
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     model = tasks.build_tiny_model(None, arch="qwen2", seed=3)[0].float()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=g)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "position_ids": torch.arange(12).expand(3, -1),
-        "responses": ids[:, 4:],
-        "response_mask": torch.ones(3, 8),
-    }
+    batch = _random_batch(model.config.vocab_size)
 
     def gradients(recompute):
         m = copy.deepcopy(model).train()
@@ -1282,6 +1287,63 @@ def test_recomputed_layers_change_memory_not_gradients(tmp_path):
         recomputing, got = gradients(recompute)
         assert recomputing == pattern
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_compiled_layers_give_the_eager_logprobs_and_gradients():
+    """--compile-layers (harness.compile_decoder_layers): the logprobs and every gradient of the
+    compiled layers equal eager's to float32 rounding, with one layer recomputed in backward and
+    the other not; every layer runs the one compiled graph; HF generate (a KV cache) stays eager
+    and gives eager's tokens; a deepcopy (rollout.HFBackend's rollout copy) computes with its own
+    weights, not the original's."""
+    from torch._dynamo.utils import counters
+
+    model = tasks.build_tiny_model(None, arch="qwen2", seed=3)[0].float().train()
+    grpo.recompute_layers(
+        model,
+        grpo.Args(gradient_checkpointing=True, recompute_num_layers=1),
+        torch.device("cpu"),
+        1,
+    )
+    batch = _random_batch(model.config.vocab_size)
+
+    def logprobs_and_gradients(m):
+        logprobs, _ = grpo.compute_logprobs(m, batch, 1.0, chunk_size=5)
+        logprobs.sum().backward()
+        gradients = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return logprobs.detach(), gradients
+
+    def generate(m):
+        m.eval()
+        prompts = batch["input_ids"][:, :4]
+        tokens = m.generate(prompts, max_new_tokens=4, do_sample=False, use_cache=True)
+        m.train()
+        return tokens
+
+    compiled = copy.deepcopy(model)
+    assert harness.compile_decoder_layers(compiled) == 2
+    graphs = counters["stats"]["unique_graphs"]
+    expected_logprobs, expected = logprobs_and_gradients(model)
+    logprobs, got = logprobs_and_gradients(compiled)
+    # one graph for both layers (a cached one if another test compiled this layer before)
+    assert counters["stats"]["unique_graphs"] - graphs <= 1
+    assert (logprobs - expected_logprobs).abs().max() < 1e-5
+    for a, b in zip(got, expected):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(generate(compiled), generate(model))
+    assert counters["stats"]["unique_graphs"] == graphs  # generate ran eager
+
+    copied = copy.deepcopy(compiled)
+    halved = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (copied, halved):
+            for p in m.parameters():
+                p.mul_(0.5)
+    logprobs_copy, _ = logprobs_and_gradients(copied)
+    logprobs_halved, _ = logprobs_and_gradients(halved)
+    assert (logprobs_copy - logprobs_halved).abs().max() < 1e-5
+    assert (logprobs_copy - logprobs).abs().max() > 0.1
 
 
 # ------------------------------------------------------------------------------------------------ DAPO
