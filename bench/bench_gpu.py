@@ -17,7 +17,8 @@ Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch
               fp32 (IEEE) and bf16 (bf16 inputs, float32 logits), with eager element-wise kernels, and with fewer
               layers recomputed: as many as keep the peak within one third of the plain loss's (the plan's
               activation estimate, harness.activation_bytes, over the measured rest), and the number grpo.py
-              chooses for the preset on this GPU (harness.plan_grpo); then with the decoder layers compiled
+              chooses for the preset on this GPU (harness.plan_grpo); the plain loss again (the spread of one
+              setting within the call); then with the decoder layers compiled
               (grpo.py --compile-layers, harness.compile_decoder_layers): the plain loss (a peer row: what
               compiling alone buys), ours with the TF32 and bf16 heads, and bf16 at a third of the plain peak.
               Seconds (median of 3 after a warm-up),
@@ -205,9 +206,12 @@ def update_rows(name, config, micro, prompt, response, device, preset):
             dict(head="bf16", k=third),
         ),
         (f"ours, {chosen} of {L} (grpo.py's plan for {preset}, this GPU), TF32", dict(k=chosen)),
+        # the first row's setting again: a difference between rows smaller than this row's from
+        # 1.00x is noise
+        ("plain HF loss, again", plain_loss),
     ]
-    # then the same rows with every decoder layer compiled (grpo.py --compile-layers); the plain
-    # loss with compiled layers is a peer row: what compiling alone buys
+    # then with every decoder layer compiled (grpo.py --compile-layers); the plain loss with
+    # compiled layers is a peer row: what compiling alone buys
     compiled = [
         ("plain HF loss, compiled layers", plain_loss),
         (f"ours, {L} of {L}, TF32 head, compiled layers", dict()),

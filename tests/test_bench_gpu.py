@@ -38,10 +38,11 @@ def test_bench_gpu_tiny_prints_sane_rows_and_writes_nothing():
     ]
     kinds = [r[0] for r in rows]
     # plain loss, ours with every layer recomputed, fp32 / bf16 heads, eager element-wise, the
-    # layers for a third of the plain peak (TF32, bf16), grpo.py's own choice; then with compiled
-    # layers: the plain loss, ours with TF32 / bf16 heads, a third of the plain peak (bf16)
+    # layers for a third of the plain peak (TF32, bf16), grpo.py's own choice, the plain loss
+    # again; then with compiled layers: the plain loss, ours with TF32 / bf16 heads, a third of the
+    # plain peak (bf16)
     assert (
-        kinds.count("update") == 12
+        kinds.count("update") == 13
         and kinds.count("rollout") == 1
         and kinds.count("grpo vs TRL") == 1
     )
