@@ -221,26 +221,29 @@ def update_rows(name, config, micro, prompt, response, device, preset):
             dict(head="bf16", k=third),
         ),
     ]
-    for label, settings in variants + compiled:
-        if label == compiled[0][0]:
-            # from here on the decoder layers run compiled
-            harness.compile_decoder_layers(model)
-        try:
-            if callable(settings):
-                results[label] = measure(settings, device)
-            else:
-                results[label] = measure(lambda: ours(**settings), device)
-        except torch.OutOfMemoryError:
-            model.zero_grad(set_to_none=True)
-            row(
-                "update",
-                f"{name}, {micro} x ({prompt} + {response}), {label}",
-                "out of memory",
-                "-",
-                "-",
-                "-",
-                "-",
-            )
+
+    def measure_rows(rows):
+        for label, settings in rows:
+            try:
+                if callable(settings):
+                    results[label] = measure(settings, device)
+                else:
+                    results[label] = measure(lambda: ours(**settings), device)
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                row(
+                    "update",
+                    f"{name}, {micro} x ({prompt} + {response}), {label}",
+                    "out of memory",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                )
+
+    measure_rows(variants)
+    harness.compile_decoder_layers(model)
+    measure_rows(compiled)
     for label, (seconds, peak) in results.items():
         mfu = f"{flops / seconds / PEAK_FLOPS:.1%}" if device.type == "cuda" else "-"
         vs = (

@@ -77,10 +77,9 @@ def last_metrics(path):
         return json.loads(f.read().strip().splitlines()[-1])
 
 
-def grpo_step(tmp, precision, device, compile_layers=False):
-    """One GRPO step on the tiny preset (HF backend) with --precision `precision` (fp16: float16
-    autocast and the gradient scaler), its decoder layers compiled with `compile_layers`; returns
-    its metrics."""
+def grpo_metrics(tmp, precision, compile_layers=False):
+    """The last metrics row of one GRPO step on the tiny preset (HF backend) with --precision
+    `precision` (fp16: float16 autocast and the gradient scaler) and --compile-layers."""
     # PRESETS entries: (description, Args or a function making it)
     tiny = plan_memory.preset_args("grpo", "tiny")
     args = dataclasses.replace(
@@ -94,9 +93,13 @@ def grpo_step(tmp, precision, device, compile_layers=False):
         save_every=0,
     )
     args = dataclasses.replace(args, precision=precision, compile_layers=compile_layers)
-    m = last_metrics(grpo.train(args))
-    if compile_layers:
-        return m
+    return last_metrics(grpo.train(args))
+
+
+def grpo_step(tmp, precision, device):
+    """One GRPO step (grpo_metrics): finite grad_norm, the trainer-vs-rollout difference; returns
+    its metrics."""
+    m = grpo_metrics(tmp, precision)
     grad_norm, diff = m["actor/grad_norm"], m["training/rollout_probs_diff_max"]
     row(
         "grpo step",
@@ -120,7 +123,7 @@ def compiled_step(tmp, eager):
     """GPU: the bf16 GRPO step again with its decoder layers compiled (grpo.py --compile-layers):
     the same rollout (HF generate stays eager), so the update's grad_norm differs from the eager
     step's `eager` metrics only by the fused kernels' rounding (2e-5 relative on a CPU)."""
-    compiled = grpo_step(tmp, "bf16", "cuda", compile_layers=True)
+    compiled = grpo_metrics(tmp, "bf16", compile_layers=True)
     a, b = compiled["actor/grad_norm"], eager["actor/grad_norm"]
     row(
         "grpo step",
