@@ -136,7 +136,8 @@ class Args:
     """beta of the KL-to-reference loss (verl use_kl_loss); 0 skips the reference model entirely
     (not even loaded)."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator (objectives.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl."""
+    """KL estimator (objectives.kl_penalty kinds): k1/kl, abs, k2/mse, k3/low_var_kl; with "+"
+    (e.g. k3+) its value with k2's gradient (verl)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (verl default 0); entropy is always logged."""
     off_policy_mask_threshold: Optional[float] = None

@@ -566,7 +566,9 @@ def geo_mean_token_loss(
     return losses, {k: float(v) for k, v in metrics.items()}
 
 
-DPPO_RATIO_CAP = 20.0  # verl's clip_ratio_c default for DPPO when none is set
+# the cap with --clip-ratio-c None: the fallback of verl's DPPO losses (`config.get("clip_ratio_c",
+# 20.0)`), which verl's actor config never reaches: it always sets clip_ratio_c (3.0, as here)
+DPPO_RATIO_CAP = 20.0
 
 
 def _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c):
@@ -575,7 +577,8 @@ def _dppo_token_loss(logprobs, old_logprobs, advantages, valid, keep, clip_c):
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(valid, logprobs - old_logprobs, zero).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     ratio = torch.exp(log_ratio)
-    # verl's default cap, DPPO section 5.4: a large one (truncation biases the gradient)
+    # the ratio weight truncated at clip_c (3.0 by default); None: 20, a large cap as DPPO section
+    # 5.4 favours (truncation biases the gradient)
     cap = DPPO_RATIO_CAP if clip_c is None else clip_c
     keep = (keep & valid).to(logprobs.dtype).detach()
     advantages = torch.where(valid, advantages, zero)
@@ -601,7 +604,7 @@ def dppo_tv_token_loss(
 
     so clip_ratio_low / clip_ratio_high are probability distances here (a total-variation bound on
     the binary distribution {a_t, not a_t}), not ratio bounds; clip_c truncates the ratio weight
-    (None: 20). Returns (l (B, T), metrics): pg_clipfrac (tokens outside the region), ppo_kl,
+    (grpo.py passes --clip-ratio-c, 3.0 by default as verl's actor config; None: 20). Returns (l (B, T), metrics): pg_clipfrac (tokens outside the region), ppo_kl,
     pg_clipfrac_lower (kept tokens whose weight was truncated)."""
     valid = mask.bool()
     change = torch.exp(logprobs) - torch.exp(old_logprobs)
@@ -766,7 +769,9 @@ POLICY_LOSSES = {
 # 3. The KL-to-reference penalty (GRPO's KL loss, ppo_rlhf.py's per-token KL reward)
 # --------------------------------------------------------------------------------------------------
 
-KL_PENALTY_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+# each with "+": its value, k2's gradient (verl kl_penalty)
+KL_PENALTY_KINDS = KL_ESTIMATORS + tuple(kind + "+" for kind in KL_ESTIMATORS)
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k1"):
@@ -776,7 +781,16 @@ def kl_penalty(logprobs, ref_logprobs, kind="k1"):
         "abs"               |d|
         "k2" / "mse"        0.5 * d^2
         "k3" / "low_var_kl" exp(-d) - 1 + d  (-d clamped to +-20, the result to [-10, 10], as verl)
+    A kind ending in "+" (e.g. "k3+") is straight-through: the value of its estimator, the gradient
+    of k2 (value: k, gradient: d(0.5 d^2)/dtheta = d * grad log pi_theta). k1 and k3 are unbiased
+    estimates of the KL's value but their gradients are not the KL's gradient in expectation; k2's
+    is (Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; verl
+    core_algos.py kl_penalty).
     """
+    if kind.endswith("+") and kind[:-1] in KL_ESTIMATORS:
+        value = kl_penalty(logprobs, ref_logprobs, kind[:-1])
+        k2 = kl_penalty(logprobs, ref_logprobs, "k2")
+        return k2 - k2.detach() + value.detach()
     d = logprobs - ref_logprobs
     if kind in ("k1", "kl"):
         return d

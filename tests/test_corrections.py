@@ -103,6 +103,7 @@ def _load_verl():
             "compute_policy_loss_dppo_kl",
             "compute_policy_loss_dro",
             "kl_penalty_forward",
+            "kl_penalty",
         },
         ns,
     )
@@ -195,6 +196,37 @@ def test_kl_penalty_matches_verl(kind):
         VERL["kl_penalty_forward"](train, rollout, kind),
         atol=1e-12,
     )
+
+
+def test_straight_through_kl_has_the_estimators_value_and_k2s_gradient():
+    """ "k3+": the k3 value, the gradient of 0.5 d^2, i.e. d (hand values, d = logprobs - ref)."""
+    ref = torch.tensor([-1.5, -1.0])
+    for kind, value in [
+        ("k3+", [math.exp(-0.5) - 1 + 0.5, math.exp(1) - 1 - 1]),
+        ("k1+", [0.5, -1.0]),
+    ]:
+        lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+        kl = O.kl_penalty(lp, ref, kind)
+        assert kl.tolist() == pytest.approx(value)
+        kl.sum().backward()
+        assert lp.grad.tolist() == pytest.approx([0.5, -1.0])
+    with pytest.raises(ValueError, match="kl penalty kind"):
+        O.kl_penalty(lp, ref, "k4+")
+
+
+@needs_verl
+@pytest.mark.parametrize("kind", ["k1+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+", "low_var_kl"])
+def test_kl_penalty_values_and_gradients_match_verl(kind):
+    train, rollout, _ = random_batch(scale=1.0)
+    ours_input = train.clone().requires_grad_(True)
+    verl_input = train.clone().requires_grad_(True)
+    ours = O.kl_penalty(ours_input, rollout, kind)
+    theirs = VERL["kl_penalty"](verl_input, rollout, kind)
+    assert torch.allclose(ours, theirs, atol=1e-12)
+    upstream = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1), dtype=ours.dtype)
+    (ours * upstream).sum().backward()
+    (theirs * upstream).sum().backward()
+    assert torch.allclose(ours_input.grad, verl_input.grad, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
