@@ -590,10 +590,10 @@ def replayed_truncation(args):
 
 @torch.no_grad()
 def batch_logprobs(model, batch, args, sum_pi_squared=False, left_out_of_kept_set=False):
-    """{"logprobs": (B, R)} of the whole local batch under `model`, no gradient, one micro-batch
-    at a time; with sum_pi_squared also "sum_pi_squared" (B, R), sum_v pi(v)^2, and with
-    left_out_of_kept_set "left_out_of_kept_set" (B, R), 1.0 where the replayed kept set leaves
-    out the sampled token (compute_logprobs)."""
+    """{"logprobs": (B, R), "entropy": (B, R)} of the whole local batch under `model`, no
+    gradient, one micro-batch at a time; with sum_pi_squared also "sum_pi_squared" (B, R), sum_v
+    pi(v)^2, and with left_out_of_kept_set "left_out_of_kept_set" (B, R), 1.0 where the replayed
+    kept set leaves out the sampled token (compute_logprobs)."""
     names = ["logprobs", "entropy"]
     names += ["sum_pi_squared"] if sum_pi_squared else []
     names += ["left_out_of_kept_set"] if left_out_of_kept_set else []
@@ -613,16 +613,15 @@ def batch_logprobs(model, batch, args, sum_pi_squared=False, left_out_of_kept_se
             left_out_of_kept_set=left_out_of_kept_set,
         )
         parts.append(stats)
-    return {
-        name: torch.cat([part[k] for part in parts])
-        for k, name in enumerate(names)
-        if name != "entropy"
-    }
+    return {name: torch.cat([part[k] for part in parts]) for k, name in enumerate(names)}
 
 
-def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
+def compute_pi_old_and_ref(model, ref_model, batch, args, correction, world_size=1):
     """Step 4: the PPO anchor pi_old and, with beta > 0, the reference pi_ref, into the batch.
-    Returns the correction's batch metrics ({} in bypass mode).
+    Returns the correction's batch metrics ({} in bypass mode) and, from the recompute,
+    actor/entropy: pi_old's entropy over the response mask of the whole batch (all ranks), with
+    loss_agg_mode, before the update, as verl logs it (ray_trainer.py, after compute_old_log_prob;
+    none in bypass mode, where there is no recompute).
 
     decoupled ("disabled" included): pi_old = the trainer's no-grad recompute before the update,
         corrected against pi_rollout once per batch (verl
@@ -648,12 +647,22 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction):
             model, batch, args, sum_pi_squared=token_level, left_out_of_kept_set=replayed
         )
         batch["old_logprobs"] = old["logprobs"]
+        whole_batch = dict(
+            dp_size=world_size,
+            batch_num_tokens=harness.all_sum(batch["response_mask"].sum().double()).item(),
+            global_batch_size=args.train_batch_size * args.rollout_n,
+        )
+        old_entropy = objectives.agg_loss(
+            old["entropy"], batch["response_mask"], args.loss_agg_mode, **whole_batch
+        )
+        corr_metrics["actor/entropy"] = old_entropy.item()
         if token_level:
             # the same pass gives each token's sum_v pi_old(v)^2
             batch["sum_pi_squared"] = old["sum_pi_squared"]
-        is_weights, batch["loss_mask"], corr_metrics = corrections.apply_rollout_correction(
+        is_weights, batch["loss_mask"], correction_metrics = corrections.apply_rollout_correction(
             batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
         )
+        corr_metrics.update(correction_metrics)
         if is_weights is not None:
             batch["is_weights"] = is_weights
         if replayed:
@@ -766,7 +775,7 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
     # compute_rollout_correction_and_add_to_batch replaces response_mask for every loss term).
     entropy_loss = objectives.agg_loss(entropy, loss_mask, args.loss_agg_mode, **global_info)
     loss = pg_loss - args.entropy_coeff * entropy_loss
-    terms = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_loss}
+    terms = {"actor/pg_loss": pg_loss, "actor/entropy_loss": entropy_loss}
     if args.kl_loss_coef > 0:
         # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss, not a reward
         kl = objectives.kl_penalty(logprobs, micro_batch["ref_logprobs"], args.kl_loss_type)
@@ -1022,7 +1031,7 @@ def train(args, backend=None):
         #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL
         #    loss is on. The optimal token baseline's advantages come here: they need pi_old.
         t0 = time.time()
-        corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction)
+        corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction, world_size)
         if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
             batch["advantages"] = objectives.optimal_token_baseline_advantages(
                 scores.to(device),
@@ -1375,12 +1384,14 @@ def log_step(log, metrics, total_steps, rank):
     if rank != 0:
         return
     line = [f"step {metrics['step']}/{total_steps}"]
+    # pi_old's entropy; bypass mode recomputes no pi_old, so there the update's
+    entropy_key = "actor/entropy" if "actor/entropy" in metrics else "actor/entropy_loss"
     shown = [
         ("reward/mean", "reward", ".3f"),
         ("val/accuracy", "val_acc", ".3f"),
         ("response_length/mean", "len", ".2f"),
         ("actor/pg_loss", "pg_loss", "+.4f"),
-        ("actor/entropy", "entropy", ".3f"),
+        (entropy_key, "entropy", ".3f"),
         ("actor/grad_norm", "grad_norm", ".3f"),
     ]
     for key, short, fmt in shown:

@@ -82,7 +82,7 @@ EARLY_METRICS = (
     ("rollout_corr/chi2_token", 1, 20, "chi2_token E[rho^2] - 1, steps 1-20"),
     ("actor/grad_norm", 1, 20, "grad norm, steps 1-20"),
     ("actor/pg_clipfrac", 1, 20, "pg_clipfrac, steps 1-20"),
-    ("actor/entropy", 21, 30, "entropy, steps 21-30"),
+    ("actor/entropy_loss", 21, 30, "entropy, steps 21-30"),
     ("response_length/mean", 21, 30, "response length, steps 21-30"),
 )
 
@@ -119,7 +119,13 @@ def read_rows(path):
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        # the update's entropy is actor/entropy_loss; runs logged before grpo.py logged verl's
+        # actor/entropy (pi_old's) called it actor/entropy
+        if "actor/entropy_loss" not in row and "actor/entropy" in row:
+            row["actor/entropy_loss"] = row["actor/entropy"]
+    return rows
 
 
 def run_dir(args, arm, seed):
@@ -252,7 +258,7 @@ def markdown(table):
 PLOT_ROWS = (
     ("reward/mean", "reward/mean (sampler)", "linear", (0, 1.02)),
     ("val/accuracy", "greedy val/accuracy (trainer)", "linear", (0, 1.02)),
-    ("actor/entropy", "actor/entropy", "log", (1e-3, 5)),
+    ("actor/entropy_loss", "entropy (the update's)", "log", (1e-3, 5)),
     ("response_length/mean", "response length (6 = never stops)", "linear", (3.8, 6.1)),
     # below 1e-4 the two policies are the same up to rounding (no mismatch)
     ("rollout_corr/k3_kl", "k3 KL(rollout, train) per token", "log", (1e-4, 3)),

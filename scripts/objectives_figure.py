@@ -8,8 +8,9 @@ curve (the mean over seeds) per objective, from runs that scripts/seed_table.py 
 
 Per objective: the last-10 mean of reward/mean and the greedy val/accuracy before training and at
 the end, for each seed; how many seeds learn (last-10 reward and final val both >= 0.8, the
-criterion of docs/grpo.md for the tiny task); actor/entropy at --entropy-step (how fast the policy
-became deterministic). The figure has two panels (--metrics, default reward/mean and actor/entropy)
+criterion of docs/grpo.md for the tiny task); the update's entropy (actor/entropy_loss) at
+--entropy-step (how fast the policy became deterministic). The figure has two panels (--metrics,
+default reward/mean and actor/entropy_loss)
 against the step, one line per objective: the mean over its seeds at each step all of them logged.
 Other runs (the SmolLM2 rows of docs/objectives.md) name their folders with --pattern.
 """
@@ -31,6 +32,11 @@ def read_rows(run_dir):
     """The training rows of a grpo.py run (those with reward/mean) and its val/accuracy rows."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    for row in rows:
+        # the update's entropy is actor/entropy_loss; runs logged before grpo.py logged verl's
+        # actor/entropy (pi_old's) called it actor/entropy
+        if "actor/entropy_loss" not in row and "actor/entropy" in row:
+            row["actor/entropy_loss"] = row["actor/entropy"]
     return [r for r in rows if "reward/mean" in r], [r for r in rows if "val/accuracy" in r]
 
 
@@ -48,7 +54,7 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "seed_table"))
     parser.add_argument("--pattern", default="{name}_hf_s{seed}", help="a run's folder name")
-    parser.add_argument("--metrics", nargs=2, default=["reward/mean", "actor/entropy"])
+    parser.add_argument("--metrics", nargs=2, default=["reward/mean", "actor/entropy_loss"])
     parser.add_argument("--entropy-step", type=int, default=30)
     parser.add_argument(
         "--no-criterion",
@@ -65,7 +71,7 @@ def main():
     seeds = " / ".join(str(s) for s in args.seeds)
     columns = ["objective", f"last-10 reward (seeds {seeds})", "greedy val before"]
     columns += ["final greedy val"] + (["learns"] if args.criterion else [])
-    columns += [f"`actor/entropy` at step {args.entropy_step}"]
+    columns += [f"`actor/entropy_loss` at step {args.entropy_step}"]
     print("| " + " | ".join(columns) + " |")
     print("| --- " * len(columns) + "|")
     for index, item in enumerate(args.objectives):
@@ -77,7 +83,9 @@ def main():
         final_val = [val[-1]["val/accuracy"] for _, val in runs]
         learns = sum(r >= 0.8 and v >= 0.8 for r, v in zip(last10, final_val))
         entropy = [
-            next((r["actor/entropy"] for r in rows if r["step"] == args.entropy_step), math.nan)
+            next(
+                (r["actor/entropy_loss"] for r in rows if r["step"] == args.entropy_step), math.nan
+            )
             for rows, _ in runs
         ]
         cells = [label, joined(last10), joined(first_val), joined(final_val)]
@@ -98,7 +106,7 @@ def main():
             )
     for axis, key in zip(axes, args.metrics):
         axis.set(xlabel="step", ylabel=f"{key} (mean of seeds)")
-        if key == "actor/entropy":
+        if key.startswith("actor/entropy"):
             axis.set_yscale("log")
     axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.suptitle(f"{args.title}, seeds {seeds}")

@@ -390,9 +390,12 @@ def test_every_correction_preset_runs_a_step(tiny, rollout_batch, preset):
     model, _ = tiny
     args, batch = rollout_batch
     new_model, metrics = _run_update(model, args, batch, preset)
+    # pi_old's entropy comes from the recompute, which bypass mode skips (verl logs none there)
+    bypass = corrections.RolloutCorrection.from_name(preset).bypass_mode
+    assert ("actor/entropy" in metrics) != bypass
     for key in (
         "actor/pg_loss",
-        "actor/entropy",
+        "actor/entropy_loss",
         "actor/grad_norm",
         "rollout_corr/kl",
         "rollout_corr/chi2_token",
@@ -496,19 +499,41 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     kld = objectives.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
     # the logged terms are whole-minibatch losses (global normalisation)
     _, mini = grpo.local_batch_sizes(args, 1)
-    expected = {"actor/entropy": [], "actor/kl_loss": [], "plain_entropy": []}
+    expected = {"actor/entropy_loss": [], "actor/kl_loss": [], "plain_entropy": []}
     for start in range(0, logprobs.shape[0], mini):
         rows = slice(start, start + mini)
-        expected["actor/entropy"].append(objectives.agg_loss(entropy[rows], corrected[rows]).item())
+        expected["actor/entropy_loss"].append(
+            objectives.agg_loss(entropy[rows], corrected[rows]).item()
+        )
         expected["actor/kl_loss"].append(objectives.agg_loss(kld[rows], corrected[rows]).item())
         expected["plain_entropy"].append(
             objectives.agg_loss(entropy[rows], batch["response_mask"][rows]).item()
         )
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    assert metrics["actor/entropy"] == pytest.approx(mean(expected["actor/entropy"]), rel=1e-5)
+    assert metrics["actor/entropy_loss"] == pytest.approx(
+        mean(expected["actor/entropy_loss"]), rel=1e-5
+    )
     assert metrics["actor/kl_loss"] == pytest.approx(mean(expected["actor/kl_loss"]), rel=1e-5)
     # the mask made a difference
-    assert abs(metrics["actor/entropy"] - mean(expected["plain_entropy"])) > 1e-4
+    assert abs(metrics["actor/entropy_loss"] - mean(expected["plain_entropy"])) > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_actor_entropy_is_pi_olds_over_the_whole_batch_before_the_update(tiny, rollout_batch, mode):
+    """verl 0.9.1 logs two entropies (ray_trainer.py after compute_old_log_prob; losses.py):
+    actor/entropy, pi_old's over the whole batch's response mask with loss_agg_mode, before any
+    update; actor/entropy_loss, the update's. With two minibatches and lr > 0 the second
+    minibatch's forward sees updated weights, so the two differ."""
+    model, _ = tiny
+    args, batch = rollout_batch
+    args = dataclasses.replace(args, loss_agg_mode=mode, lr=1e-2)
+    _, entropy = grpo.compute_logprobs(
+        model.eval(), batch, args.temperature, args.logprob_chunk_size
+    )
+    by_hand = objectives.agg_loss(entropy, batch["response_mask"], mode).item()
+    _, metrics = _run_update(model, args, batch, "disabled")
+    assert metrics["actor/entropy"] == pytest.approx(by_hand, rel=1e-6)
+    assert abs(metrics["actor/entropy_loss"] - by_hand) > 1e-5
 
 
 def test_verl_source_uses_one_corrected_mask_for_every_loss_term():
@@ -773,6 +798,7 @@ def test_tiny_run_learns(tmp_path):
         "actor/pg_clipfrac",
         "actor/ppo_kl",
         "actor/entropy",
+        "actor/entropy_loss",
         "actor/kl_loss",
         "actor/grad_norm",
         "actor/lr",
