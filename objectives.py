@@ -604,8 +604,9 @@ def dppo_tv_token_loss(
 
     so clip_ratio_low / clip_ratio_high are probability distances here (a total-variation bound on
     the binary distribution {a_t, not a_t}), not ratio bounds; clip_c truncates the ratio weight
-    (grpo.py passes --clip-ratio-c, 3.0 by default as verl's actor config; None: 20). Returns (l (B, T), metrics): pg_clipfrac (tokens outside the region), ppo_kl,
-    pg_clipfrac_lower (kept tokens whose weight was truncated)."""
+    (grpo.py passes --clip-ratio-c, 3.0 by default as verl's actor config; None: 20). Returns
+    (l (B, T), metrics): pg_clipfrac (tokens outside the region), ppo_kl, pg_clipfrac_lower (kept
+    tokens whose weight was truncated)."""
     valid = mask.bool()
     change = torch.exp(logprobs) - torch.exp(old_logprobs)
     keep = torch.where(advantages > 0, change <= clip_high, change >= -clip_low)

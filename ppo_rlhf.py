@@ -562,17 +562,14 @@ def forward_and_score(
 
 
 def load_policy(path, device):
-    """An HF causal LM in float32 with dropout off and the model's own eos/pad removed from its
-    generation_config ([general 4]: a GenerationConfig(eos_token_id=None) alone is not enough, the
-    model's config would re-add it)."""
+    """An HF causal LM in float32 with dropout off ([policy 4]) that samples through EOS ([general
+    4]: rollout.never_stop_at_eos)."""
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    rewards.disable_dropout(
-        lm
-    )  # [policy 4] no dropout (rewards.py's helper also resets the config)
-    lm.generation_config.eos_token_id = None
-    lm.generation_config.pad_token_id = None
+    # rewards.py's helper also resets the config
+    rewards.disable_dropout(lm)
+    rollout.never_stop_at_eos(lm)
     return lm.to(device)
 
 
@@ -1124,9 +1121,10 @@ def train(args: Args):
             rewards_t[:, -1] += scores
 
             # 5. whiten the rewards WITHOUT shifting the mean (biased variance as tf.nn.moments;
-            #    [policy 9]), once (nminibatches=1 in the original: "per minibatch"); each rank its
-            #    own rollouts, as OAI and [repro], in groups of whiten_group_size (64: one GPU
-            #    computes what OpenAI's 8 ranks of 64 did)
+            #    [policy 9]), once per batch as [repro] (the original whitens inside its loss, per
+            #    minibatch: the same with its nminibatches=1; smol_sentiment's 2 minibatches are
+            #    whitened together here); each rank its own rollouts, as OAI and [repro], in groups
+            #    of whiten_group_size (64: one GPU computes what OpenAI's 8 ranks of 64 did)
             if args.whiten_rewards:
                 rewards_t = whiten(rewards_t, shift_mean=False, group_size=args.whiten_group_size)
 
@@ -1299,7 +1297,9 @@ PRESETS = {
     # query = the first 500 tokens of a post + "\n\nTL;DR:" (the reward model sees the post without
     # the suffix), response 75 tokens, truncated at the first "\n" (gpt2 id 198) from token 55 on,
     # T=0.7; a FIXED KL coefficient 0.03 ("0.01 too low"; adaptive KL commented out), no reward
-    # whitening, rollout batch 32 (4 per rank on 8 GPUs, hence advantage whitening in groups of 4),
+    # whitening (launch.py binds `rewards.whiten`, a field its RewardHParams lacks, so the config as
+    # written fails its type lookup: read as ppo.whiten_rewards=False, the field that exists),
+    # rollout batch 32 (4 per rank on 8 GPUs, hence advantage whitening in groups of 4),
     # lr 2e-6, 1M episodes; the reward model is rewards.py's gpt2_tldr.
     "gpt2_tldr": (
         "gpt2 TL;DR summarisation (lm-human-preferences launch.py tldr; not run here, see "

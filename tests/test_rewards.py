@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import rewards  # noqa: E402
+import rollout  # noqa: E402
 import tasks  # noqa: E402
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -207,7 +208,7 @@ def test_shared_query_forward_equals_a_forward_per_left_padded_row(arch):
 def tiny_policy(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_policy"))
     policy, tokenizer = tasks.build_tiny_model(path, arch="gpt2")
-    return policy.eval(), tokenizer
+    return rollout.never_stop_at_eos(policy).eval(), tokenizer
 
 
 def test_normalization_gives_mean_0_std_1_on_fresh_samples(tiny_policy):

@@ -16,6 +16,7 @@ sys.path.insert(0, ROOT)
 
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
+import rollout  # noqa: E402
 import tasks  # noqa: E402
 
 
@@ -77,6 +78,7 @@ def test_make_labels_lexicon_on_the_tiny_model(tmp_path, monkeypatch):
     queries (one sample holds the best score) become labels, in query order, sampled round after
     round until there are enough."""
     policy, tokenizer = tasks.build_tiny_model(str(tmp_path / "policy"), arch="gpt2")
+    rollout.never_stop_at_eos(policy)
     # the tiny model writes letters, not English: score a text by its count of "a" (ties happen, as
     # with the lexicon)
     monkeypatch.setattr(tasks, "lexicon_sentiment_score", lambda text: text.count("a"))

@@ -208,6 +208,23 @@ def test_eos_finish_reasons_and_grouping(setup):
     assert len({tuple(r) for r in responses[:n]}) > 1
 
 
+def test_fixed_length_samples_through_eos_as_openai(setup):
+    """fixed_length (rewards.py's label candidates, as rollout.sample_fixed_length): exactly
+    max_new_tokens tokens, EOS sampled like any other token (near-uniform over 56 tokens: about a
+    quarter of 16-token samples hold one) and never ending a sample, its logprob the plain
+    log_softmax (no mask that would raise the other tokens')."""
+    backend, model, tokenizer = setup
+    eos = tokenizer.eos_token_id
+    prompts, n, max_new = _prompts(tokenizer), 8, 16
+    responses, logprobs, finish = backend.generate(
+        prompts, n=n, max_new_tokens=max_new, temperature=1.0, seed=3, fixed_length=True
+    )
+    assert all(len(r) == max_new for r in responses) and set(finish) == {"length"}
+    # EOS inside samples, not only at their end
+    assert sum(eos in r[:-1] for r in responses) >= 4
+    assert max_logprob_diff(model, prompts, n, responses, logprobs, 1.0) < 1e-4
+
+
 def test_fixed_seed_is_deterministic(setup):
     backend, _, tokenizer = setup
     prompts = _prompts(tokenizer)
