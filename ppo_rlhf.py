@@ -567,7 +567,7 @@ def load_policy(path, device):
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    # rewards.py's helper also resets the config
+    # [policy 4] no dropout (rewards.py's helper also resets the config)
     rewards.disable_dropout(lm)
     rollout.never_stop_at_eos(lm)
     return lm.to(device)

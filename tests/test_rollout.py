@@ -273,11 +273,13 @@ def test_sampling_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_
         head = torch.nn.Parameter(model.get_output_embeddings().weight.detach().clone())
         head[eos] = 4.0 * direction
         model.get_output_embeddings().weight = head
-    model.generation_config.eos_token_id = None  # as load_policy does
-    model.generation_config.pad_token_id = None
     banned = ppo_rlhf.banned_vocab_mask(model.config.vocab_size, tok.pad_token_id, "cpu")
     assert banned is not None  # the tiny tokenizer's [PAD] is id 0, inside the vocabulary
     queries = ppo_rlhf.left_pad_queries([[5, 6, 7], [8, 9]], 4, tok.pad_token_id)
+    # with the model's own EOS id, HF would mask EOS (min_new_tokens): refused
+    with pytest.raises(ValueError, match="never_stop_at_eos"):
+        rollout.sample_fixed_length(model, queries, tok.pad_token_id, 10, 0.7)
+    rollout.never_stop_at_eos(model)  # as load_policy does
     torch.manual_seed(0)
     responses, rollout_lp = rollout.sample_fixed_length(
         model, queries, tok.pad_token_id, 10, 0.7, banned_token=tok.pad_token_id, precision="fp32"
