@@ -509,6 +509,12 @@ def test_agg_loss_matches_verl(mode):
     assert O.agg_loss(train, mask, mode).item() == pytest.approx(
         VERL["agg_loss"](train, mask, mode).item(), abs=1e-6
     )
+    # with global_batch_info, as grpo.update_policy calls it: one rank's micro-batch of a global
+    # minibatch on 2 ranks (its tokens and sequences counted over both)
+    world = dict(dp_size=2, batch_num_tokens=int(mask.sum()) + 11, global_batch_size=16)
+    assert O.agg_loss(train, mask, mode, **world).item() == pytest.approx(
+        VERL["agg_loss"](train, mask, mode, **world).item(), abs=1e-6
+    )
 
 
 def decoupled_pg_loss(logprobs, old_logprobs, advantages, mask, is_weights=None, mode="token-mean"):
