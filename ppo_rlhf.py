@@ -1120,11 +1120,10 @@ def train(args: Args):
             rewards_t = non_score_reward.clone()
             rewards_t[:, -1] += scores
 
-            # 5. whiten the rewards WITHOUT shifting the mean (biased variance as tf.nn.moments;
-            #    [policy 9]), once per batch as [repro] (the original whitens inside its loss, per
-            #    minibatch: the same with its nminibatches=1; smol_sentiment's 2 minibatches are
-            #    whitened together here); each rank its own rollouts, as OAI and [repro], in groups
-            #    of whiten_group_size (64: one GPU computes what OpenAI's 8 ranks of 64 did)
+            # 5. whiten the rewards WITHOUT shifting the mean ([policy 9], biased variance), once
+            #    per batch as [repro] (OpenAI: per minibatch, the same with its one minibatch); each
+            #    rank its own rollouts, in groups of whiten_group_size (64: one GPU computes what
+            #    OpenAI's 8 ranks of 64 did)
             if args.whiten_rewards:
                 rewards_t = whiten(rewards_t, shift_mean=False, group_size=args.whiten_group_size)
 
