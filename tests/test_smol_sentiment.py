@@ -284,7 +284,7 @@ def test_shortened_smol_reward_model_beats_chance_on_smollm2(tmp_path):
         save_model=False,
         eval_every=10**6,
         # a 135M model, unlike the tiny ones conftest.py runs on one thread: a second thread makes
-        # this test 1.5x faster (80 s against 121 s), and the table in the docs was measured so
+        # this test 1.7x faster (71 s against 121 s), and the table in the docs was measured so
         torch_threads=2,
     )
     threads_before = torch.get_num_threads()
