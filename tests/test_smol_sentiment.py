@@ -223,7 +223,9 @@ def test_a_missing_smollm2_is_refused_in_one_line_by_every_script(monkeypatch, t
 
 # Measured over seeds 1-8 (docs/rewards.md, "the CI check"): held-out 0.39-0.45 (25-29 of 64) with
 # 64 labels at peak lr 4e-4; 0.34 = 22 of 64, 6 above the 16 that chance expects.
-CI_NUM_TRAIN, CI_LR, CI_MIN_ACCURACY = 64, 4e-4, 0.34
+CI_NUM_TRAIN = 64
+CI_LR = 4e-4
+CI_MIN_ACCURACY = 0.34
 
 
 def preset_label_path():
