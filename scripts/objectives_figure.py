@@ -9,9 +9,11 @@ curve (the mean over seeds) per objective, from runs that scripts/seed_table.py 
 Per objective: the last-10 mean of reward/mean and the greedy val/accuracy before training and at
 the end, for each seed; how many seeds learn (last-10 reward and final val both >= 0.8, the
 criterion of docs/grpo.md for the tiny task); the update's entropy (actor/entropy_loss) at
---entropy-step (how fast the policy became deterministic). The figure has two panels (--metrics,
-default reward/mean and actor/entropy_loss)
-against the step, one line per objective: the mean over its seeds at each step all of them logged.
+--entropy-step (how fast the policy became deterministic); with --mean-of KEY, the run's mean of
+KEY (e.g. actor/pg_clipfrac: how much of the update the clip held back), "-" where not logged;
+with --solved-at X, the first step from which reward/mean stays >= X for 5 steps ("-": never).
+The figure has two panels (--metrics, default reward/mean and actor/entropy_loss) against the
+step, one line per objective: the mean over its seeds at each step all of them logged.
 Other runs (the SmolLM2 rows of docs/objectives.md) name their folders with --pattern.
 """
 
@@ -44,8 +46,17 @@ def mean(values):
     return sum(values) / len(values)
 
 
-def joined(values):
-    return " / ".join(f"{x:.2f}" for x in values)
+def solved_step(rows, level, run_of=5):
+    """The first step from which reward/mean stays >= level for run_of steps in a row, or "-"."""
+    rewards = [r["reward/mean"] for r in rows]
+    for i in range(len(rows) - run_of + 1):
+        if min(rewards[i : i + run_of]) >= level:
+            return str(rows[i]["step"])
+    return "-"
+
+
+def joined(values, digits=2):
+    return " / ".join(f"{x:.{digits}f}" for x in values)
 
 
 def main():
@@ -56,6 +67,8 @@ def main():
     parser.add_argument("--pattern", default="{name}_hf_s{seed}", help="a run's folder name")
     parser.add_argument("--metrics", nargs=2, default=["reward/mean", "actor/entropy_loss"])
     parser.add_argument("--entropy-step", type=int, default=30)
+    parser.add_argument("--mean-of", nargs="*", default=[], help="columns: a run's mean of KEY")
+    parser.add_argument("--solved-at", type=float, help="a column: when reward/mean reaches X")
     parser.add_argument(
         "--no-criterion",
         dest="criterion",
@@ -72,6 +85,9 @@ def main():
     columns = ["objective", f"last-10 reward (seeds {seeds})", "greedy val before"]
     columns += ["final greedy val"] + (["learns"] if args.criterion else [])
     columns += [f"`actor/entropy_loss` at step {args.entropy_step}"]
+    columns += [f"mean `{key}`" for key in args.mean_of]
+    if args.solved_at is not None:
+        columns += [f"reward >= {args.solved_at} from step"]
     print("| " + " | ".join(columns) + " |")
     print("| --- " * len(columns) + "|")
     for index, item in enumerate(args.objectives):
@@ -90,7 +106,13 @@ def main():
         ]
         cells = [label, joined(last10), joined(first_val), joined(final_val)]
         cells += [f"{learns} of {len(runs)}"] if args.criterion else []
-        print("| " + " | ".join(cells + [joined(entropy)]) + " |")
+        cells += [joined(entropy)]
+        for key in args.mean_of:
+            logged = [[r[key] for r in rows if key in r] for rows, _ in runs]
+            cells += [joined([mean(values) for values in logged], 3) if all(logged) else "-"]
+        if args.solved_at is not None:
+            cells += [" / ".join(solved_step(rows, args.solved_at) for rows, _ in runs)]
+        print("| " + " | ".join(cells) + " |")
         for axis, key in zip(axes, args.metrics):
             by_step = [{r["step"]: r[key] for r in rows + val if key in r} for rows, val in runs]
             steps = sorted(set.intersection(*(set(run) for run in by_step)))

@@ -555,3 +555,48 @@ def test_baseline_none_plots_only_our_seed_band(tmp_path):
         make_args([runs[0], rm], "none", tmp_path / "out4", metrics=("objective/kl",)),
         "count different steps",
     )
+
+
+def test_objectives_figure_table_columns(tmp_path):
+    """scripts/objectives_figure.py's table from hand-written grpo.py runs: the learns criterion,
+    the entropy at --entropy-step, a --mean-of column ("-" where one seed did not log the key) and
+    --solved-at (the first step of 5 in a row at or above the level; "-" where none)."""
+
+    def run(rewards, clipfrac=None):
+        rows = [{"step": 0, "val/accuracy": 0.0}]
+        for step, reward in enumerate(rewards, start=1):
+            row = {"step": step, "reward/mean": reward, "actor/entropy_loss": 1.0 / step}
+            if clipfrac is not None:
+                row["actor/pg_clipfrac"] = clipfrac * step
+            rows.append(row)
+        rows.append({"step": len(rewards), "val/accuracy": 0.9})
+        return rows
+
+    # a: solved from step 3 (steps 3-7 >= 0.95) in seed 1, never 5 in a row in seed 2
+    write_run(tmp_path / "a_hf_s1", run([0.1, 0.5, 0.95, 1, 1, 1, 0.96, 0.9, 1, 1], 0.01))
+    write_run(tmp_path / "a_hf_s2", run([0.1, 1, 1, 1, 1, 0.5, 1, 1, 1, 1], 0.02))
+    write_run(tmp_path / "b_hf_s1", run([0.5] * 10, 0.01))
+    write_run(tmp_path / "b_hf_s2", run([0.5] * 10))
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "objectives_figure.py")]
+        + ["A=a", "B=b", "--seeds", "1", "2", "--runs-dir", str(tmp_path), "--entropy-step", "4"]
+        + ["--mean-of", "actor/pg_clipfrac", "--solved-at", "0.95"]
+        + ["--out", str(tmp_path / "figure.png")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0][-2:] == ["mean `actor/pg_clipfrac`", "reward >= 0.95 from step |"]
+    a_row = rows[2]
+    b_row = rows[3]
+    # a: last-10 rewards 8.41 / 10 and 8.6 / 10, both >= 0.8 with val 0.9; b: 0.5
+    assert a_row[1:5] == ["0.84 / 0.86", "0.00 / 0.00", "0.90 / 0.90", "2 of 2"]
+    assert b_row[4] == "0 of 2"
+    assert a_row[5] == "0.25 / 0.25"
+    # the mean of clipfrac x step over steps 1-10: 5.5 x 0.01 and 5.5 x 0.02
+    assert a_row[6] == "0.055 / 0.110"
+    assert b_row[6] == "-"
+    assert a_row[7] == "3 / - |"
+    assert b_row[7] == "- / - |"
+    assert os.path.exists(tmp_path / "figure.png")

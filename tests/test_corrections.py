@@ -681,6 +681,35 @@ def test_gspo_clips_whole_sequences_and_cispo_keeps_clipped_gradients():
     assert metrics["pg_clipfrac"] == 0.25
 
 
+@pytest.mark.parametrize("name", sorted(O.POLICY_LOSSES))
+def test_on_policy_every_loss_but_clip_cov_is_reinforce(name):
+    """Where pi_theta is pi_old (the first optimizer step on a batch, before any weight moved)
+    every ratio is 1, no clip is active and no penalty has a gradient: each policy loss's gradient
+    with respect to log pi_theta is -A on every valid token, REINFORCE's. So the losses differ
+    only from a batch's second optimizer step on (docs/objectives.md, "One or two optimizer steps
+    per batch"). Clip-Cov is the exception: it cuts tokens by their covariance, not their ratio."""
+    g = torch.Generator().manual_seed(4)
+    old = -2.0 * torch.rand(8, 10, generator=g)
+    adv = 3.0 * torch.randn(8, generator=g)[:, None].expand(8, 10).clone()
+    mask = torch.ones(8, 10)
+    mask[2, 6:] = 0.0
+    lp = old.clone().requires_grad_(True)
+    extra = {"beta": 0.1} if name == "dro" else {}
+    with pytest.MonkeyPatch.context() as patch:
+        # Clip-Cov and KL-Cov act on 5% of the 76 tokens (with their default, 0.02%, on one)
+        patch.setattr(O, "CLIP_COV_RATIO", 0.05)
+        patch.setattr(O, "KL_COV_RATIO", 0.05)
+        torch.manual_seed(5)
+        losses, metrics = O.POLICY_LOSSES[name](lp, old.clone(), adv, mask, 0.2, 0.28, **extra)
+    (losses * mask).sum().backward()
+    reinforce = -adv * mask
+    if name == "clip_cov":
+        assert metrics["pg_clipfrac"] > 0
+        assert not torch.allclose(lp.grad, reinforce, atol=1e-6)
+    else:
+        assert torch.allclose(lp.grad, reinforce, atol=1e-6)
+
+
 def test_tis_paper_estimators_at_equal_policies():
     """With pi_sampler = pi_learner = pi_old every estimator is plain REINFORCE-like PPO: same
     value, same gradient."""
