@@ -23,8 +23,9 @@ gradients, save, resume and log the same way:
                      written with, the script and the number of ranks must match), load_checkpoint
                      (restores this rank's RNG: python, numpy, torch, CUDA; every file through
                      load_plain, torch.load(weights_only=True): a crafted pickle runs nothing)
-    4. logs          start_logs: the rerun rule (below), args.json, metrics.jsonl and samples.jsonl
-                     (one flushed JSON line per row, written by rank 0), and wandb with --track
+    4. logs          start_logs: the rerun rule (below), args.json (with run_environment),
+                     metrics.jsonl and samples.jsonl (one flushed JSON line per row, written by
+                     rank 0), and wandb with --track
 
 The rerun rule, the same for every script. Rerunning a command with the same --output-dir either
 resumes (there is a checkpoint: the rows a killed run logged after it, and a line a kill or a full
@@ -38,15 +39,18 @@ cannot be used stops the run in one line: it is never silently replaced.
 import dataclasses
 import errno
 import hashlib
+import importlib.metadata
 import json
 import math
 import netrc
 import os
 import pickle
+import platform
 import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -1034,10 +1038,49 @@ class RunLog:
         restore_signals()
 
 
+def run_environment():
+    """What a run ran on, written into args.json beside its settings. A seed's run repeats bit for
+    bit on one machine with one install, not across them: torch picks its CPU kernels by the
+    instruction set (cpu_capability: DEFAULT, AVX2, AVX512, ...) and a different summation order
+    can turn a borderline seed from learning to failing (docs/grpo.md, "Does the first run learn in
+    every seed?"). git_commit ends in "+dirty" when tracked files differ from it; None outside a
+    git checkout."""
+    versions = {}
+    for package in ("transformers", "vllm"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        git = ["git", "-C", here]
+        commit = subprocess.run(
+            git + ["rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        changes = subprocess.run(
+            git + ["status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        git_commit = commit + ("+dirty" if changes.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        git_commit = None
+    return {
+        "git_commit": git_commit,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **versions,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
 def start_logs(args, script, rank, world_size, resume_step=None):
     """The logs of a run that starts (resume_step None) or resumes after step resume_step, by the
-    rerun rule (see the module docstring); rank 0 writes args.json (the script, the world size and
-    every field of args) and, with --track, opens the wandb run (its files under
+    rerun rule (see the module docstring); rank 0 writes args.json (the script, the world size, the
+    run_environment and every field of args) and, with --track, opens the wandb run (its files under
     <output_dir>/wandb). Returns a RunLog."""
     wandb_run = None
     if rank == 0:
@@ -1051,7 +1094,12 @@ def start_logs(args, script, rank, world_size, resume_step=None):
         else:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 move_rows_after(os.path.join(args.output_dir, name), resume_step)
-        config = {"script": script, "world_size": world_size, **dataclasses.asdict(args)}
+        config = {
+            "script": script,
+            "world_size": world_size,
+            "environment": run_environment(),
+            **dataclasses.asdict(args),
+        }
         try:
             write_atomically(
                 os.path.join(args.output_dir, "args.json"), json.dumps(config, indent=2)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -243,3 +244,34 @@ def test_fail_fast_excepthook_ends_the_process_at_once():
     )
     assert proc.returncode == 1
     assert "RuntimeError: boom" in proc.stderr and "atexit ran" not in proc.stdout
+
+
+def test_args_json_records_the_environment_the_run_ran_on(tmp_path):
+    """args.json holds run_environment(): the commit (with "+dirty" when tracked files differ from
+    it), the versions, torch's CPU kernel set and the GPU, so two tables can say whether their runs
+    could be bit-identical."""
+
+    @dataclasses.dataclass
+    class Args:
+        output_dir: str
+        seed: int = 1
+        track: bool = False
+
+    log = harness.start_logs(Args(str(tmp_path)), "grpo", rank=0, world_size=1)
+    log.close()
+    written = json.load(open(tmp_path / "args.json"))
+    assert written["script"] == "grpo" and written["seed"] == 1
+    environment = written["environment"]
+    assert environment["torch"] == torch.__version__
+    assert environment["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert environment["cuda_device"] is None or torch.cuda.is_available()
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:  # a copy of the tree without .git
+        assert environment["git_commit"] is None
+        return
+    status = subprocess.run(
+        git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    dirty = "+dirty" if status.stdout.strip() else ""
+    assert environment["git_commit"] == head.stdout.strip() + dirty
