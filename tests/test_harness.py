@@ -4,6 +4,7 @@ restore every RNG of every rank (2 processes); metric reduction and gradient ave
 the fail-fast hook. Budget: ~40 s on 2 cores (one torchrun start, six tiny runs)."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -263,6 +265,9 @@ def test_args_json_records_the_environment_the_run_ran_on(tmp_path):
     assert written["script"] == "grpo" and written["seed"] == 1
     environment = written["environment"]
     assert environment["torch"] == torch.__version__
+    assert environment["transformers"] == transformers.__version__
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert (environment["vllm"] is not None) == has_vllm
     assert environment["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert environment["cuda_device"] is None or torch.cuda.is_available()
     git = ["git", "-C", str(ROOT)]
