@@ -207,7 +207,8 @@ class Args:
     compile_layers: bool = False
     """torch.compile each decoder layer (harness.compile_decoder_layers): fused element-wise
     kernels in the trainer's forward and backward; the first steps pay the compile, HF generate
-    stays eager (bench/bench_gpu.py measures it)."""
+    stays eager. The GPU presets turn it on (an update 1.19-1.27x the plain bf16 loss's speed on an
+    H200, bench/RESULTS.md); --no-compile-layers turns it off."""
     precision: str = "auto"
     """Forward dtype over fp32 master weights: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (verl's
     FSDP mixed precision) or fp16 (float16 autocast + a gradient scaler, Qi et al. 2025); the
@@ -1462,7 +1463,8 @@ PRESETS = {
     # 1e-6, ppo_mini_batch_size 256, use_kl_loss, kl_loss_coef 0.001, low_var_kl, entropy_coeff 0,
     # rollout.n 5, total_epochs 15 (7 steps per epoch -> 105 steps), test_freq 5, save_freq 20,
     # gradient checkpointing, weight_decay 0.01 (verl's default); bf16 autocast over fp32 master
-    # weights with a bf16 vLLM rollout, as verl's FSDP mixed precision.
+    # weights with a bf16 vLLM rollout, as verl's FSDP mixed precision. Compiled decoder layers: the
+    # same arithmetic, fused kernels, faster than the plain bf16 loss on one GPU (bench/RESULTS.md).
     "gsm8k_qwen05b": (
         "verl's GRPO example on GSM8K with Qwen2.5-0.5B-Instruct (GPU).",
         Args(
@@ -1487,6 +1489,7 @@ PRESETS = {
             val_every=5,
             save_every=20,
             gradient_checkpointing=True,
+            compile_layers=True,
         ),
     ),
     # TinyZero (github.com/Jiayi-Pan/TinyZero, scripts/train_tiny_zero.sh, README's "3B+ model"
@@ -1494,7 +1497,8 @@ PRESETS = {
     # lr 1e-6, ppo_mini_batch_size 128, micro-batch 8, kl 0.001;
     # examples/data_preprocess/countdown.py: the first 327680 rows train, the next 1024 test,
     # template_type "base" (a plain-text prompt, no chat template). TinyZero's own run trained PPO
-    # with a critic; this preset is its GRPO option (rollout.n 5, low_var_kl KL loss).
+    # with a critic; this preset is its GRPO option (rollout.n 5, low_var_kl KL loss). Compiled
+    # decoder layers, as gsm8k_qwen05b.
     "countdown": (
         "TinyZero's Countdown (base-model prompt, no chat template) with Qwen2.5-3B base, GRPO "
         "(GPU).",
@@ -1520,6 +1524,7 @@ PRESETS = {
             val_every=20,
             save_every=50,
             gradient_checkpointing=True,
+            compile_layers=True,
         ),
     ),
     # A real pretrained model on 2 CPU cores (<= 30 min with --backend vllm): SmolLM2-135M-Instruct

@@ -4,6 +4,8 @@ a real forward's hidden states.
 
     .venv/bin/python bench/head_precision.py         # CPU: TF32 and bf16 emulated (below); prints the table
     .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also corrections.py's real TF32 and bf16 paths
+    .venv/bin/python bench/head_precision.py --save-inputs   # write HEAD_INPUTS (30 MB) from the model
+    python bench/head_precision.py --inputs --cuda   # a GPU machine without the model: read HEAD_INPUTS
 
 Emulated on CPU, with the rounding applied to the fp32 bit pattern (round to nearest, ties to even)
 and the sums in fp32, as tensor cores accumulate:
@@ -28,6 +30,10 @@ sys.path.insert(0, ROOT)
 import corrections  # noqa: E402
 
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
+# the hidden states, next tokens and head weight of smollm2_hidden, small enough to carry to a
+# machine that lacks the 538 MB model (the weight stored exactly as its GGUF form, below)
+HEAD_INPUTS = os.path.join(ROOT, "models", "smollm2_head_inputs.pt")
+BLOCK = 32  # GGUF Q8_0: one float16 scale per 32 weights of a row
 CHATS = [  # (question, answer): the kind of text grpo.py's smol_arith preset trains SmolLM2 on
     (
         "Tom has 3 apples and buys 5 more. How many apples does he have?",
@@ -68,6 +74,29 @@ def smollm2_hidden(path=SMOLLM2):
             hidden.append(model.model(input_ids=ids).last_hidden_state[0, :-1])
             tokens.append(ids[0, 1:])
     return torch.cat(hidden), model.get_output_embeddings().weight.detach(), torch.cat(tokens)
+
+
+def save_head_inputs(path, hidden, weight, tokens):
+    """Write (hidden, weight, tokens) to `path`, the weight as one scale per block of 32 times an
+    int8 (GGUF's Q8_0 layout, which the wheel's token embedding is stored in: 30 MB where float32
+    takes 113 MB). The factorisation is checked to give back every float32 bit of the weight."""
+    blocks = weight.reshape(weight.shape[0], -1, BLOCK)
+    # Q8_0 picks scale = max |w| / 127, so the block's largest weight is +-127 x scale exactly
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block
+    q = torch.round(blocks / scale)
+    if not torch.equal(q * scale, blocks) or q.abs().max() > 127:
+        raise ValueError(
+            "the head weight is not a per-block scale x int8: it cannot be stored exactly"
+        )
+    torch.save({"hidden": hidden, "tokens": tokens, "scale": scale, "q": q.to(torch.int8)}, path)
+
+
+def load_head_inputs(path):
+    """(hidden, weight, tokens) as save_head_inputs wrote them: the weight bit for bit."""
+    saved = torch.load(path)
+    weight = (saved["q"].float() * saved["scale"]).reshape(saved["q"].shape[0], -1)
+    return saved["hidden"], weight, saved["tokens"]
 
 
 def emulated_logits(hidden, weight):
@@ -114,8 +143,20 @@ def main():
     parser.add_argument(
         "--cuda", action="store_true", help="also measure the real TF32 path on this GPU"
     )
+    parser.add_argument(
+        "--save-inputs", action="store_true", help=f"write {HEAD_INPUTS} from the model and stop"
+    )
+    parser.add_argument(
+        "--inputs", action="store_true", help=f"read {HEAD_INPUTS} instead of the model"
+    )
     opts = parser.parse_args()
-    hidden, weight, tokens = smollm2_hidden()
+    if opts.inputs:
+        hidden, weight, tokens = load_head_inputs(HEAD_INPUTS)
+    else:
+        hidden, weight, tokens = smollm2_hidden()
+    if opts.save_inputs:
+        save_head_inputs(HEAD_INPUTS, hidden, weight, tokens)
+        return print(f"wrote {HEAD_INPUTS} ({os.path.getsize(HEAD_INPUTS) / 2**20:.1f} MiB)")
     errors = logprob_errors(emulated_logits(hidden, weight), hidden, weight, tokens)
     if opts.cuda:
         exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(
@@ -128,17 +169,21 @@ def main():
                 err.mean().item(),
             )
     bf16_max, bf16_mean = errors["bf16 logits"]
+    tf32_max, tf32_mean = errors["TF32"]
     print(
         f"SmolLM2-135M-Instruct (Q4_1-de-quantised), {len(tokens)} tokens, max |logit| "
         f"{(hidden @ weight.T).abs().max().item():.1f}; torch {torch.__version__}\n"
     )
     print(
         "| head product | max abs logprob error | mean abs logprob error | max / bf16 logits' "
-        "| mean / bf16 logits' |"
+        "| mean / bf16 logits' | max / TF32's | mean / TF32's |"
     )
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, (mx, mean) in errors.items():
-        print(f"| {name} | {mx:.2e} | {mean:.2e} | {mx / bf16_max:.3f} | {mean / bf16_mean:.3f} |")
+        print(
+            f"| {name} | {mx:.2e} | {mean:.2e} | {mx / bf16_max:.3f} | {mean / bf16_mean:.3f} "
+            f"| {mx / tf32_max:.3g} | {mean / tf32_mean:.3g} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1103,6 +1103,32 @@ def test_head_precision_rounding_emulation():
     assert H.round_mantissa(ties, 10).tolist() == [1.0, 1 + 4 * 2**-11]
 
 
+def test_head_inputs_file_gives_back_the_weight_bit_for_bit(tmp_path):
+    """bench/head_precision.py's HEAD_INPUTS file (what a GPU machine without the model reads):
+    a weight that is a float16 scale per 32 weights times an int8 (GGUF Q8_0, SmolLM2's token
+    embedding) comes back with every float32 bit, the hidden states and tokens unchanged; a weight
+    of another form is refused, not stored approximately."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import head_precision as H
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (64, 3, 32), generator=g).float()
+    q[:, :, 0] = 127  # Q8_0 maps each block's largest |w| to +-127
+    q[5, 1] = 0  # an all-zero block
+    scale = (torch.rand(64, 3, 1, generator=g) * 1e-2).half().float()
+    weight = (q * scale).reshape(64, 96)
+    hidden = torch.randn(7, 96, generator=g)
+    tokens = torch.randint(0, 64, (7,), generator=g)
+    H.save_head_inputs(tmp_path / "inputs.pt", hidden, weight, tokens)
+    got_hidden, got_weight, got_tokens = H.load_head_inputs(tmp_path / "inputs.pt")
+    assert torch.equal(got_weight.view(torch.int32), weight.view(torch.int32))
+    assert torch.equal(got_hidden, hidden) and torch.equal(got_tokens, tokens)
+    with pytest.raises(ValueError, match="cannot be stored exactly"):
+        H.save_head_inputs(tmp_path / "no.pt", hidden, torch.randn(64, 96, generator=g), tokens)
+
+
 def test_lm_head_tf32_error_on_smollm2_is_within_a_quarter_of_bf16_logits():
     """The head precision choice, measured on SmolLM2-135M-Instruct's real weights
     (Q4_1-de-quantised) and a real forward's hidden states, against a float64 head: the logprob
