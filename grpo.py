@@ -943,6 +943,11 @@ def train(args, backend=None):
             "nothing to train (raise --total-steps to continue it)"
         )
     task = tasks.with_prompt_ids(task, tokenizer, args)
+    if len(task.train) < args.train_batch_size:  # (the overlong prompts were dropped)
+        raise harness.RunError(
+            f"--max-prompt-length {args.max_prompt_length} leaves {len(task.train)} training "
+            f"prompts, fewer than --train-batch-size {args.train_batch_size}"
+        )
     # The rollout engine. vLLM: one engine per rank, created by all ranks together after
     # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
     # (resumed, --mismatch-rounded) weights. --rollout-staleness K: the engine samples with a copy

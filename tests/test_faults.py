@@ -100,6 +100,16 @@ def steps(path):
     return [json.loads(line)["step"] for line in open(path)]
 
 
+def test_prompts_all_overlong_are_one_line_naming_the_flag(tmp_path, capfd):
+    """A --max-prompt-length that drops (verl's filter_overlong_prompts) so many prompts that no
+    batch of --train-batch-size is left ends in one line naming both flags, not in a traceback
+    from the data order."""
+    argv = grpo_argv(tmp_path / "out", 2, "--task", "arith", "--max-prompt-length", "8")
+    code, stderr = run_main(grpo.main, argv, capfd)
+    assert code == 1
+    assert_one_line(stderr, "--max-prompt-length 8 leaves 0 training prompts", "--train-batch-size")
+
+
 @pytest.fixture(scope="session")
 def grpo_done(tmp_path_factory):
     """A finished grpo.py tiny run of 2 steps with a checkpoint after each."""
