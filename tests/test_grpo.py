@@ -1372,6 +1372,45 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients():
     assert (logprobs_copy - logprobs).abs().max() > 0.1
 
 
+def test_compiled_layers_stay_under_the_recompile_limit_over_a_runs_batches():
+    """What a real run feeds the compiled layers: batches whose padded prompt width changes every
+    step (make_batch pads prompts to the batch's longest), with and without left padding, each
+    through the no-grad pi_old pass and the update's forward and backward, one of two layers
+    recomputed. The layer's compiled code keeps fewer graphs than torch's recompile limit (past it
+    torch runs the layer eager, silently slower): a changed width is a dynamic size after the
+    first, not a new graph per length (measured: 6 graphs over 12 batches, the limit 8)."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    torch._dynamo.reset()  # this test's graphs only
+    model = tasks.build_tiny_model(None, arch="qwen2", seed=3)[0].float().train()
+    grpo.recompute_layers(
+        model,
+        grpo.Args(gradient_checkpointing=True, recompute_num_layers=1),
+        torch.device("cpu"),
+        1,
+    )
+    harness.compile_decoder_layers(model)
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        width = 3 + step % 7
+        # odd steps: rows shorter than the widest, so their prompts are left-padded
+        prompts = [
+            torch.randint(3, 20, (width - (row % 3) * (step % 2),), generator=g).tolist()
+            for row in range(4)
+        ]
+        responses = [torch.randint(3, 20, (5,), generator=g).tolist() for _ in range(4)]
+        batch = rollout.make_batch(prompts, responses, [[0.0] * 5] * 4, 0, 6, torch.device("cpu"))
+        with torch.no_grad():
+            grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
+        logprobs, _ = grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
+        logprobs.sum().backward()
+        model.zero_grad(set_to_none=True)
+    graphs = len(_debug_get_cache_entry_list(Qwen2DecoderLayer.forward.__code__))
+    assert 2 <= graphs < torch._dynamo.config.recompile_limit
+
+
 # ------------------------------------------------------------------------------------------------ DAPO
 
 
