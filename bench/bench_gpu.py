@@ -4,8 +4,8 @@ process; the table is appended to bench/RESULTS.md with the machine and the vers
     python bench/bench_gpu.py              # one CUDA GPU: the real sizes below, < 10 min on an H100
     python bench/bench_gpu.py --no-write   # print the table only
     python bench/bench_gpu.py --tiny       # tiny sizes (what a CPU always runs: a few seconds; CI runs it)
-    python bench/bench_gpu.py --update-only --no-write   # the update rows alone (~1.5 min on an H100
-                                                         # before the compiled rows, + their compiles)
+    python bench/bench_gpu.py --update-only --no-write   # the update rows alone (132 s on an H200,
+                                                         # the compiles of the compiled rows included)
 
 Sizes: random-init models from the published configs (tests/model_configs, no weights),
 Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch 8, 512 prompt +
