@@ -4,7 +4,7 @@ a real forward's hidden states.
 
     .venv/bin/python bench/head_precision.py         # CPU: TF32 and bf16 emulated (below); prints the table
     .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also corrections.py's real TF32 and bf16 paths
-    .venv/bin/python bench/head_precision.py --save-inputs   # write HEAD_INPUTS (30 MB) from the model
+    .venv/bin/python bench/head_precision.py --save-inputs   # write HEAD_INPUTS (32 MB) from the model
     python bench/head_precision.py --inputs --cuda   # a GPU machine without the model: read HEAD_INPUTS
 
 Emulated on CPU, with the rounding applied to the fp32 bit pattern (round to nearest, ties to even)
@@ -78,7 +78,7 @@ def smollm2_hidden(path=SMOLLM2):
 
 def save_head_inputs(path, hidden, weight, tokens):
     """Write (hidden, weight, tokens) to `path`, the weight as one scale per block of 32 times an
-    int8 (GGUF's Q8_0 layout, which the wheel's token embedding is stored in: 30 MB where float32
+    int8 (GGUF's Q8_0 layout, which the wheel's token embedding is stored in: 32 MB where float32
     takes 113 MB). The factorisation is checked to give back every float32 bit of the weight."""
     blocks = weight.reshape(weight.shape[0], -1, BLOCK)
     # Q8_0 picks scale = max |w| / 127, so the block's largest weight is +-127 x scale exactly
@@ -156,7 +156,8 @@ def main():
         hidden, weight, tokens = smollm2_hidden()
     if opts.save_inputs:
         save_head_inputs(HEAD_INPUTS, hidden, weight, tokens)
-        return print(f"wrote {HEAD_INPUTS} ({os.path.getsize(HEAD_INPUTS) / 2**20:.1f} MiB)")
+        print(f"wrote {HEAD_INPUTS} ({os.path.getsize(HEAD_INPUTS) / 1e6:.0f} MB)")
+        return
     errors = logprob_errors(emulated_logits(hidden, weight), hidden, weight, tokens)
     if opts.cuda:
         exact = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(

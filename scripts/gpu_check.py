@@ -448,7 +448,7 @@ def head_precision():
     """The real TF32 and bf16-input heads on this GPU against a float64 head, next to
     bf16-rounded logits (bench/head_precision.py), on SmolLM2's weights and hidden states: from the
     converted model, or from bench/head_precision.py's HEAD_INPUTS file where only that was carried
-    (30 MB, the same numbers bit for bit)."""
+    (32 MB, the same numbers bit for bit)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import head_precision as H
 
