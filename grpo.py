@@ -942,11 +942,13 @@ def train(args, backend=None):
             f"{checkpoint} is at step {start_step} and --total-steps is {args.total_steps}: "
             "nothing to train (raise --total-steps to continue it)"
         )
+    train_prompts = len(task.train)
+    # the prompts longer than --max-prompt-length are dropped (verl's filter_overlong_prompts)
     task = tasks.with_prompt_ids(task, tokenizer, args)
-    if len(task.train) < args.train_batch_size:  # (the overlong prompts were dropped)
+    if len(task.train) < args.train_batch_size:
         raise harness.RunError(
-            f"--max-prompt-length {args.max_prompt_length} leaves {len(task.train)} training "
-            f"prompts, fewer than --train-batch-size {args.train_batch_size}"
+            f"{len(task.train)} of the {train_prompts} training prompts fit --max-prompt-length "
+            f"{args.max_prompt_length}: fewer than --train-batch-size {args.train_batch_size}"
         )
     # The rollout engine. vLLM: one engine per rank, created by all ranks together after
     # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's

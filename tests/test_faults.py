@@ -107,7 +107,9 @@ def test_prompts_all_overlong_are_one_line_naming_the_flag(tmp_path, capfd):
     argv = grpo_argv(tmp_path / "out", 2, "--task", "arith", "--max-prompt-length", "8")
     code, stderr = run_main(grpo.main, argv, capfd)
     assert code == 1
-    assert_one_line(stderr, "--max-prompt-length 8 leaves 0 training prompts", "--train-batch-size")
+    assert_one_line(
+        stderr, "0 of the 64 training prompts fit --max-prompt-length 8", "--train-batch-size"
+    )
 
 
 @pytest.fixture(scope="session")
