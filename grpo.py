@@ -7,20 +7,22 @@ through.
     torchrun --standalone --nproc_per_node 8 grpo.py gsm8k_qwen05b --output-dir runs/gsm8k  # 8 GPUs
 
 Read it top to bottom: Args (the knobs, in the order the algorithm uses them) -> rollouts and
-scores -> logprobs and pi_old -> the objective (grpo_loss) and the update -> train() -> checks,
-setup and logging -> PRESETS -> main(). train() is the table of contents; one training step,
-numbered as there:
+scores -> pi_old, the correction and pi_ref -> advantages -> the objective (grpo_loss) and the
+update -> train() -> checks, setup and logging -> PRESETS -> main(). train() is the table of
+contents; one training step, numbered as there:
     1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's
        logprobs (pi_rollout)
     2. score: each response's rule-based reward (tasks.py), minus DAPO's overlong penalty when it
        is on; DAPO's dynamic sampling repeats steps 1-2 on more prompts until train_batch_size
        groups whose rewards differ are in hand
-    3. advantages: per prompt group (score - mean) / (std + eps), objectives.grpo_advantages (std
-       off for Dr.GRPO), or another estimator of objectives.py (--adv-estimator: RLOO, REINFORCE++,
-       ReMax, OPO, pass@k, GPG, GDPO)
-    4. pi_old: the trainer's no-grad recompute, corrected against pi_rollout once per batch
-       (decoupled), or pi_rollout itself (bypass); pi_ref when the KL loss is on; the optimal token
-       baseline's per-token advantages come here, since they need pi_old
+    3. pi_old, the correction, pi_ref: the trainer's no-grad recompute of pi_old (decoupled),
+       corrected against pi_rollout once per batch: IS weights and an RS/veto mask that replaces
+       the response mask; or pi_rollout itself (bypass); pi_ref when the KL loss is on. verl's
+       order: its fit loop corrects before it computes the advantages (ray_trainer.py)
+    4. advantages, from the corrected mask: per prompt group (score - mean) / (std + eps),
+       objectives.grpo_advantages (std off for Dr.GRPO), or another estimator of objectives.py
+       (--adv-estimator: RLOO, REINFORCE++, ReMax, OPO, pass@k, GPG, GDPO, the optimal token
+       baseline from pi_old)
     5. update: grpo_loss, one micro-batch's whole objective: PPO's clipped surrogate
        (objectives.ppo_clip_token_loss; another loss of objectives.py with --policy-loss) times the
        correction's IS weights, over the tokens its rejection mask keeps, + the KL-to-reference and
@@ -31,7 +33,9 @@ numbered as there:
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
 
 Plumbing a first read can skip: every `harness.` call (processes, checkpoints and logs live in
-harness.py), and the section "Checks, setup, validation and logging" after train().
+harness.py), every `memory.` call (the GPU memory plan, recomputed and compiled layers), and the
+section "Checks, setup, validation and logging" after train(). log pi itself is logprobs.py: its
+first function is the definition.
 
 Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advantage,
 compute_policy_loss_vanilla, agg_loss; verl/trainer/ppo/ray_trainer.py: the loop and the masks),
@@ -40,12 +44,12 @@ decoupled vs bypass, presets, metrics) and Yao et al. 2025, "Your Efficient RL F
 Brings You Off-Policy RL Training" (the rollout/trainer mismatch), DAPO (Yu et al. 2025,
 arXiv:2503.14476: dynamic sampling, overlong shaping, clip-higher) and Qi et al. 2025
 (arXiv:2510.26788, --precision fp16). The objective's terms live in objectives.py (the GRPO family:
-estimators and losses), the rollout correction in corrections.py, the tasks in tasks.py.
+estimators and losses), the rollout correction in corrections.py, log pi in logprobs.py, the tasks
+in tasks.py.
 """
 
 import collections
 import contextlib
-import functools
 import math
 import os
 import time
@@ -56,6 +60,8 @@ import torch
 
 import corrections
 import harness
+import logprobs
+import memory
 import objectives
 import rollout
 import tasks
@@ -72,7 +78,7 @@ TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model (checked b
 
 
 @dataclass
-class Args:
+class Args(harness.CheckpointedRunArgs):
     # --- group sampling (step 1): n responses per prompt, their temperature and lengths
     rollout_n: int = 8
     """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for
@@ -88,7 +94,7 @@ class Args:
     """Drop the tokens below min_p x the most likely token's probability (0: off)."""
     replay_sampling_mask: bool = True
     """With --top-p/--top-k/--min-p: score each sampled token over the kept set the sampler drew
-    from (recomputed from the trainer's logits by the engine's rules, corrections.truncation_mask),
+    from (recomputed from the trainer's logits by the engine's rules, logprobs.truncation_mask),
     so pi_train / pi_rollout is 1 before any update; --no-replay-sampling-mask scores it over the
     whole vocabulary, as most frameworks do, a ratio of S (the kept mass, < 1) on every token."""
     max_prompt_length: int = 16
@@ -198,14 +204,14 @@ class Args:
     recompute_num_layers: int = -1
     """With --gradient-checkpointing: how many decoder layers (the first ones) recompute their
     activations in backward; the others keep them (Megatron-LM's --recompute-num-layers, block
-    method). -1: the memory plan's choice for this GPU (harness.recompute_choice: the fewest that
+    method). -1: the memory plan's choice for this GPU (memory.recompute_choice: the fewest that
     fit; all of them without a GPU); scripts/plan_memory.py prints it."""
     lm_head_precision: str = "auto"
     """The LM head's product (the log-softmax is float32 always): auto (TF32 on CUDA under bf16 or
     fp16 autocast, else IEEE fp32), fp32, tf32, or bf16 (bfloat16 inputs, float32 logits); a CPU
-    always runs IEEE fp32 (docs/corrections.md#lm-head-precision measures each)."""
+    always runs IEEE fp32 (docs/logprobs.md#lm-head-precision measures each)."""
     compile_layers: bool = False
-    """torch.compile each decoder layer (harness.compile_decoder_layers): fused element-wise
+    """torch.compile each decoder layer (memory.compile_decoder_layers): fused element-wise
     kernels in the trainer's forward and backward; the first steps pay the compile, HF generate
     stays eager. The GPU presets turn it on (an update 1.19-1.27x the plain bf16 loss's speed on an
     H200, bench/RESULTS.md); --no-compile-layers turns it off."""
@@ -276,47 +282,22 @@ class Args:
     """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the
     recomputed pi_old."""
 
-    # --- the run: seeds, processes, validation, checkpoints, logging
-    exp_name: str = "grpo"
-    """Name of this run (the wandb run name starts with it)."""
-    seed: int = 1
-    """Seed of the data order, the sampling seeds (seed + 100003 * rank + 7919 * step) and torch's
-    RNG."""
-    output_dir: str = "runs/grpo"
-    """Where metrics.jsonl, samples.jsonl, args.json, checkpoint/ (and the tiny model) go."""
-    cuda: bool = True
-    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins the CPU (fp32, gloo)."""
-    torch_threads: int = 0
-    """torch.set_num_threads on CPU (0 = torch's default; tiny presets run fastest on 1)."""
+    # --- the run: validation; the run flags shared by the scripts (--seed, --output-dir, --cuda,
+    # --torch-threads, --save-every, --resume-from, --track, ...) are harness.CheckpointedRunArgs'
     val_every: int = 10
     """Validate every N steps (and at the end); 0 = never."""
     val_before_train: bool = True
     """Validate once before the first step, logged as step 0 (verl trainer.val_before_train); not on
     resume."""
-    log_samples_every: int = 10
-    """Every N steps (and at the first) append a few samples with scores and advantages to
-    samples.jsonl; 0 = never."""
-    num_log_samples: int = 4
-    """Rows per sample table (rank 0's first sequences: with rollout_n >= 4, one prompt's group side
-    by side)."""
-    save_every: int = 50
-    """Checkpoint every N steps (and at the end); 0 = only at the end."""
-    resume_from: Optional[str] = None
-    """A checkpoint directory to continue from; None: a rerun resumes from <output_dir>/checkpoint
-    if there is one."""
-    allow_changed_settings: bool = False
-    """Resume even where settings differ from the checkpoint's (they are printed); without it such a
-    resume is refused (harness.checkpoint_to_resume)."""
-    track: bool = False
-    """Log to Weights & Biases (wandb is imported only when this is set)."""
+    # grpo.py's defaults of the shared run flags
+    exp_name: str = "grpo"
+    output_dir: str = "runs/grpo"
     wandb_project: str = "grpo"
-    """wandb project name."""
-    wandb_entity: Optional[str] = None
-    """wandb entity (team); None = your default entity."""
+    num_log_samples: int = 4
 
 
 # --------------------------------------------------------------------------------------------------
-# Steps 1-3: prompts, rollouts, scores (DAPO's dynamic sampling) and advantages
+# Steps 1-2: prompts, rollouts and scores (DAPO's dynamic sampling)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -447,6 +428,100 @@ def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
     return [group["prompt"] for group in mine], rollout_batch, metrics
 
 
+# --------------------------------------------------------------------------------------------------
+# Step 3: pi_old and pi_ref, with the run's log pi settings (logprobs.py computes log pi)
+# --------------------------------------------------------------------------------------------------
+
+
+def logprob_settings(args):
+    """The run's logprobs.LogprobSettings, built once in train(): every log pi of the run (pi_old,
+    pi_ref, pi_theta) scores the sampled tokens with the same temperature, chunk size, forward and
+    LM-head precision, and sampler to replay."""
+    return logprobs.LogprobSettings(
+        temperature=args.temperature,
+        chunk_size=args.logprob_chunk_size,
+        precision=args.precision,
+        head_precision=args.lm_head_precision,
+        truncation=replayed_truncation(args),
+    )
+
+
+def replayed_truncation(args):
+    """What the trainer's logprobs replay of a truncated sampler (--top-p/--top-k/--min-p with
+    --replay-sampling-mask): (top_k, top_p, min_p, the engine's order), or None (the whole
+    vocabulary)."""
+    if not args.replay_sampling_mask:
+        return None
+    return rollout.sampling_truncation(args, args.backend)
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch, args, log_pi, sum_pi_squared=False, left_out_of_kept_set=False):
+    """{"logprobs": (B, R), "entropy": (B, R)} of the whole local batch under `model`, no
+    gradient, one micro-batch at a time (logprobs.response_logprobs); with sum_pi_squared also
+    "sum_pi_squared" (B, R), sum_v pi(v)^2, and with left_out_of_kept_set "left_out_of_kept_set"
+    (B, R), 1.0 where the replayed kept set leaves out the sampled token."""
+    names = ["logprobs", "entropy"]
+    names += ["sum_pi_squared"] if sum_pi_squared else []
+    names += ["left_out_of_kept_set"] if left_out_of_kept_set else []
+    micro = args.ppo_micro_batch_size_per_gpu
+    parts = []
+    for start in range(0, batch["responses"].shape[0], micro):
+        micro_batch = {name: value[start : start + micro] for name, value in batch.items()}
+        stats = logprobs.response_logprobs(
+            model,
+            micro_batch,
+            log_pi,
+            sum_pi_squared=sum_pi_squared,
+            left_out_of_kept_set=left_out_of_kept_set,
+        )
+        parts.append(stats)
+    return {name: torch.cat([part[k] for part in parts]) for k, name in enumerate(names)}
+
+
+def compute_pi_old(model, batch, args, log_pi, correction, world_size=1):
+    """Step 3's pi_old, the PPO anchor: (old_logprobs (B, R), sum_pi_squared (B, R) or None,
+    metrics).
+
+    decoupled ("disabled" included): the trainer's no-grad recompute before the update; its
+        metrics are actor/entropy, pi_old's entropy over the response mask of the whole batch (all
+        ranks) with loss_agg_mode, as verl logs it (ray_trainer.py, after compute_old_log_prob),
+        and with a replayed truncated sampler training/sampled_outside_kept_set: the sampled
+        tokens that the kept set, recomputed from the trainer's logits, leaves out (the sampler
+        kept them, so there the two sets differ; the engine's own set is not read, see
+        docs/logprobs.md)
+    bypass: pi_rollout itself, no recompute (that forward is saved) and no metrics
+    sum_pi_squared: sum_v pi_old(v)^2 of each token from the same pass, for the optimal token
+        baseline (verl actor.calculate_sum_pi_squared); None for every other estimator."""
+    model.eval()
+    if correction.bypass_mode:
+        return batch["rollout_logprobs"], None, {}
+    token_level = args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS
+    replayed = log_pi.truncation is not None
+    old = batch_logprobs(
+        model, batch, args, log_pi, sum_pi_squared=token_level, left_out_of_kept_set=replayed
+    )
+    whole_batch = dict(
+        dp_size=world_size,
+        batch_num_tokens=harness.all_sum(batch["response_mask"].sum().double()).item(),
+        global_batch_size=args.train_batch_size * args.rollout_n,
+    )
+    old_entropy = objectives.agg_loss(
+        old["entropy"], batch["response_mask"], args.loss_agg_mode, **whole_batch
+    )
+    metrics = {"actor/entropy": old_entropy.item()}
+    if replayed:
+        metrics["training/sampled_outside_kept_set"] = corrections.masked_mean(
+            old["left_out_of_kept_set"], batch["response_mask"]
+        ).item()
+    return old["logprobs"], old.get("sum_pi_squared"), metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 4: advantages, from the corrected mask
+# --------------------------------------------------------------------------------------------------
+
+
 def greedy_baselines(backend, task, tokenizer, indices, step, args, rank):
     """ReMax's baseline (Li et al. 2024, arXiv:2310.10505): the score of the policy's greedy answer
     to each prompt, one per response (B,), generated with the same engine and weights as step 1."""
@@ -490,189 +565,27 @@ def reward_components(response_ids, indices, task, tokenizer, args):
     return components, metrics
 
 
-def compute_advantages(scores, group_ids, lengths, baselines, args, device):
-    """Step 3: one advantage per response, (B,) float32, on the device (REINFORCE++'s whitening
+def compute_advantages(scores, group_ids, kept_lengths, baselines, args, device):
+    """Step 4: one advantage per response, (B,) float32, on the device (REINFORCE++'s whitening
     all-reduces its sums, and NCCL needs CUDA tensors). A response's return is its score at every
-    token (outcome reward, gamma = 1).
+    token (outcome reward, gamma = 1). kept_lengths (B,): the tokens of each response that step 3's
+    corrected mask keeps, what the length-dependent estimators count (OPO's weights, the
+    whitening of REINFORCE++ and GDPO), as verl's compute_advantage reads the response mask that
+    its correction replaced.
 
     GRPO (objectives.grpo_advantages, verl compute_grpo_outcome_advantage):
         A_i = (score_i - mean of its group) / (std of its group + eps)   (no std: Dr.GRPO)
     --adv-estimator names another estimator of objectives.ADV_ESTIMATORS (each with its formula)."""
     scores = scores.to(device)
-    lengths = lengths.to(device)
+    kept_lengths = kept_lengths.to(device)
     if args.adv_estimator == "grpo":
         return objectives.grpo_advantages(
-            scores, group_ids, lengths, norm_by_std=args.norm_adv_by_std_in_grpo
+            scores, group_ids, kept_lengths, norm_by_std=args.norm_adv_by_std_in_grpo
         )
     estimator = objectives.ADV_ESTIMATORS[args.adv_estimator]
     return estimator(
-        scores, group_ids, lengths, baselines, norm_by_std=args.norm_adv_by_std_in_grpo
+        scores, group_ids, kept_lengths, baselines, norm_by_std=args.norm_adv_by_std_in_grpo
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Step 4: logprobs without a (B, T, V) float32 tensor, pi_old and pi_ref
-# --------------------------------------------------------------------------------------------------
-
-
-def compute_logprobs(
-    model,
-    batch,
-    temperature,
-    chunk_size=512,
-    entropy_grad=False,
-    rows=None,
-    precision="auto",
-    head_precision="auto",
-    truncation=None,
-    sum_pi_squared=False,
-    left_out_of_kept_set=False,
-):
-    """(logprobs, entropy), each (B, R), of the response tokens, without a (B, T, V) float32
-    log-softmax: the backbone's hidden states at the positions that predict a valid response token
-    (position t predicts token t+1), then the LM head chunk by chunk
-    (corrections.token_logprobs_and_entropy, recomputed in backward, the product in
-    `head_precision`), so the extra memory is one chunk's (chunk_size, V) logits. Padding
-    positions get logprob 0 and entropy 0. `truncation`: score over a truncated sampler's kept set
-    (replayed_truncation). sum_pi_squared (no gradient): a third (B, R) output, sum_v pi(v)^2 of
-    each token's distribution (the optimal token baseline's); left_out_of_kept_set (no gradient,
-    with `truncation`): a last (B, R) output, 1.0 where the replayed kept set leaves out the
-    sampled token."""
-    if rows is not None:
-        batch = {k: v[rows] for k, v in batch.items()}
-    backbone, lm_head = model.get_decoder(), model.get_output_embeddings()
-    R = batch["responses"].shape[1]
-    # the backbone in the forward dtype of --precision (bf16 on CUDA by default)
-    with rollout.autocast_context(batch["input_ids"].device, precision):
-        # (B, P+R, H)
-        hidden = backbone(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        ).last_hidden_state
-        # (B, R, H): the positions that predict the R response tokens
-        hidden = hidden[:, -R - 1 : -1]
-        valid = batch["response_mask"].bool()
-        # (N, H), (N,) valid response tokens only
-        hidden, tokens = (
-            hidden[valid],
-            batch["responses"][valid],
-        )
-        # logit / T, logsumexp and entropy chunk by chunk over the N valid tokens (shared with
-        # ppo_rlhf.py)
-        token_stats = corrections.token_logprobs_and_entropy(
-            hidden,
-            tokens,
-            temperature,
-            project=lm_head,
-            chunk_size=chunk_size,
-            entropy_grad=entropy_grad,
-            precision=head_precision,
-            truncation=truncation,
-            sum_pi_squared=sum_pi_squared,
-            left_out_of_kept_set=left_out_of_kept_set,
-        )
-    # (B, R) each: logprobs, entropy[, sum_v pi(v)^2][, left out]
-    return tuple(
-        torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, stat)
-        for stat in token_stats
-    )
-
-
-def replayed_truncation(args):
-    """What the trainer's logprobs replay of a truncated sampler (--top-p/--top-k/--min-p with
-    --replay-sampling-mask): (top_k, top_p, min_p, the engine's order), or None (the whole
-    vocabulary)."""
-    if not args.replay_sampling_mask:
-        return None
-    return rollout.sampling_truncation(args, args.backend)
-
-
-@torch.no_grad()
-def batch_logprobs(model, batch, args, sum_pi_squared=False, left_out_of_kept_set=False):
-    """{"logprobs": (B, R), "entropy": (B, R)} of the whole local batch under `model`, no
-    gradient, one micro-batch at a time; with sum_pi_squared also "sum_pi_squared" (B, R), sum_v
-    pi(v)^2, and with left_out_of_kept_set "left_out_of_kept_set" (B, R), 1.0 where the replayed
-    kept set leaves out the sampled token (compute_logprobs)."""
-    names = ["logprobs", "entropy"]
-    names += ["sum_pi_squared"] if sum_pi_squared else []
-    names += ["left_out_of_kept_set"] if left_out_of_kept_set else []
-    micro = args.ppo_micro_batch_size_per_gpu
-    parts = []
-    for start in range(0, batch["responses"].shape[0], micro):
-        stats = compute_logprobs(
-            model,
-            batch,
-            args.temperature,
-            args.logprob_chunk_size,
-            rows=slice(start, start + micro),
-            precision=args.precision,
-            head_precision=args.lm_head_precision,
-            truncation=replayed_truncation(args),
-            sum_pi_squared=sum_pi_squared,
-            left_out_of_kept_set=left_out_of_kept_set,
-        )
-        parts.append(stats)
-    return {name: torch.cat([part[k] for part in parts]) for k, name in enumerate(names)}
-
-
-def compute_pi_old_and_ref(model, ref_model, batch, args, correction, world_size=1):
-    """Step 4: the PPO anchor pi_old and, with beta > 0, the reference pi_ref, into the batch.
-    Returns the correction's batch metrics ({} in bypass mode) and, from the recompute,
-    actor/entropy: pi_old's entropy over the response mask of the whole batch (all ranks), with
-    loss_agg_mode, before the update, as verl logs it (ray_trainer.py, after compute_old_log_prob;
-    none in bypass mode, where there is no recompute).
-
-    decoupled ("disabled" included): pi_old = the trainer's no-grad recompute before the update,
-        corrected against pi_rollout once per batch (verl
-        compute_rollout_correction_and_add_to_batch): the IS weights pi_old / pi_rollout and the
-        RS/veto mask, which replaces the response mask for every loss term
-    bypass: pi_old = pi_rollout itself, no recompute (that forward is saved); update_policy
-        corrects each micro-batch against the current policy (verl rollout_corr_math.md, 3.1)
-    The optimal token baseline also takes sum_v pi_old(v)^2 from the recompute (verl
-    actor.calculate_sum_pi_squared). With a replayed truncated sampler the recompute also counts
-    the sampled tokens that its kept set, recomputed from the trainer's logits, leaves out: the
-    sampler kept them, so there the two sets differ (training/sampled_outside_kept_set; the
-    engine's own set is not read, see docs/corrections.md).
-    """
-    model.eval()
-    batch["loss_mask"] = batch["response_mask"]
-    corr_metrics = {}
-    if correction.bypass_mode:
-        batch["old_logprobs"] = batch["rollout_logprobs"]
-    else:
-        token_level = args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS
-        replayed = replayed_truncation(args) is not None
-        old = batch_logprobs(
-            model, batch, args, sum_pi_squared=token_level, left_out_of_kept_set=replayed
-        )
-        batch["old_logprobs"] = old["logprobs"]
-        whole_batch = dict(
-            dp_size=world_size,
-            batch_num_tokens=harness.all_sum(batch["response_mask"].sum().double()).item(),
-            global_batch_size=args.train_batch_size * args.rollout_n,
-        )
-        old_entropy = objectives.agg_loss(
-            old["entropy"], batch["response_mask"], args.loss_agg_mode, **whole_batch
-        )
-        corr_metrics["actor/entropy"] = old_entropy.item()
-        if token_level:
-            # the same pass gives each token's sum_v pi_old(v)^2
-            batch["sum_pi_squared"] = old["sum_pi_squared"]
-        is_weights, batch["loss_mask"], correction_metrics = corrections.apply_rollout_correction(
-            batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], correction
-        )
-        corr_metrics.update(correction_metrics)
-        if is_weights is not None:
-            batch["is_weights"] = is_weights
-        if replayed:
-            corr_metrics["training/sampled_outside_kept_set"] = corrections.masked_mean(
-                old["left_out_of_kept_set"], batch["response_mask"]
-            ).item()
-    if ref_model is not None:
-        batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args)["logprobs"]
-    return corr_metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -680,10 +593,10 @@ def compute_pi_old_and_ref(model, ref_model, batch, args, correction, world_size
 # --------------------------------------------------------------------------------------------------
 
 
-def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
+def grpo_loss(new_logprobs, entropy, micro_batch, args, correction, global_info):
     """GRPO's objective on one micro-batch, every term in this one frame (verl dp_actor.py
     update_policy; core_algos.py compute_policy_loss_vanilla, agg_loss). Per response token t, with
-    A the response's advantage (step 3) and r_t = pi_theta(a_t) / pi_old(a_t) (pi_old: step 4):
+    A the response's advantage (step 4) and r_t = pi_theta(a_t) / pi_old(a_t) (pi_old: step 3):
 
         l_t     = max(-A r_t, -A clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),
                   at most -A clip_ratio_c when A < 0 (dual-clip)    (objectives.ppo_clip_token_loss)
@@ -693,73 +606,50 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
                           + kl_loss_coef agg over M of (KL_t(pi_theta || pi_ref))
 
     agg is --loss-agg-mode over the minibatch's global counts (`global_info`, see update_policy).
-    DeepSeek-V3.2's options (arXiv:2512.02556): --off-policy-mask-threshold multiplies l_t by the
-    off-policy sequence mask (corrections.off_policy_sequence_mask), --use-bias-correction-kl
-    weights KL_t by r_t.
-    --policy-loss swaps l_t for another loss of objectives.py; bypass mode (pi_old = pi_rollout)
-    weights and masks with this micro-batch's current logprobs, and its REINFORCE loss is
-    l_t = -A log pi_theta(a_t).
+    The other objectives of objectives.py swap l_t: another loss of the catalogue (--policy-loss,
+    named_policy_loss), bypass mode's (pi_old = pi_rollout, w and M from this micro-batch's
+    pi_theta: bypass_mode_loss). DeepSeek-V3.2 (arXiv:2512.02556): --off-policy-mask-threshold
+    masks l_t by sequence, --use-bias-correction-kl weights KL_t by r_t.
 
-    logprobs, entropy: (b, R) of the current policy. micro_batch: its rows of the step's batch.
+    new_logprobs, entropy: (b, R) of the current policy. micro_batch: its rows of the step's batch.
     Returns (loss, the terms to log, the policy loss's metrics, bypass mode's correction metrics).
     """
-    # (b,) -> (b, R): the response's advantage at each of its tokens (the optimal token baseline
-    # gives (b, R) already)
+    # (b,) -> (b, R): each response's advantage at its tokens (the token-level baseline: (b, R))
     advantages = micro_batch["advantages"]
     if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
+        advantages = advantages[:, None].expand_as(new_logprobs)
     old_logprobs = micro_batch["old_logprobs"]
-    # decoupled: step 4's RS/veto mask and IS weights pi_old / pi_rollout; bypass: the response mask
+    # step 3's correction: the tokens its rejection mask keeps (all, without one) and the IS
+    # weights pi_old / pi_rollout (absent without IS)
     loss_mask = micro_batch["loss_mask"]
     is_weights = micro_batch.get("is_weights")
 
-    # The correction in bypass mode: pi_old = pi_rollout, and the weights pi_theta / pi_rollout
-    # and the RS mask come from this micro-batch's current logprobs (verl
-    # core_algos.compute_policy_loss_bypass_mode).
-    pg_mask = loss_mask
-    corr_metrics = {}
-    if correction.bypass_mode:
-        is_weights, pg_mask, corr_metrics = corrections.apply_rollout_correction(
-            logprobs.detach(), old_logprobs, loss_mask, correction
-        )
-
-    # The policy-gradient term per token.
-    if correction.loss_type == "reinforce":
-        # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry the ratio
-        pg_losses, pg_metrics = objectives.reinforce_token_loss(logprobs, advantages, pg_mask)
-    elif args.policy_loss == "vanilla":
-        # PPO's clipped surrogate of r = pi_theta / pi_old (clip-higher, dual-clip)
+    # The policy-gradient term per token: PPO's clipped surrogate of r = pi_theta / pi_old, with
+    # clip-higher and dual-clip (the default), or another objective of objectives.py.
+    clip = (args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c)
+    pg_mask, corr_metrics = loss_mask, {}
+    if args.policy_loss == "vanilla" and not correction.bypass_mode:
         pg_losses, pg_metrics = objectives.ppo_clip_token_loss(
-            logprobs,
-            old_logprobs,
-            advantages,
-            pg_mask,
-            clip_low=args.clip_ratio_low,
-            clip_high=args.clip_ratio_high,
-            clip_c=args.clip_ratio_c,
+            new_logprobs, old_logprobs, advantages, loss_mask, *clip
+        )
+    elif correction.bypass_mode:
+        pg_losses, pg_mask, is_weights, pg_metrics, corr_metrics = objectives.bypass_mode_loss(
+            new_logprobs, old_logprobs, advantages, loss_mask, correction, *clip
         )
     else:
-        # gspo, cispo, gpg, sapo, geo_mean, clip_cov, kl_cov, dppo_tv, dppo_kl or dro, each with its
-        # formula; DRO's penalty coefficient is its own setting
-        policy_loss = objectives.POLICY_LOSSES[args.policy_loss]
-        if args.policy_loss == "dro":
-            policy_loss = functools.partial(policy_loss, beta=args.dro_beta)
-        pg_losses, pg_metrics = policy_loss(
-            logprobs,
+        pg_losses, pg_metrics = objectives.named_policy_loss(
+            args.policy_loss,
+            new_logprobs,
             old_logprobs,
             advantages,
-            pg_mask,
-            args.clip_ratio_low,
-            args.clip_ratio_high,
-            args.clip_ratio_c,
+            loss_mask,
+            *clip,
+            args.dro_beta,
         )
-    if correction.bypass_mode and correction.loss_type != "reinforce":
-        # r is against pi_rollout already: IS weights would count it twice (verl)
-        is_weights = None
     if args.off_policy_mask_threshold is not None:
         # DeepSeek-V3.2: drop the negative-advantage sequences the policy has drifted far from
         keep, mask_metrics = corrections.off_policy_sequence_mask(
-            logprobs,
+            new_logprobs,
             micro_batch["rollout_logprobs"],
             advantages,
             pg_mask,
@@ -779,25 +669,29 @@ def grpo_loss(logprobs, entropy, micro_batch, args, correction, global_info):
     terms = {"actor/pg_loss": pg_loss, "actor/entropy_loss": entropy_loss}
     if args.kl_loss_coef > 0:
         # verl use_kl_loss: KL(pi_theta || pi_ref) as a loss, not a reward
-        kl = objectives.kl_penalty(logprobs, micro_batch["ref_logprobs"], args.kl_loss_type)
+        kl = objectives.kl_penalty(new_logprobs, micro_batch["ref_logprobs"], args.kl_loss_type)
         if args.use_bias_correction_kl:
             # DeepSeek-V3.2's unbiased estimate: the tokens came from pi_old, so each token's KL
             # estimate under pi_theta is weighted by r = pi_theta / pi_old (gradient through r)
             bound = corrections.SAFETY_BOUND
-            kl = kl * torch.exp((logprobs - old_logprobs).clamp(-bound, bound))
+            kl = kl * torch.exp((new_logprobs - old_logprobs).clamp(-bound, bound))
         kl_loss = objectives.agg_loss(kl, loss_mask, args.loss_agg_mode, **global_info)
         loss = loss + args.kl_loss_coef * kl_loss
         terms["actor/kl_loss"] = kl_loss
     return loss, terms, pg_metrics, corr_metrics
 
 
-def update_policy(model, optimizer, batch, args, correction, world_size=1, scaler=None, step=0):
+def update_policy(
+    model, optimizer, batch, args, correction, log_pi, world_size=1, scaler=None, step=0
+):
     """Step 5: ppo_epochs x minibatches (one optimizer step each) x micro-batches (one
-    forward/backward of grpo_loss each) over this rank's batch (rollout.make_batch's tensors, the
-    advantages, step 4's old_logprobs, loss_mask, is_weights, ref_logprobs); returns the metrics
-    averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else None. A
-    non-finite loss or gradient norm stops the run (harness.check_finite, naming `step`) before the
-    optimizer applies it; with fp16's scaler an inf gradient is an overflow, skipped as torch does.
+    forward/backward of grpo_loss each) over this rank's batch (rollout.make_batch's tensors, step
+    3's old_logprobs, loss_mask, is_weights, ref_logprobs, step 4's advantages); log pi of the
+    current policy is logprobs.response_logprobs with the run's `log_pi` settings. Returns the
+    metrics averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else
+    None. A non-finite loss or gradient norm stops the run (harness.check_finite, naming `step`)
+    before the optimizer applies it; with fp16's scaler an inf gradient is an overflow, skipped as
+    torch does.
 
     One loss normalisation for any micro-batch size or number of ranks (verl 0.9.1 agg_loss with
     global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each
@@ -831,18 +725,12 @@ def update_policy(model, optimizer, batch, args, correction, world_size=1, scale
             for start in range(mini_start, mini_end, micro):
                 rows = slice(start, min(start + micro, B))
                 micro_batch = {name: value[rows] for name, value in batch.items()}
-                logprobs, entropy = compute_logprobs(
-                    model,
-                    micro_batch,
-                    args.temperature,
-                    args.logprob_chunk_size,
-                    entropy_grad=args.entropy_coeff != 0,
-                    precision=args.precision,
-                    head_precision=args.lm_head_precision,
-                    truncation=replayed_truncation(args),
+                # log pi and the entropy of the current policy, (b, R) each
+                new_logprobs, entropy = logprobs.response_logprobs(
+                    model, micro_batch, log_pi, entropy_grad=args.entropy_coeff != 0
                 )
                 loss, terms, pg_metrics, corr_metrics = grpo_loss(
-                    logprobs, entropy, micro_batch, args, correction, global_info
+                    new_logprobs, entropy, micro_batch, args, correction, global_info
                 )
                 if correction.bypass_mode and bypass_metrics is None:
                     bypass_metrics = corr_metrics
@@ -922,8 +810,8 @@ def train(args, backend=None):
     # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds); then the
     #    task, the policy (and pi_ref), the optimizer and a checkpoint to resume from, the rollout
     #    engine, the logs.
+    harness.check_command_line(check_args, args)
     rank, world_size, device = harness.setup_distributed(args.cuda)
-    check_args(args, world_size)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
     # one run per output folder (a second one is refused in one line)
@@ -931,25 +819,17 @@ def train(args, backend=None):
     # a checkpoint, verified, written with these settings (or with others that may change)
     checkpoint = harness.checkpoint_to_resume(args, changeable=changeable_settings(args))
     correction = corrections.RolloutCorrection.from_name(args.correction)
+    # what every log pi of the run shares (temperature, chunk size, precisions, a replayed sampler)
+    log_pi = logprob_settings(args)
     task = tasks.load_task(args)
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
     tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
         args, model_path, checkpoint, device, rank
     )
-    if start_step >= args.total_steps:
-        raise harness.RunError(
-            f"{checkpoint} is at step {start_step} and --total-steps is {args.total_steps}: "
-            "nothing to train (raise --total-steps to continue it)"
-        )
-    train_prompts = len(task.train)
-    # the prompts longer than --max-prompt-length are dropped (verl's filter_overlong_prompts)
-    task = tasks.with_prompt_ids(task, tokenizer, args)
-    if len(task.train) < args.train_batch_size:
-        raise harness.RunError(
-            f"{len(task.train)} of the {train_prompts} training prompts fit --max-prompt-length "
-            f"{args.max_prompt_length}: fewer than --train-batch-size {args.train_batch_size}"
-        )
+    # the prompts tokenized; those longer than --max-prompt-length dropped (verl's
+    # filter_overlong_prompts)
+    task = prompts_that_fit(task, tokenizer, args)
     # The rollout engine. vLLM: one engine per rank, created by all ranks together after
     # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
     # (resumed, --mismatch-rounded) weights. --rollout-staleness K: the engine samples with a copy
@@ -1020,8 +900,33 @@ def train(args, backend=None):
         )
         lengths = batch["response_mask"].sum(-1).long().cpu()
 
-        # 3. Advantages: one per response (GRPO: normalised within its prompt's group); ReMax's
-        #    baseline is the score of the policy's greedy answer to the same prompt.
+        # 3. pi_old, the rollout correction and pi_ref, before the advantages (verl's fit loop
+        #    rejects from the response mask, then computes the advantages with it). Decoupled:
+        #    pi_old is the trainer's no-grad recompute; bypass: pi_rollout, corrected in grpo_loss.
+        t0 = time.time()
+        old_logprobs, sum_pi_squared, corr_metrics = compute_pi_old(
+            model, batch, args, log_pi, correction, world_size
+        )
+        is_weights, loss_mask = None, batch["response_mask"]
+        if not correction.bypass_mode:
+            # once per batch: IS weights pi_old / pi_rollout and the RS/veto mask, which masks
+            # every loss term and the advantages (verl compute_rollout_correction_and_add_to_batch)
+            is_weights, loss_mask, batch_corr_metrics = corrections.apply_rollout_correction(
+                old_logprobs, batch["rollout_logprobs"], batch["response_mask"], correction
+            )
+            corr_metrics.update(batch_corr_metrics)
+        batch["old_logprobs"] = old_logprobs
+        batch["loss_mask"] = loss_mask
+        if is_weights is not None:
+            batch["is_weights"] = is_weights
+        if ref_model is not None:  # pi_ref, for the KL loss
+            batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args, log_pi)["logprobs"]
+        timing["timing/logprobs"] = time.time() - t0
+
+        # 4. Advantages from the corrected mask: one per response (GRPO: normalised within its
+        #    prompt's group), the length-dependent estimators counting the tokens it keeps. ReMax's
+        #    baseline is the score of the policy's greedy answer to the same prompt; the optimal
+        #    token baseline gives one advantage per token, from pi_old.
         baselines = None
         if args.adv_estimator == "remax":
             baselines = greedy_baselines(backend, task, tokenizer, indices, step, args, rank)
@@ -1030,33 +935,26 @@ def train(args, backend=None):
             advantage_scores, component_metrics = reward_components(
                 response_ids, indices, task, tokenizer, args
             )
-        if args.adv_estimator not in objectives.TOKEN_LEVEL_ESTIMATORS:
-            batch["advantages"] = compute_advantages(
-                advantage_scores, group_ids, lengths, baselines, args, device
-            )
-
-        # 4. pi_old: decoupled, the trainer's no-grad recompute, corrected against pi_rollout once
-        #    per batch (IS weights, RS/veto mask); bypass, pi_rollout itself. And pi_ref when the KL
-        #    loss is on. The optimal token baseline's advantages come here: they need pi_old.
-        t0 = time.time()
-        corr_metrics = compute_pi_old_and_ref(model, ref_model, batch, args, correction, world_size)
         if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
             batch["advantages"] = objectives.optimal_token_baseline_advantages(
                 scores.to(device),
                 group_ids,
                 lengths,
-                batch["old_logprobs"],
-                batch["sum_pi_squared"],
-                batch["loss_mask"],
-                batch.get("is_weights"),
+                old_logprobs,
+                sum_pi_squared,
+                loss_mask,
+                is_weights,
             )
-        timing["timing/logprobs"] = time.time() - t0
+        else:
+            batch["advantages"] = compute_advantages(
+                advantage_scores, group_ids, loss_mask.sum(-1), baselines, args, device
+            )
 
         # 5. Update: grpo_loss (the policy loss with the correction's weights and mask, entropy and
         #    KL terms) over minibatches of micro-batches, one optimizer step per minibatch.
         t0 = time.time()
         actor_metrics = update_policy(
-            model, optimizer, batch, args, correction, world_size, scaler, step + 1
+            model, optimizer, batch, args, correction, log_pi, world_size, scaler, step + 1
         )
         timing["timing/update"] = time.time() - t0
 
@@ -1149,12 +1047,12 @@ def check_args(args, world_size=1):
         "lr_scheduler_type": LR_SCHEDULERS,
         "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
         "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
-        "precision": rollout.PRECISIONS,
+        "precision": logprobs.PRECISIONS,
         "correction": corrections.ALL_PRESET_NAMES,
         "policy_loss": tuple(objectives.POLICY_LOSSES),
         "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
         "tiny_arch": ("qwen2", "gpt2"),
-        "lm_head_precision": corrections.HEAD_PRECISIONS,
+        "lm_head_precision": logprobs.HEAD_PRECISIONS,
     }
     ranges = {
         ">= 1": "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
@@ -1252,9 +1150,9 @@ def load_models(args, model_path, checkpoint, device, rank):
         device
     )
     if args.gradient_checkpointing:
-        recompute_layers(model, args, device, rank)
+        memory.recompute_layers(model, args, device, rank)
     if args.compile_layers:
-        compiled = harness.compile_decoder_layers(model)
+        compiled = memory.compile_decoder_layers(model)
         if rank == 0:
             print(f"torch.compile: {compiled} decoder layers (the first steps pay the compile)")
     ref_model = None
@@ -1262,14 +1160,14 @@ def load_models(args, model_path, checkpoint, device, rank):
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
         # under bf16 autocast: same logprobs, ~half the memory
-        if rollout.resolve_precision(args.precision, device) == "bf16":
-            rollout.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
+        if logprobs.resolve_precision(args.precision, device) == "bf16":
+            logprobs.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
         ref_model = ref_model.to(device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
     )
     scaler = None
-    if rollout.resolve_precision(args.precision, device) == "fp16":
+    if logprobs.resolve_precision(args.precision, device) == "fp16":
         # torch's defaults: S starts at 2^16
         scaler = torch.amp.GradScaler(device.type)
     start_step = 0
@@ -1279,31 +1177,28 @@ def load_models(args, model_path, checkpoint, device, rank):
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
         start_step = state["step"]
+        if start_step >= args.total_steps:
+            raise harness.RunError(
+                f"{checkpoint} is at step {start_step} and --total-steps is {args.total_steps}: "
+                "nothing to train (raise --total-steps to continue it)"
+            )
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
     return tokenizer, model, ref_model, optimizer, scaler, start_step
 
 
-def recompute_layers(model, args, device, rank):
-    """--gradient-checkpointing: the first k decoder layers recompute their activations in
-    backward, the others keep them; k = --recompute-num-layers, or the memory plan's choice for
-    this GPU (harness.plan_grpo, harness.recompute_choice)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    gpu_bytes = harness.gpu_memory_bytes() if device.type == "cuda" else None
-    # (world size 1: only the rollout phase depends on it, and the choice reads the train phase)
-    plan = harness.plan_grpo(args, model.config, 1, gpu_bytes)
-    recomputed, total = plan["recompute_num_layers"]
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for layer in layers[recomputed:]:
-        layer.gradient_checkpointing = False
-    if rank == 0:
-        print(
-            f"gradient checkpointing: {recomputed} of {total} decoder layers recomputed, planned "
-            f"train-phase peak {plan['totals']['train'] / harness.GIB:.2f} GiB"
+def prompts_that_fit(task, tokenizer, args):
+    """The task with its prompts tokenized (tasks.with_prompt_ids), those longer than
+    --max-prompt-length dropped (verl's filter_overlong_prompts); a RunError in one line when fewer
+    than one batch remain."""
+    train_prompts = len(task.train)
+    task = tasks.with_prompt_ids(task, tokenizer, args)
+    if len(task.train) < args.train_batch_size:
+        raise harness.RunError(
+            f"{len(task.train)} of the {train_prompts} training prompts fit --max-prompt-length "
+            f"{args.max_prompt_length}: fewer than --train-batch-size {args.train_batch_size}"
         )
+    return task
 
 
 def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size):
@@ -1611,7 +1506,7 @@ PRESETS["gsm8k_qwen15b"] = (
 def main(argv=None):
     """`python grpo.py <preset> [--overrides]`: a bad flag is refused in one line (exit code 2)
     before any model loads, and a fault during the run in one line (exit code 1): harness.run."""
-    harness.run("grpo.py", PRESETS, check_args, train, argv)
+    harness.run("grpo.py", PRESETS, train, argv)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Optional
 from urllib.parse import urlparse
 
 import numpy as np
@@ -102,6 +103,74 @@ class Stopped(Exception):
 # --------------------------------------------------------------------------------------------------
 # 1. The command line
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunArgs:
+    """The run flags every script has (grpo.py, ppo_rlhf.py, rewards.py): its name, seed, folder,
+    device, threads and tracking. Each script's Args inherits them, so they stay flat on the
+    command line (--seed, --output-dir, ...) and in args.json; a script sets its own defaults of
+    exp_name, output_dir and wandb_project."""
+
+    exp_name: str = "run"
+    """Name of this run (args.json; the wandb run name starts with it)."""
+    seed: int = 1
+    """The run's seed: the data order, each rank's sampling and torch's RNG derive from it (the
+    script's train() says how)."""
+    output_dir: str = "runs/run"
+    """Where metrics.jsonl, args.json, the checkpoint and what the run builds for itself go."""
+    cuda: bool = True
+    """Use CUDA when available (cuda:<LOCAL_RANK>, NCCL); --no-cuda pins every rank to the CPU
+    (fp32, gloo)."""
+    torch_threads: int = 0
+    """torch.set_num_threads on a CPU (0 = torch's default; the tiny presets run fastest on 1:
+    their small matmuls gain nothing from more)."""
+    track: bool = False
+    """Log to Weights & Biases as well as metrics.jsonl (wandb is imported only then)."""
+    wandb_project: str = "rlhf-reference"
+    """wandb project."""
+    wandb_entity: Optional[str] = None
+    """wandb entity (team); None = your default entity."""
+
+
+@dataclasses.dataclass
+class CheckpointedRunArgs(RunArgs):
+    """The run flags of the two trainers that log samples, checkpoint and resume (grpo.py,
+    ppo_rlhf.py)."""
+
+    log_samples_every: int = 10
+    """Every N steps (and at the first) append a table of samples to samples.jsonl; 0 = never."""
+    num_log_samples: int = 8
+    """Rows per sample table (rank 0's first ones)."""
+    save_every: int = 50
+    """Checkpoint every N steps (0 = only at the end; always at the end)."""
+    resume_from: Optional[str] = None
+    """A checkpoint directory to continue from; None: a rerun resumes from <output_dir>/checkpoint
+    if there is one."""
+    allow_changed_settings: bool = False
+    """Resume even where settings differ from the checkpoint's (they are printed); without it such a
+    resume is refused (checkpoint_to_resume)."""
+
+
+class FlagError(ValueError):
+    """A flag refused by a script's check_args (check_command_line): run prints it in one line,
+    exit code 2, argparse's convention for a bad command line."""
+
+
+def check_command_line(check_args, args, world_size=None):
+    """The first call of every train(): the script's check_args(args, world_size), every check that
+    needs no weights, so a bad flag fails in seconds, before any process group or model, in one
+    line that names it. Its ValueError becomes a FlagError (a ValueError too), which run prints
+    as `<script>: error: <message>` with exit code 2. world_size: torchrun's WORLD_SIZE unless
+    given. Returns what check_args returns."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        return check_args(args, world_size)
+    except FlagError:
+        raise
+    except ValueError as e:
+        raise FlagError(str(e)) from None
 
 
 def refuse(args, name, rule):
@@ -211,29 +280,33 @@ def wandb_problem():
     )
 
 
-def parse_args(script, presets, check_args, argv=None):
+def parse_args(script, presets, check_args=None, argv=None):
     """`python SCRIPT.py PRESET [--field value ...]`: tyro builds the Args of the preset with the
-    overrides, then check_args(args, world_size) runs every check that needs no model. Its
-    ValueError becomes one line on stderr and exit code 2 (argparse's convention; tyro's own parse
-    errors exit 2 too, in tyro's boxed format)."""
+    overrides (tyro's own parse errors exit 2, in its boxed format). With check_args, as a tool
+    that only reads a command line uses it (scripts/engine_pairs.py), the script's checks run too,
+    a refused flag ending in one line on stderr and exit code 2; the scripts themselves check once,
+    in train() (check_command_line)."""
     import tyro
 
     args = tyro.extras.overridable_config_cli(presets, args=argv)
-    try:
-        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    except ValueError as e:
-        print(f"{script}: error: {e}".replace("\n", " "), file=sys.stderr)
-        sys.exit(2)
+    if check_args is not None:
+        try:
+            check_command_line(check_args, args)
+        except FlagError as e:
+            print(f"{script}: error: {e}".replace("\n", " "), file=sys.stderr)
+            sys.exit(2)
     return args
 
 
-def run(script, presets, check_args, train, argv=None):
-    """A script's main(): parse_args, then train(args). A RunError ends the run in one line and exit
-    code 1; a stop at a safe point (SIGTERM, SIGINT: Stopped) in one line and 128 + the signal's
-    number; Ctrl-C before the training loop catches it (KeyboardInterrupt) in one line and 130.
-    Under torchrun at once (os._exit: no rank waits for the others' shutdown), rank 0 printing the
-    stop. The output folder's lock is released on the way out, however the run ends."""
-    args = parse_args(script, presets, check_args, argv)
+def run(script, presets, train, argv=None):
+    """A script's main(): parse_args, then train(args), whose first call checks the flags
+    (check_command_line). A refused flag (FlagError) ends the run in one line and exit code 2; a
+    RunError in one line and exit code 1; a stop at a safe point (SIGTERM, SIGINT: Stopped) in one
+    line and 128 + the signal's number; Ctrl-C before the training loop catches it
+    (KeyboardInterrupt) in one line and 130. Under torchrun at once (os._exit: no rank waits for
+    the others' shutdown), rank 0 printing a refused flag or a stop. The output folder's lock is
+    released on the way out, however the run ends."""
+    args = parse_args(script, presets, argv=argv)
 
     def stop_before_the_loop(signum, frame):
         # until the training loop takes SIGTERM over (catch_stop_signals): stop now, in one line
@@ -243,6 +316,10 @@ def run(script, presets, check_args, train, argv=None):
     previous = signal.signal(signal.SIGTERM, stop_before_the_loop)
     try:
         return train(args)
+    except FlagError as e:
+        line, code = f"{script}: error: {e}", 2
+        if int(os.environ.get("RANK", "0")) != 0:
+            line = None
     except RunError as e:
         line, code = f"{script}: error: {e}", 1
     except Stopped as e:
@@ -1118,257 +1195,3 @@ def start_logs(args, script, rank, world_size, resume_step=None):
                 dir=args.output_dir,
             )
     return RunLog(args.output_dir, enabled=rank == 0, wandb_run=wandb_run)
-
-
-# --------------------------------------------------------------------------------------------------
-# 5. GPU memory: the bytes one rank holds (scripts/plan_memory.py prints the plan; grpo.py reads its
-# choice of layers to recompute), and the decoder layers compiled
-# --------------------------------------------------------------------------------------------------
-
-GIB = 2**30
-# the GPU size for vLLM's share when none is given or seen (and plan_memory.py --all's GPU size)
-REFERENCE_GPU_GIB = 80.0
-CONTEXT_ROW = "CUDA context + allocator slack (estimate)"
-# the share of a GPU the train phase's plan may fill when grpo.py chooses how many layers to
-# recompute (the rest: the estimate's error and the allocator's fragmentation)
-PLAN_FILL = 0.85
-
-
-def model_shape(config):
-    """The sizes the plan needs, from an HF config (gpt2's n_embd/n_layer/n_inner or llama/qwen2
-    names): dict(hidden, layers, intermediate, vocab, heads, kv_dim, gated_mlp, tied,
-    max_positions)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    intermediate = (
-        getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    )
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return dict(
-        hidden=hidden,
-        layers=config.num_hidden_layers,
-        intermediate=intermediate,
-        vocab=config.vocab_size,
-        heads=heads,
-        kv_dim=kv_heads * head_dim,
-        gated_mlp=hasattr(config, "intermediate_size"),
-        tied=bool(getattr(config, "tie_word_embeddings", False)),
-        max_positions=getattr(config, "max_position_embeddings", None),
-    )
-
-
-def count_parameters(config):
-    """Exact number of parameters of AutoModelForCausalLM.from_config(config), built on the meta
-    device (no memory, no weights read); a tied LM head is counted once (module.parameters()
-    de-duplicates shared tensors)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def gpu_memory_bytes(gpu_memory_gib=0.0):
-    """A plan's GPU size: --gpu-memory-gib if given, else the total memory of the GPU torch sees,
-    else None."""
-    if gpu_memory_gib > 0:
-        return int(gpu_memory_gib * GIB)
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[1]
-    return None
-
-
-def kv_cache_bytes_per_token(shape, dtype_bytes=2):
-    """K and V of every layer for one token: 2 * layers * kv_dim * bytes (bf16 on GPU: 2)."""
-    return 2 * shape["layers"] * shape["kv_dim"] * dtype_bytes
-
-
-def activation_bytes(shape, tokens, recomputed_layers, logprob_rows):
-    """Estimated activation memory of one training micro-batch of `tokens` = micro_batch * padded
-    length, under bf16 autocast with fp32 weights (the residual stream stays fp32). Per layer and
-    token, what backward keeps of a layer that is not recomputed (bytes):
-        fp32: the inputs of the two norms and their normalised copies   16 * hidden
-        bf16: two norm outputs, q/k/v, attention output, o_proj input   8 * hidden + 4 * kv_dim
-        bf16: q and k after RoPE, the attention kernel's own copies     8 * hidden (measured)
-        bf16: MLP (gated: gate, up, act(gate), product; gpt2: fc out, gelu out)   8 or 4 * I
-    (the attention matrix is not stored: SDPA/flash recompute it; the third row is what an H100
-    measured beyond the first two: 1.466 GiB per kept Qwen2.5-0.5B layer at 16 x 1536 tokens,
-    bench/RESULTS.md). Of each of the `recomputed_layers` (gradient checkpointing) only its fp32
-    input (4 * hidden per token) is kept, plus one layer's full set while it is recomputed. The LM
-    head runs in chunks of `logprob_rows` positions (corrections.token_logprobs_and_entropy): 3
-    fp32 (rows, V) tensors at a time."""
-    h, kv, inter = shape["hidden"], shape["kv_dim"], shape["intermediate"]
-    # the four rows above, in order
-    per_token_layer = 16 * h + (8 * h + 4 * kv) + 8 * h + (8 if shape["gated_mlp"] else 4) * inter
-    kept = (shape["layers"] - recomputed_layers) * tokens * per_token_layer
-    recomputed = recomputed_layers * tokens * 4 * h
-    if recomputed_layers:
-        recomputed += tokens * per_token_layer
-    return kept + recomputed + 3 * logprob_rows * shape["vocab"] * 4
-
-
-def layers_to_recompute(shape, tokens, logprob_rows, activation_budget):
-    """The fewest decoder layers to recompute (gradient checkpointing) for one micro-batch's
-    activations (activation_bytes) to fit `activation_budget` bytes: 0 if all fit kept, every layer
-    if even that does not fit. Every recomputed layer costs about a third of its forward-backward
-    again, every kept one ~40 x hidden bytes per token more; the recomputed are the first ones
-    (Megatron-LM's --recompute-method block), whose activations would wait longest for backward."""
-    for layers in range(shape["layers"] + 1):
-        if activation_bytes(shape, tokens, layers, logprob_rows) <= activation_budget:
-            return layers
-    return shape["layers"]
-
-
-def optimizer_step_rows(name, n, shape):
-    """The step's temporaries: torch's foreach Adam/AdamW (CUDA's default) takes sqrt(v) of all n
-    parameters in one fp32 list before dividing (torch/optim/adam.py, _multi_tensor_adam);
-    adam_tf.AdamTF runs torch's fused kernel, which updates theta, m and v in place element by
-    element: no temporaries."""
-    if name == "adam_tf":
-        return {"AdamTF step temporaries (fused kernel: none)": 0}
-    return {f"{name} step temporaries (foreach sqrt(v), fp32)": 4 * n}
-
-
-def memory_plan(gpu_bytes, phases):
-    """Per-GPU memory plan: `phases` maps a phase name to an ordered dict {row: bytes}; a phase's
-    total is the sum of its rows, and the plan's peak is the largest phase total (the phases do not
-    overlap in time). Returns dict(phases, totals, peak, gpu_bytes, fits); gpu_bytes None = unknown
-    (fits is None)."""
-    totals = {name: sum(rows.values()) for name, rows in phases.items()}
-    peak = max(totals.values())
-    return dict(
-        phases=phases,
-        totals=totals,
-        peak=peak,
-        gpu_bytes=gpu_bytes,
-        fits=None if gpu_bytes is None else peak <= gpu_bytes,
-    )
-
-
-def plan_grpo(args, config, world_size, gpu_bytes):
-    """Per-GPU bytes of one GRPO rank (grpo.train: AdamW over fp32 weights, bf16 (or fp16) autocast
-    unless --precision fp32):
-      train:   weights, gradients, AdamW (m, v), autocast's bf16 weight copies, the reference model
-               (kl_loss_coef > 0), vLLM's share unless --vllm-sleep-mode, activations of one
-               micro-batch with the layers recompute_choice recomputes
-      step:    weights, gradients, AdamW (m, v), the reference, AdamW's temporaries, vLLM's share
-               unless asleep
-      rollout: weights, AdamW (m, v), the reference + HF generate's KV cache for
-               generation_batch_size rows (and one fp32 row of logits each), or vLLM's whole share
-      all:     with --rollout-staleness K, the lagging rollout copy and K + 1 weight snapshots
-               (fp32)."""
-    shape, n = model_shape(config), count_parameters(config)
-    bf16 = args.precision != "fp32"  # fp16 autocast holds the same 2-byte copies
-    # bf16_frozen_linears_ (only under bf16: under fp16 the reference stays fp32)
-    ref_bf16 = args.precision in ("auto", "bf16")
-    seq = args.max_prompt_length + args.max_response_length
-    # kept fp32 by bf16_frozen_linears_
-    embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
-    ref = (
-        0
-        if args.kl_loss_coef <= 0
-        else (2 * (n - embeddings) + 4 * embeddings if ref_bf16 else 4 * n)
-    )
-    share = (
-        args.vllm_gpu_memory_utilization * (gpu_bytes or REFERENCE_GPU_GIB * GIB)
-        if args.backend == "vllm"
-        else 0
-    )
-    resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
-    if ref:
-        resident["reference model (bf16 linears)" if ref_bf16 else "reference model (fp32)"] = ref
-    # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
-    if args.rollout_staleness:
-        resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
-            4 * n * (args.rollout_staleness + 2)
-        )
-    # asleep the engine holds ~0: level 1 offloads its weights, drops its KV cache, and
-    # (rollout.VLLMBackend passes sleep_mode_offload_cudagraph) offloads its CUDA-graph pool too,
-    # which vLLM otherwise keeps on the GPU
-    awake = {"vLLM share, awake": share} if share and not args.vllm_sleep_mode else {}
-    train_rows = {**resident, "gradients (fp32)": 4 * n}
-    step_rows = {**train_rows, **optimizer_step_rows("AdamW", n, shape), **awake}
-    if bf16:
-        train_rows["autocast bf16 weight copies"] = 2 * n
-    micro = args.ppo_micro_batch_size_per_gpu
-    train_rows.update(awake)
-    recompute = recompute_choice(args, shape, micro * seq, gpu_bytes, train_rows)
-    train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
-        shape, micro * seq, recompute, args.logprob_chunk_size
-    )
-    rollout_rows = dict(resident)
-    if args.backend == "vllm":
-        rollout_rows[f"vLLM share ({args.vllm_gpu_memory_utilization:g} of the GPU)"] = share
-    else:
-        seqs = args.generation_batch_size or args.train_batch_size // world_size * args.rollout_n
-        rollout_rows[f"KV cache (HF generate, {seqs} x {seq} tokens)"] = (
-            seqs * seq * kv_cache_bytes_per_token(shape, 2 if bf16 else 4)
-            + seqs * shape["vocab"] * 4
-        )
-    phases = {"train": train_rows, "optimizer step": step_rows, "rollout": rollout_rows}
-    plan = memory_plan(
-        gpu_bytes, {name: {**rows, CONTEXT_ROW: GIB} for name, rows in phases.items()}
-    )
-    plan["n_params"] = n
-    plan["recompute_num_layers"] = (recompute, shape["layers"])
-    # what vLLM's share must hold: its bf16 weights, then KV cache (more runs in waves)
-    if args.backend == "vllm":
-        seqs = args.train_batch_size // world_size * args.rollout_n
-        plan["note"] = (
-            f"vLLM share {share / GIB:.2f} GiB = bf16 weights {2 * n / GIB:.2f} + KV "
-            f"cache/activations {(share - 2 * n) / GIB:.2f}; the whole rollout ({seqs} x {seq} "
-            f"tokens) needs {seqs * seq * kv_cache_bytes_per_token(shape) / GIB:.2f} GiB of KV"
-        )
-    return plan
-
-
-def recompute_choice(args, shape, tokens, gpu_bytes, train_rows):
-    """How many decoder layers grpo.py recomputes in backward: none without
-    --gradient-checkpointing; --recompute-num-layers if >= 0; else (-1) the fewest for the train
-    phase to fit PLAN_FILL of the GPU with everything else it holds (train_rows, the context row
-    included), or all of them where no GPU size is known (a CPU)."""
-    if not args.gradient_checkpointing:
-        return 0
-    if args.recompute_num_layers >= 0:
-        return min(args.recompute_num_layers, shape["layers"])
-    if gpu_bytes is None:
-        return shape["layers"]
-    budget = PLAN_FILL * gpu_bytes - sum(train_rows.values()) - GIB
-    return layers_to_recompute(shape, tokens, args.logprob_chunk_size, budget)
-
-
-def compile_decoder_layers(model):
-    """--compile-layers: torch.compile each decoder layer on its own, so that its element-wise
-    work (RMSNorm, rotary, SiLU x up, the residual adds, the casts autocast inserts) runs as fused
-    kernels. The layers share one compiled graph (the same code; the parameters are its inputs):
-    one compile per shape, not one per layer (torchtitan's apply_compile compiles per block for
-    this reason). A forward with a KV cache (HF generate) stays eager: its shapes change at every
-    token. Returns the number of layers compiled."""
-    import types
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    compiled = {}
-    for layer in layers:
-        eager_forward = type(layer).forward
-        if eager_forward not in compiled:
-            compiled[eager_forward] = torch.compile(eager_forward)
-        # a bound method: a deepcopy of the model (rollout.HFBackend's copy) binds it to the copy
-        layer.forward = types.MethodType(
-            layer_forward(eager_forward, compiled[eager_forward]), layer
-        )
-    return len(layers)
-
-
-def layer_forward(eager_forward, compiled_forward):
-    """A decoder layer's forward that runs `compiled_forward` unless a KV cache is passed in."""
-    from transformers.cache_utils import Cache
-
-    def forward(self, *args, **kwargs):
-        if any(isinstance(value, Cache) for value in (*args, *kwargs.values())):
-            return eager_forward(self, *args, **kwargs)
-        return compiled_forward(self, *args, **kwargs)
-
-    return forward

@@ -27,12 +27,14 @@ the response's tokens, as verl's (B, T) advantages are. The one exception is the
 baseline, a baseline per token from pi_old's probabilities: it returns (B, T).
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 import harness
 
-from corrections import SAFETY_BOUND, masked_mean, masked_sum
+from corrections import SAFETY_BOUND, apply_rollout_correction, masked_mean, masked_sum
 
 # --------------------------------------------------------------------------------------------------
 # 1. Advantage estimators (verl algorithm.adv_estimator)
@@ -270,7 +272,7 @@ def optimal_token_baseline_advantages(
     as _group_stats; verl's sum rounds).
 
     old_logprobs, sum_pi_squared, mask, is_weights: (B, T), pi_old's (grpo.py step 4; sum_v
-    pi_old(v)^2 from the same chunked pass, corrections.token_logprobs_and_entropy); mask: the
+    pi_old(v)^2 from the same chunked pass, logprobs.token_logprobs_and_entropy); mask: the
     response mask after the correction's rejection (verl passes the RS-modified response_mask).
     Returns advantages (B, T) float32, 0 outside the mask."""
     mask = mask.float()
@@ -749,8 +751,9 @@ def kl_cov_token_loss(
     return losses, {"ppo_kl": float(masked_mean(log_ratio.abs().detach(), valid))}
 
 
-# --policy-loss: the policy losses a decoupled update can use, looked up by name where grpo.py's
-# update computes its policy loss (verl's policy_loss.loss_mode names); vanilla is PPO's clip
+# --policy-loss: the policy losses a decoupled update can use, looked up by named_policy_loss where
+# grpo.py's update computes its policy loss (verl's policy_loss.loss_mode names); vanilla is PPO's
+# clip
 POLICY_LOSSES = {
     "vanilla": ppo_clip_token_loss,
     "gspo": gspo_token_loss,
@@ -764,6 +767,53 @@ POLICY_LOSSES = {
     "dppo_kl": dppo_kl_token_loss,
     "dro": dro_token_loss,
 }
+
+
+def named_policy_loss(
+    name, logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_c, dro_beta=0.0
+):
+    """The loss --policy-loss names, looked up in POLICY_LOSSES with the trainer's clip settings
+    (each loss's own formula is its docstring); DRO also takes its penalty coefficient, --dro-beta.
+    Returns (losses (B, T), metrics). grpo.grpo_loss calls PPO-clip, the default, by name and
+    comes here for the others."""
+    policy_loss = POLICY_LOSSES[name]
+    if name == "dro":
+        policy_loss = functools.partial(policy_loss, beta=dro_beta)
+    return policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, clip_c)
+
+
+def bypass_mode_loss(
+    logprobs,
+    rollout_logprobs,
+    advantages,
+    mask,
+    correction,
+    clip_low=0.2,
+    clip_high=0.2,
+    clip_c=None,
+):
+    """The policy loss of bypass mode (two policies: pi_old = pi_rollout, no recompute; verl
+    core_algos.compute_policy_loss_bypass_mode, rollout_corr_math.md 3.1). Without a recompute,
+    the correction runs here, per micro-batch, against the current policy:
+
+        w, M      = corrections.apply_rollout_correction(pi_theta, pi_rollout)   (stop-gradient)
+        reinforce l_t = -A_t log pi_theta(a_t), weighted by w (w carries the ratio)
+        ppo_clip  l_t = PPO-clip of r_t = pi_theta(a_t) / pi_rollout(a_t), not weighted: r is the
+                  IS ratio already, w would count it twice (verl)
+
+    over the tokens M keeps (correction.loss_type chooses; clip settings as ppo_clip_token_loss).
+    Returns (losses (B, T), M, w or None: what multiplies the losses, the loss's metrics, the
+    correction's metrics)."""
+    is_weights, mask, corr_metrics = apply_rollout_correction(
+        logprobs.detach(), rollout_logprobs, mask, correction
+    )
+    if correction.loss_type == "reinforce":
+        losses, metrics = reinforce_token_loss(logprobs, advantages, mask)
+        return losses, mask, is_weights, metrics, corr_metrics
+    losses, metrics = ppo_clip_token_loss(
+        logprobs, rollout_logprobs, advantages, mask, clip_low, clip_high, clip_c
+    )
+    return losses, mask, None, metrics, corr_metrics
 
 
 # --------------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ import torch.nn as nn
 
 import corrections
 import harness
+import logprobs
 import objectives
 import rewards
 import rollout
@@ -69,28 +70,17 @@ from adam_tf import AdamTF
 
 
 @dataclass
-class Args:
-    # ---- run ----
+class Args(harness.CheckpointedRunArgs):
+    # ---- run: the flags shared by the scripts (--seed, --output-dir, --cuda, --torch-threads,
+    # --save-every, --resume-from, --track, ...) are harness.CheckpointedRunArgs'; ppo_rlhf.py's
+    # defaults and its forward precision. The seed: rank r samples with seed + r * 100003
+    # ([general 6]); the queries are shuffled with the seed itself.
     exp_name: str = "ppo_rlhf"
-    """the name of this experiment (wandb run name prefix)"""
-    seed: int = 1
-    """base seed; rank r uses seed + r * 100003 ([general 6])"""
     output_dir: str = "runs/ppo_rlhf"
-    """where metrics.jsonl, samples.jsonl, args.json, checkpoint/ and the final policy go"""
-    track: bool = False
-    """log to Weights and Biases (wandb is imported only then)"""
     wandb_project: str = "ppo_rlhf"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
-    cuda: bool = True
-    """use CUDA when available"""
     precision: str = "auto"
     """forward dtype over fp32 weights: auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16
     (fp16 with loss scaling is grpo.py's)"""
-    torch_threads: int = 0
-    """CPU threads per process (0 = torch's default); the tiny preset uses 1 (small matmuls gain
-    nothing from more)"""
 
     # ---- models ----
     base_model: str = "gpt2"
@@ -193,20 +183,6 @@ class Args:
     logprob_chunk_rows: int = 1024
     """rows (batch x time) per chunk when computing logprobs, so no float32 (B, T, V) log-softmax
     exists"""
-
-    # ---- logging / checkpoints ----
-    log_samples_every: int = 10
-    """write a sample table (query, response, score, kl) every this many updates (0 = never)"""
-    num_log_samples: int = 8
-    """rows in each sample table"""
-    save_every: int = 50
-    """write <output_dir>/checkpoint every this many updates (0 = only at the end; always at the
-    end)"""
-    resume_from: Optional[str] = None
-    """a checkpoint directory to resume from; None = <output_dir>/checkpoint, if there is one"""
-    allow_changed_settings: bool = False
-    """resume even where settings differ from the checkpoint's (they are printed); without it such a
-    resume is refused (harness.checkpoint_to_resume)"""
 
 
 # ==================================================================================================
@@ -480,37 +456,37 @@ class PolicyAndValue(nn.Module):
     def forward(self, query_responses, context_length, pad_token_id):
         hidden = response_hidden(self.lm, query_responses, context_length, pad_token_id)
         # the value head in fp32, autocast off
-        values = corrections.fp32_project(self.value_head, hidden).squeeze(-1)
+        values = logprobs.fp32_project(self.value_head, hidden).squeeze(-1)
         return hidden, values
 
 
-def logprobs_from_hidden(lm, hidden, tokens, temperature, banned=None, chunk_rows=1024):
+def logprobs_from_hidden(lm, hidden, tokens, log_pi):
     """(logprobs, entropy), each (B, R), of `tokens` from response hidden states, logits / T
-    ([policy 1]): corrections.token_logprobs_and_entropy with the LM head as `project`, as grpo.py.
-    Chunks of `chunk_rows` rows (B x R), recomputed in backward, so no float32 (B, R, V)
-    log-softmax exists; the LM head, log-softmax and entropy in float32 with autocast off: a bf16 LM
-    head rounds gpt2's logits (30-130) by up to 0.25, ~0.1 nats of logprob error that would inflate
-    approxkl, clipfrac and the KL reward (tests/test_grpo.py measures it). The entropy carries no
-    gradient (a metric here)."""
+    ([policy 1]): logprobs.token_logprobs_and_entropy with the LM head, in chunks of
+    log_pi.chunk_size rows (B x R), recomputed in backward, so no float32 (B, R, V) log-softmax
+    exists; the LM head, log-softmax and entropy in float32 with autocast off: a bf16 LM head
+    rounds gpt2's logits (30-130) by up to 0.25, ~0.1 nats of logprob error that would inflate
+    approxkl, clipfrac and the KL reward (tests/test_grpo.py measures it). log_pi: the run's
+    logprobs.LogprobSettings (temperature, chunk size, the banned pad token). The entropy carries
+    no gradient (a metric here)."""
     B, R, H = hidden.shape
-    logprobs, entropy = corrections.token_logprobs_and_entropy(
+    token_logprobs, entropy = logprobs.token_logprobs_and_entropy(
         hidden.reshape(B * R, H),
         tokens.reshape(B * R),
-        temperature,
-        project=lm.get_output_embeddings(),
-        chunk_size=chunk_rows,
-        banned=banned,
+        lm.get_output_embeddings(),
+        log_pi,
     )
-    return logprobs.reshape(B, R), entropy.reshape(B, R)
+    return token_logprobs.reshape(B, R), entropy.reshape(B, R)
 
 
 def forward_and_score(
-    model, ref_policy, reward_model, raw_queries, queries, responses, args, micro, tokens
+    model, ref_policy, reward_model, raw_queries, queries, responses, args, micro, tokens, log_pi
 ):
-    """Steps 3b-3e of train(), no gradient, in micro-batches to bound memory: (logprobs,
-    ref_logprobs, values, scores, postprocessed responses), each (B, R) except the scores (B,)."""
+    """Steps 3b-3e of train(), no gradient, in micro-batches to bound memory: (policy_logprobs,
+    ref_logprobs, values, scores, postprocessed responses), each (B, R) except the scores (B,);
+    log pi with the run's settings (log_pi)."""
     context_length = queries.shape[1]
-    logprobs, ref_logprobs, values, scores, postprocessed = [], [], [], [], []
+    policy_logprobs, ref_logprobs, values, scores, postprocessed = [], [], [], [], []
     for start in range(0, queries.shape[0], micro):
         query = queries[start : start + micro]
         response = responses[start : start + micro]
@@ -518,23 +494,10 @@ def forward_and_score(
         query_response = torch.cat([query, response], dim=1)
         # 3b. policy logprobs and values, reference logprobs (logits / T: [policy 1]; heads in fp32)
         hidden, value = model(query_response, context_length, tokens.pad)
-        logprobs.append(
-            logprobs_from_hidden(
-                model.lm, hidden, response, args.temperature, tokens.banned, args.logprob_chunk_rows
-            )[0]
-        )
+        policy_logprobs.append(logprobs_from_hidden(model.lm, hidden, response, log_pi)[0])
         values.append(value)
         ref_hidden = response_hidden(ref_policy, query_response, context_length, tokens.pad)
-        ref_logprobs.append(
-            logprobs_from_hidden(
-                ref_policy,
-                ref_hidden,
-                response,
-                args.temperature,
-                tokens.banned,
-                args.logprob_chunk_rows,
-            )[0]
-        )
+        ref_logprobs.append(logprobs_from_hidden(ref_policy, ref_hidden, response, log_pi)[0])
         del hidden, ref_hidden
         # 3c. truncate at the first "." at or after position truncate_after, pad the tail
         #     ([policy 5])
@@ -552,7 +515,7 @@ def forward_and_score(
         scores.append(score)
         postprocessed.append(truncated)
     cat = torch.cat
-    return cat(logprobs), cat(ref_logprobs), cat(values), cat(scores), cat(postprocessed)
+    return cat(policy_logprobs), cat(ref_logprobs), cat(values), cat(scores), cat(postprocessed)
 
 
 # ==================================================================================================
@@ -782,9 +745,10 @@ class Tokens:
 
 
 def load_models(args, rm_path, policy_path, resume, device):
-    """Step 1's models: (tokenizer, Tokens, reward model, frozen reference policy, policy + value
-    head). The reward model is normalised ([reward 3]); all three run without dropout ([policy 4]).
-    The policy's weights come from the checkpoint when resuming."""
+    """Step 1's models: (tokenizer, Tokens, the run's logprobs.LogprobSettings, reward model, frozen
+    reference policy, policy + value head). The reward model is normalised ([reward 3]); all three
+    run without dropout ([policy 4]). The policy's weights come from the checkpoint when
+    resuming."""
     tokenizer = load_tokenizer(policy_path)
     truncate_ids = tokenizer.encode(args.truncate_token, add_special_tokens=False)
     if len(truncate_ids) != 1:
@@ -795,8 +759,8 @@ def load_models(args, rm_path, policy_path, resume, device):
     reward_model = rewards.disable_dropout(reward_model).to(device).eval()
     ref_policy = load_policy(policy_path, device).eval()
     # under bf16 autocast: the same logprobs, half the memory
-    if rollout.resolve_precision(args.precision, device) == "bf16":
-        rollout.bf16_frozen_linears_(ref_policy)
+    if logprobs.resolve_precision(args.precision, device) == "bf16":
+        logprobs.bf16_frozen_linears_(ref_policy)
     model = PolicyAndValue(load_policy(resume or policy_path, device)).to(device).eval()
     reward_model.requires_grad_(False)
     ref_policy.requires_grad_(False)
@@ -811,7 +775,14 @@ def load_models(args, rm_path, policy_path, resume, device):
         suffix=encode(args.query_suffix),
         banned=banned_vocab_mask(model.lm.config.vocab_size, tokenizer.pad_token_id, device),
     )
-    return tokenizer, tokens, reward_model, ref_policy, model
+    # every log pi of the run: logits / T ([policy 1]), in chunks, never the pad token
+    log_pi = logprobs.LogprobSettings(
+        temperature=args.temperature,
+        chunk_size=args.logprob_chunk_rows,
+        precision=args.precision,
+        banned=tokens.banned,
+    )
+    return tokenizer, tokens, log_pi, reward_model, ref_policy, model
 
 
 def load_checkpoint(resume, rank, model, optimizer, args):
@@ -903,31 +874,24 @@ def ppo_loss(new_logprobs, vpred, micro_batch, args, correction, pg_info, num_mi
     pg_mask = micro_batch["pg_mask"]
     is_weights = micro_batch.get("is_weights")
 
-    # The correction in bypass mode: pi_old = pi_rollout, and the weights and the RS mask come from
-    # this micro-batch's current logprobs (verl, as grpo.py).
+    # The policy-gradient term per token: PPO's clipped surrogate of r = pi_theta / pi_old, clipped
+    # to 1 +- eps; bypass mode (pi_old = pi_rollout) corrects against this micro-batch's pi_theta
+    # in objectives.bypass_mode_loss (as grpo.py).
     corr_metrics = {}
-    if correction.bypass_mode:
-        is_weights, pg_mask, corr_metrics = corrections.apply_rollout_correction(
-            new_logprobs.detach(), old_logprobs, pg_mask, correction
-        )
-
-    # The policy-gradient term per token.
-    if correction.loss_type == "reinforce":
-        # bypass REINFORCE: -A log pi_theta, no clipping; the IS weights carry r
-        pg_losses, pg_metrics = objectives.reinforce_token_loss(new_logprobs, advantages, pg_mask)
-    else:
-        # PPO's clipped surrogate of r = pi_theta / pi_old, clipped to 1 +- eps
+    if not correction.bypass_mode:
         pg_losses, pg_metrics = objectives.ppo_clip_token_loss(
+            new_logprobs, old_logprobs, advantages, pg_mask, args.cliprange, args.cliprange
+        )
+    else:
+        pg_losses, pg_mask, is_weights, pg_metrics, corr_metrics = objectives.bypass_mode_loss(
             new_logprobs,
             old_logprobs,
             advantages,
             pg_mask,
-            clip_low=args.cliprange,
-            clip_high=args.cliprange,
+            correction,
+            args.cliprange,
+            args.cliprange,
         )
-        if correction.bypass_mode:
-            # r is pi_theta / pi_rollout: IS weights would count it twice (verl)
-            is_weights = None
     if is_weights is not None:  # the IS weights multiply the clipped term
         pg_losses = pg_losses * is_weights
     pg_loss = objectives.agg_loss(pg_losses, pg_mask, "token-mean", **pg_info)
@@ -943,19 +907,29 @@ def ppo_loss(new_logprobs, vpred, micro_batch, args, correction, pg_info, num_mi
 
 
 def update_policy(
-    model, optimizer, batch, correction, corr_metrics, args, sizes, world_size, tokens, update=0
+    model,
+    optimizer,
+    batch,
+    correction,
+    corr_metrics,
+    args,
+    sizes,
+    world_size,
+    tokens,
+    log_pi,
+    update=0,
 ):
     """Step 8 of train(), [policy 7]: `noptepochs` epochs over this rank's rollouts, each a fresh
     permutation cut into minibatches (one optimizer step each) cut into micro-batches (one
     forward/backward of ppo_loss each). `batch` holds the (B, ...) tensors of steps 3-7; `tokens`
-    the pad id and the banned vocabulary. Returns (stats: per-micro-batch tensors, extra:
-    per-micro-batch floats of the clipped surrogate); in bypass mode the first micro-batch's
+    the pad id; log_pi the run's logprobs.LogprobSettings. Returns (stats: per-micro-batch tensors,
+    extra: per-micro-batch floats of the clipped surrogate); in bypass mode the first micro-batch's
     rollout_corr/* and training/* go to corr_metrics. A non-finite loss stops the run (naming
     `update`) before the optimizer applies it.
     """
     stats, extra = {}, {}
     context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
-    autocast = rollout.autocast_context(batch["responses"].device, args.precision)
+    autocast = logprobs.autocast_context(batch["responses"].device, args.precision)
     for _ in range(args.noptepochs):
         perm = np.random.permutation(sizes["local_batch"])
         perm = torch.from_numpy(perm).to(batch["responses"].device)
@@ -978,12 +952,7 @@ def update_policy(
                     hidden, vpred = model(batch["query_responses"][mb], context_length, tokens.pad)
                     # [policy 1]: logits / T; the LM head in fp32
                     new_logprobs, new_entropy = logprobs_from_hidden(
-                        model.lm,
-                        hidden,
-                        batch["responses"][mb],
-                        args.temperature,
-                        tokens.banned,
-                        args.logprob_chunk_rows,
+                        model.lm, hidden, batch["responses"][mb], log_pi
                     )
                     loss, terms, pg_metrics, metrics = ppo_loss(
                         new_logprobs,
@@ -1035,23 +1004,23 @@ def update_policy(
 
 
 def train(args: Args):
-    # 1. setup: processes, batch sizes (checked before any model loads), seeds, the three models,
+    # 1. setup: batch sizes (checked before any model loads), processes, seeds, the three models,
     #    the optimizer, a checkpoint to resume from, the logs
-    sizes = check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    sizes = harness.check_command_line(check_args, args)
     rank, world_size, device = harness.setup_distributed(args.cuda)
     local_batch, micro, num_updates = sizes["local_batch"], sizes["micro"], sizes["num_updates"]
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    autocast = rollout.autocast_context(device, args.precision)
-    # one run per output folder; a checkpoint, verified, written with these settings (before a
-    # reward model is trained)
+    autocast = logprobs.autocast_context(device, args.precision)
+    # one run per output folder; a verified checkpoint of these settings (before any reward model)
     harness.lock_output_dir(args.output_dir, rank)
     resume = harness.checkpoint_to_resume(args)
     # trains a reward model first if none is given (or one built with other settings)
     rm_path, policy_path = reward_model_paths(args, resume)
     seed = local_seed(args.seed, rank)  # [general 6] (after rewards.train, which seeds itself)
     harness.seed_everything(seed)
-    tokenizer, tokens, reward_model, ref_policy, model = load_models(
+    # the models, and what every log pi of the run shares (logits / T, chunk size, banned pad)
+    tokenizer, tokens, log_pi, reward_model, ref_policy, model = load_models(
         args, rm_path, policy_path, resume, device
     )
     adam = AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam  # [adam]: OAI used TF1's
@@ -1100,9 +1069,8 @@ def train(args: Args):
                 banned_token,
                 args.precision,
             )
-            # 3b-3e. policy logprobs and values, reference logprobs, truncation, the reward model's
-            #        score (or the penalty), in micro-batches
-            logprobs, ref_logprobs, values, scores, postprocessed = forward_and_score(
+            # 3b-3e. policy and reference logprobs, values, truncation, scores, in micro-batches
+            policy_logprobs, ref_logprobs, values, scores, postprocessed = forward_and_score(
                 model,
                 ref_policy,
                 reward_model,
@@ -1112,18 +1080,18 @@ def train(args: Args):
                 args,
                 micro,
                 tokens,
+                log_pi,
             )
 
             # 4. rewards: per-token KL penalty, the score added at the last token ([policy 8])
-            kl = logprobs - ref_logprobs  # (B, R) log pi - log pi_ref of the sampled tokens
+            kl = policy_logprobs - ref_logprobs  # (B, R) log pi - log pi_ref of the sampled tokens
             non_score_reward = -kl_coef * kl
             rewards_t = non_score_reward.clone()
             rewards_t[:, -1] += scores
 
             # 5. whiten the rewards WITHOUT shifting the mean ([policy 9], biased variance), once
-            #    per batch as [repro] (OpenAI: per minibatch, the same with its one minibatch); each
-            #    rank its own rollouts, in groups of whiten_group_size (64: one GPU computes what
-            #    OpenAI's 8 ranks of 64 did)
+            #    per batch as [repro] (OpenAI: per minibatch, its one minibatch); each rank its own
+            #    rollouts, in groups of whiten_group_size (64: one GPU does OpenAI's 8 ranks of 64)
             if args.whiten_rewards:
                 rewards_t = whiten(rewards_t, shift_mean=False, group_size=args.whiten_group_size)
 
@@ -1134,13 +1102,13 @@ def train(args: Args):
 
             # 7. pi_old and the rollout correction (verl's, not in the original). Decoupled
             #    ("disabled" included): pi_old = the step-3b forward, corrected against pi_rollout
-            #    once per batch (IS weights, RS/veto mask); "disabled" is the original's PPO with
-            #    the correction's metrics. Bypass: pi_old = pi_rollout, corrected per micro-batch
-            #    in ppo_loss. Every response token is trained on (fixed length).
-            mask = torch.ones_like(logprobs)
+            #    once per batch (IS weights, RS/veto mask; "disabled": only its metrics). Bypass:
+            #    pi_old = pi_rollout, corrected per micro-batch in ppo_loss. Fixed length: every
+            #    response token is trained on.
+            mask = torch.ones_like(policy_logprobs)
             old_logprobs, is_weights, pg_mask, corr_metrics = rollout_logprobs, None, mask, {}
             if not correction.bypass_mode:
-                old_logprobs = logprobs
+                old_logprobs = policy_logprobs
                 is_weights, pg_mask, corr_metrics = corrections.apply_rollout_correction(
                     old_logprobs, rollout_logprobs, mask, correction
                 )
@@ -1151,7 +1119,7 @@ def train(args: Args):
         batch = dict(
             query_responses=torch.cat([queries, responses], dim=1),
             responses=responses,
-            logprobs=logprobs,
+            logprobs=policy_logprobs,
             old_logprobs=old_logprobs,
             values=values,
             returns=returns,
@@ -1169,6 +1137,7 @@ def train(args: Args):
             sizes,
             world_size,
             tokens,
+            log_pi,
             update,
         )
 
@@ -1178,7 +1147,7 @@ def train(args: Args):
                 kl=kl,
                 non_score_reward=non_score_reward,
                 scores=scores,
-                logprobs=logprobs,
+                logprobs=policy_logprobs,
                 values=values,
                 returns=returns,
                 advantages=advantages,
@@ -1363,7 +1332,7 @@ def main(argv=None):
     """The command line: a preset name and overrides (tyro); a bad flag is refused in one line (exit
     code 2) before any model loads, a fault during the run ends it in one line (exit code 1), and
     under torchrun a failing rank ends the job at once (harness.run)."""
-    harness.run("ppo_rlhf.py", PRESETS, check_args, train, argv)
+    harness.run("ppo_rlhf.py", PRESETS, train, argv)
 
 
 if __name__ == "__main__":

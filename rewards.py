@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import corrections
 import harness
+import logprobs
 import rollout
 import tasks
 from adam_tf import AdamTF
@@ -73,25 +73,12 @@ REWARD_HEAD_FILE = "reward_head.pt"
 
 
 @dataclass
-class Args:
+class Args(harness.RunArgs):
+    # the flags shared by the scripts (--seed, --output-dir, --cuda, --torch-threads, --track, ...)
+    # are harness.RunArgs', with rewards.py's defaults; the seed: rank r samples with seed + r *
+    # 100003 ([general 6]), the label shuffle uses the seed itself on every rank
     exp_name: str = "rewards"
-    """name of this experiment (goes into args.json and the wandb run name)"""
-    seed: int = 1
-    """seed; rank r uses seed + r * 100003 for sampling ([general 6]); the label shuffle uses `seed`
-    on every rank"""
-    track: bool = False
-    """log to Weights & Biases as well as <output_dir>/metrics.jsonl"""
-    wandb_project: str = "rlhf-reference"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team); None = your default entity"""
     output_dir: str = "runs/reward"
-    """where metrics.jsonl, args.json and the checkpoint reward_model/ go"""
-    torch_threads: int = 0
-    """CPU threads per process (0 = torch's default); tiny uses 1: its small matmuls gain nothing
-    from more threads"""
-    cuda: bool = True
-    """use cuda:<local rank> when CUDA is available; --no-cuda keeps every rank on the CPU"""
 
     base_model: str = "gpt2"
     """the pretrained policy the reward model starts from (HF name or path); "tiny" builds
@@ -244,8 +231,8 @@ class RewardModel(nn.Module):
             **forward_inputs(input_ids, attention_mask)
         ).last_hidden_state
         # (B,) at the last position ([reward 1]); the head in float32 with autocast off
-        # (corrections.fp32_project)
-        return corrections.fp32_project(self.scalar_head, hidden[:, -1]).squeeze(-1)
+        # (logprobs.fp32_project)
+        return logprobs.fp32_project(self.scalar_head, hidden[:, -1]).squeeze(-1)
 
     def forward(self, input_ids, attention_mask):
         """(B,) normalised reward reward_gain * raw + reward_bias of LEFT-padded (B, T)
@@ -281,9 +268,7 @@ class RewardModel(nn.Module):
         hidden = torch.cat([query_out.last_hidden_state.repeat_interleave(n, 0), hidden], 1)
         # each row's last real token (the query's if no sample)
         last = rows.shape[1] - 1 - mask.flip(1).argmax(1)
-        raw = corrections.fp32_project(self.scalar_head, hidden[torch.arange(b * n), last]).squeeze(
-            -1
-        )
+        raw = logprobs.fp32_project(self.scalar_head, hidden[torch.arange(b * n), last]).squeeze(-1)
         return (self.reward_gain * raw + self.reward_bias).view(b, n)
 
 
@@ -682,14 +667,13 @@ def backbone_kl(
         head = lm.get_output_embeddings()
         # all False when pad is outside the vocab
         banned = torch.arange(head.weight.shape[0], device=device) == pad
-        logprobs, _ = corrections.token_logprobs_and_entropy(
+        token_logprobs, _ = logprobs.token_logprobs_and_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             responses.reshape(-1),
-            temperature,
-            project=head,
-            banned=banned,
+            head,
+            logprobs.LogprobSettings(temperature=temperature, banned=banned),
         )
-        return logprobs.view_as(responses)
+        return token_logprobs.view_as(responses)
 
     kl = (response_logprobs(reward_model.backbone) - response_logprobs(policy)).sum(1).double()
     sums = torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64, device=device)])
@@ -929,7 +913,7 @@ def train(args: Args) -> str:
     <output_dir>/reward_model."""
     # 1. Processes: rank, world size and device (harness.py); a process group opened here is closed
     #    here (step 9), one that ppo_rlhf.py opened is left to it.
-    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    harness.check_command_line(check_args, args)
     owns_process_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     rank, world_size, device = harness.setup_distributed(args.cuda)
     if args.torch_threads > 0:
@@ -1212,7 +1196,7 @@ def main(argv=None):
     """The command line: a preset name and field overrides; a bad flag is refused in one line (exit
     code 2) before any model loads, a fault during the run ends it in one line (exit code 1):
     harness.run."""
-    harness.run("rewards.py", PRESETS, check_args, train, argv)
+    harness.run("rewards.py", PRESETS, train, argv)
 
 
 if __name__ == "__main__":

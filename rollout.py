@@ -34,19 +34,15 @@ import time
 
 import torch
 
-import corrections
 import harness
+import logprobs
 
 BACKENDS = ("hf", "vllm")
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
-# --precision: the forward dtype of the trainers and of the rollout engine (auto = bf16 on CUDA,
-# fp32 on CPU); the master weights, optimizer state, logprobs, values and rewards stay float32
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = ("auto", *AUTOCAST_DTYPES)
 
 
 # --------------------------------------------------------------------------------------------------
-# Shared pieces: padding, precision, the logprob recorder, weight rounding
+# Shared pieces: padding, the logprob recorder, weight rounding
 # --------------------------------------------------------------------------------------------------
 
 
@@ -81,11 +77,11 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
     B, R = len(response_ids), response_length
     responses = torch.full((B, R), pad_id, dtype=torch.long)
     response_mask = torch.zeros((B, R))
-    logprobs = torch.zeros((B, R))
+    padded_logprobs = torch.zeros((B, R))
     for i, (ids, lps) in enumerate(zip(response_ids, rollout_logprobs)):
         responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         response_mask[i, : len(ids)] = 1.0
-        logprobs[i, : len(lps)] = torch.tensor(lps)
+        padded_logprobs[i, : len(lps)] = torch.tensor(lps)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     batch = {
@@ -94,55 +90,9 @@ def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_leng
         "position_ids": position_ids,
         "responses": responses,
         "response_mask": response_mask,
-        "rollout_logprobs": logprobs,
+        "rollout_logprobs": padded_logprobs,
     }
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def resolve_precision(precision, device):
-    """--precision auto: bf16 on CUDA (verl's FSDP mixed precision), fp32 on CPU (the exact path the
-    parity tests hold to HF and vLLM). Any other value is kept, on either device: CPU autocast runs
-    real bfloat16 / float16 kernels too (slowly; the tests and the CPU mismatch table use it)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
-
-
-def autocast_context(device, precision="auto"):
-    """Autocast to the forward dtype of `precision` over fp32 master weights: bf16 (verl's FSDP
-    mixed precision) or fp16 (Qi et al. 2025, "Defeating the Training-Inference Mismatch via
-    FP16"); fp32: none. The heads inside run in fp32 anyway (corrections.fp32_project)."""
-    dtype = AUTOCAST_DTYPES[resolve_precision(precision, device)]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
-def bf16_frozen_linears_(model):
-    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output
-    embedding (the LM head; with tied embeddings it is the embedding matrix) and everything that is
-    not a Linear (embeddings, norms). Under bf16 autocast a Linear casts its fp32 weight to bf16
-    before the matmul anyway, so the forward is bit-for-bit the one of the fp32 model
-    (tests/test_corrections.py checks it) at about half the memory; verl keeps its reference model
-    in bf16 for the same reason (fsdp_workers.py, ref param_dtype bf16). Use only under autocast:
-    without it the fp32 activations meet bf16 weights. Returns the number of parameters now in
-    bf16."""
-    output_embedding = (
-        model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    )
-    n = 0
-    for module in model.modules():
-        # gpt2's Conv1D: addmm
-        is_linear = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
-        if is_linear and module is not output_embedding:
-            for name in ("weight", "bias"):
-                p = getattr(module, name)
-                if p is not None and p.dtype == torch.float32:
-                    p.data = p.data.to(torch.bfloat16)
-                    n += p.numel()
-    return n
 
 
 def _is_embedding(name):
@@ -220,8 +170,8 @@ class _LogprobRecorder:
             self.gathered.append(self.pending.gather(-1, input_ids[:, -1:])[:, 0])
         if self.truncation is not None:
             # the kept set K of logits / T, by the same rules the trainer replays
-            # (corrections.truncation_mask); generate() then samples from softmax over K only
-            kept = corrections.truncation_mask(scores.float() / self.temperature, *self.truncation)
+            # (logprobs.truncation_mask); generate() then samples from softmax over K only
+            kept = logprobs.truncation_mask(scores.float() / self.temperature, *self.truncation)
             scores = scores.masked_fill(~kept, -math.inf)
         self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
@@ -287,12 +237,15 @@ def hf_generate(
     """model.generate on a left-padded batch: (new_tokens (B, R), logprobs (B, R) of each under
     pi_rollout). Position ids are not passed: HF derives them from the attention mask (cumsum - 1),
     as the trainers' forwards do (RLHF blog detail general 3.4: passing them as well made
-    generations collapse)."""
+    generations collapse). transformers' "We strongly recommend passing in an `attention_mask`"
+    warning is harmless here: with prompts of equal length generate drops the all-ones mask itself
+    and feeds the pad token to rows that sampled EOS, whose later tokens it discards; with padded
+    prompts every forward gets the mask (tests/test_rollout.py checks both)."""
     from transformers import LogitsProcessorList
 
     recorder = _LogprobRecorder(temperature, truncation)
     try:
-        with autocast_context(input_ids.device, precision):
+        with logprobs.autocast_context(input_ids.device, precision):
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -394,7 +347,7 @@ class HFBackend:
         )
         was_training = self.model.training
         self.model.eval()
-        responses, logprobs, finish = [], [], []
+        responses, response_logprobs, finish = [], [], []
         # Sample under our own seed without touching the global RNG: the run stays reproducible
         # across resume.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -415,10 +368,10 @@ class HFBackend:
                     # max_new_tokens ("length")
                     end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
                     responses.append(ids[:end])
-                    logprobs.append(lps[:end])
+                    response_logprobs.append(lps[:end])
                     finish.append("stop" if self.eos_token_id in ids else "length")
         self.model.train(was_training)
-        return responses, logprobs, finish
+        return responses, response_logprobs, finish
 
 
 # --------------------------------------------------------------------------------------------------
@@ -696,16 +649,18 @@ class VLLMBackend:
             [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
         )
         self._sleep()
-        responses, logprobs, finish = [], [], []
+        responses, response_logprobs, finish = [], [], []
         for request in outputs:  # in input order
             assert len(request.outputs) == n
             for sample in sorted(request.outputs, key=lambda s: s.index):
                 tokens = list(sample.token_ids)
                 responses.append(tokens)
-                logprobs.append([sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
+                response_logprobs.append(
+                    [sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)]
+                )
                 # "stop" (EOS, kept as the last token) or "length"
                 finish.append(sample.finish_reason)
-        return responses, logprobs, finish
+        return responses, response_logprobs, finish
 
     def sync_weights(self, model):
         """Push the trainer's current weights (through weight_transform) into the engine,
@@ -758,12 +713,12 @@ def vllm_dtype(args, device):
     if args.vllm_dtype != "auto":
         return args.vllm_dtype
     names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    return names[resolve_precision(args.precision, device)]
+    return names[logprobs.resolve_precision(args.precision, device)]
 
 
 def sampling_truncation(args, backend):
     """(top_k, top_p, min_p, order) of --top-k / --top-p / --min-p for `backend`'s sampler, or None
-    when sampling is not truncated; order: the engine's (corrections.truncation_mask: transformers
+    when sampling is not truncated; order: the engine's (logprobs.truncation_mask: transformers
     applies top-k, top-p, min-p; vLLM min-p, then top-k and top-p)."""
     if args.top_k <= 0 and args.top_p >= 1.0 and args.min_p <= 0.0:
         return None

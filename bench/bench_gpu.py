@@ -12,14 +12,14 @@ Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch
 1024 response tokens. Rows:
   update      one training micro-batch, forward + backward, of the plain-loss baseline (HF's causal-LM loss,
               labels=input_ids, bf16 logits, under bf16 autocast, every layer recomputed as the gsm8k presets did)
-              and of grpo.compute_logprobs on the same tokens: the chunked logprob head with its gradient written out
-              (corrections._ChunkedHead, compiled element-wise kernels on CUDA) with --lm-head-precision auto (TF32),
+              and of logprobs.response_logprobs on the same tokens: the chunked logprob head with its gradient written out
+              (logprobs._ChunkedHead, compiled element-wise kernels on CUDA) with --lm-head-precision auto (TF32),
               fp32 (IEEE) and bf16 (bf16 inputs, float32 logits), with eager element-wise kernels, and with fewer
               layers recomputed: as many as keep the peak within one third of the plain loss's (the plan's
-              activation estimate, harness.activation_bytes, over the measured rest), and the number grpo.py
-              chooses for the preset on this GPU (harness.plan_grpo); the plain loss again (the spread of one
+              activation estimate, memory.activation_bytes, over the measured rest), and the number grpo.py
+              chooses for the preset on this GPU (memory.plan_grpo); the plain loss again (the spread of one
               setting within the call); then with the decoder layers compiled
-              (grpo.py --compile-layers, harness.compile_decoder_layers): the plain loss (a peer row: what
+              (grpo.py --compile-layers, memory.compile_decoder_layers): the plain loss (a peer row: what
               compiling alone buys), ours with the TF32 and bf16 heads, and bf16 at a third of the plain peak.
               Seconds (median of 3 after a warm-up),
               tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence) x tokens / seconds
@@ -55,9 +55,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import plan_memory  # noqa: E402  (scripts/plan_memory.py: the published configs, offline)
 
-import corrections  # noqa: E402
-import grpo  # noqa: E402
-import harness  # noqa: E402
+import logprobs  # noqa: E402
+import memory  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
@@ -101,7 +100,7 @@ def sizes(tiny):
 
 
 def random_batch(vocab, micro, prompt, response, device):
-    """The tensors grpo.compute_logprobs reads, every token valid (fixed lengths, no padding)."""
+    """The tensors logprobs.response_logprobs reads, every token valid (fixed lengths, no padding)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab - 1, (micro, prompt + response), generator=g).to(device)
     return {
@@ -152,26 +151,28 @@ def update_rows(name, config, micro, prompt, response, device, preset):
     flops = tokens * (6 * n + 12 * config.num_hidden_layers * attention_width * (prompt + response))
 
     def recompute(k):
-        # what grpo.recompute_layers does: the first k layers recompute, the others keep
+        # what memory.recompute_layers does: the first k layers recompute, the others keep
         for i, layer in enumerate(layers):
             layer.gradient_checkpointing = i < k
 
     def ours(head="auto", k=len(layers), chunk=512, compiled=True):
         recompute(k)
-        corrections.COMPILE_ON_CUDA = compiled
+        logprobs.COMPILE_ON_CUDA = compiled
         try:
             # bf16 autocast on CUDA inside
-            logprobs, _ = grpo.compute_logprobs(
-                model, batch, 1.0, chunk_size=chunk, head_precision=head
+            lp, _ = logprobs.response_logprobs(
+                model,
+                batch,
+                logprobs.LogprobSettings(temperature=1.0, chunk_size=chunk, head_precision=head),
             )
-            (-logprobs.mean()).backward()
+            (-lp.mean()).backward()
         finally:
-            corrections.COMPILE_ON_CUDA = True
+            logprobs.COMPILE_ON_CUDA = True
         model.zero_grad(set_to_none=True)
 
     def plain_loss():
         recompute(len(layers))
-        with rollout.autocast_context(device):
+        with logprobs.autocast_context(device):
             loss = model(
                 input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False
             ).loss
@@ -185,17 +186,17 @@ def update_rows(name, config, micro, prompt, response, device, preset):
     }
     base_s, base_peak = results["plain HF loss"]
     # the layers to recompute for one third of the plain loss's peak: the memory plan's estimate
-    # of the activations (harness.activation_bytes), the rest of the peak as measured with every
+    # of the activations (memory.activation_bytes), the rest of the peak as measured with every
     # layer recomputed
-    shape = harness.model_shape(config)
+    shape = memory.model_shape(config)
     measured_rest = results[f"ours, {L} of {L} layers recomputed, TF32 head (auto)"][1] - (
-        harness.activation_bytes(shape, tokens, L, 512)
+        memory.activation_bytes(shape, tokens, L, 512)
     )
-    third = harness.layers_to_recompute(shape, tokens, 512, base_peak / 3 - measured_rest)
+    third = memory.layers_to_recompute(shape, tokens, 512, base_peak / 3 - measured_rest)
     # what grpo.py chooses by itself for the preset's micro-batch on this GPU (PLAN_FILL)
     preset_args = plan_memory.preset_args("grpo", preset)
-    gpu_bytes = harness.gpu_memory_bytes() if device.type == "cuda" else None
-    chosen = harness.plan_grpo(preset_args, config, 1, gpu_bytes)["recompute_num_layers"][0]
+    gpu_bytes = memory.gpu_memory_bytes() if device.type == "cuda" else None
+    chosen = memory.plan_grpo(preset_args, config, 1, gpu_bytes)["recompute_num_layers"][0]
     variants = [
         (f"ours, {L} of {L}, IEEE fp32 head", dict(head="fp32")),
         (f"ours, {L} of {L}, bf16-input head", dict(head="bf16")),
@@ -242,7 +243,7 @@ def update_rows(name, config, micro, prompt, response, device, preset):
                 )
 
     measure_rows(variants)
-    harness.compile_decoder_layers(model)
+    memory.compile_decoder_layers(model)
     measure_rows(compiled)
     for label, (seconds, peak) in results.items():
         mfu = f"{flops / seconds / PEAK_FLOPS:.1%}" if device.type == "cuda" else "-"

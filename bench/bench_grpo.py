@@ -6,7 +6,7 @@ logprob routine.
 
 1. Time per step on the `tiny` preset, split into generate / logprobs (pi_old recompute) / update (forward +
    backward + optimizer), read from the run's own metrics.jsonl (steps 3..N, after warm-up).
-2. Peak extra CPU memory of grpo.compute_logprobs (lm_head applied chunk by chunk, each chunk checkpointed) against a
+2. Peak extra CPU memory of logprobs.response_logprobs (lm_head applied chunk by chunk, each chunk checkpointed) against a
    naive full-vocabulary log_softmax in the same process, as a ratio to the size of the float32 (B, R, V) logits
    tensor of the response part. Measured with torch.profiler's memory events: allocations are attributed to the op
    that made them and frees are "[memory]" events, so a running sum in time order gives the peak.
@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import rollout  # noqa: E402
 
 
@@ -106,7 +107,9 @@ def bench_memory(
 
         def chunked(chunk_size):
             with torch.set_grad_enabled(grad):
-                lp, ent = grpo.compute_logprobs(model, batch, 1.0, chunk_size=chunk_size)
+                lp, ent = logprobs.response_logprobs(
+                    model, batch, logprobs.LogprobSettings(temperature=1.0, chunk_size=chunk_size)
+                )
                 if grad:
                     (lp.sum() + ent.sum()).backward()
 
@@ -122,7 +125,11 @@ def bench_memory(
             with torch.no_grad():  # same numbers first
                 diff = (
                     (
-                        grpo.compute_logprobs(model, batch, 1.0, chunk_size=chunk_size)[0]
+                        logprobs.response_logprobs(
+                            model,
+                            batch,
+                            logprobs.LogprobSettings(temperature=1.0, chunk_size=chunk_size),
+                        )[0]
                         - naive_logprobs(model, batch, 1.0)[0] * mask
                     )
                     .abs()

@@ -7,7 +7,7 @@
    on the policy's 135M parameters + value head with the same gradients. Also the largest relative difference of the
    parameters after `repeats` steps of each (float rounding only).
 2. One PPO micro-step of the preset (16 rollouts x (14 + 20) tokens: ppo_rlhf.PolicyAndValue forward, the LM head's
-   logprobs of the 320 response tokens, a loss, backward): the LM-head chunk as corrections.token_logprobs_and_entropy
+   logprobs of the 320 response tokens, a loss, backward): the LM-head chunk as logprobs.token_logprobs_and_entropy
    runs it now for a single chunk (not checkpointed) against the same chunk under torch.utils.checkpoint (as it ran
    for any chunk count until Nov 2026: backward recomputes the LM-head product and log-softmax).
 3. One reward-model step of rewards.py smol_sentiment (8 labels x 4 samples of the shipped labels, 4-way softmax loss,
@@ -29,7 +29,7 @@ import torch
 import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import corrections  # noqa: E402
+import logprobs  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 import tasks  # noqa: E402
@@ -91,7 +91,7 @@ def policy_pieces(args, repeats):
     def micro_step(checkpointed):
         hidden, values = model(query_responses, context, pad)
         flat, tokens = hidden.reshape(-1, hidden.shape[-1]), responses.reshape(-1)
-        # corrections._logprob_entropy_chunk's arguments: the head's weight, IEEE fp32 (a CPU)
+        # logprobs._logprob_entropy_chunk's arguments: the head's weight, IEEE fp32 (a CPU)
         chunk_args = (
             lm.get_output_embeddings().weight,
             flat,
@@ -102,19 +102,21 @@ def policy_pieces(args, repeats):
             "fp32",
         )
         if checkpointed:
-            logprobs, _ = torch.utils.checkpoint.checkpoint(
-                corrections._logprob_entropy_chunk, *chunk_args, use_reentrant=False
+            token_logprobs, _ = torch.utils.checkpoint.checkpoint(
+                logprobs._logprob_entropy_chunk, *chunk_args, use_reentrant=False
             )
         else:
-            logprobs, _ = corrections.token_logprobs_and_entropy(
+            token_logprobs, _ = logprobs.token_logprobs_and_entropy(
                 flat,
                 tokens,
-                args.temperature,
-                project=lm.get_output_embeddings(),
-                chunk_size=args.logprob_chunk_rows,
-                banned=banned,
+                lm.get_output_embeddings(),
+                logprobs.LogprobSettings(
+                    temperature=args.temperature,
+                    chunk_size=args.logprob_chunk_rows,
+                    banned=banned,
+                ),
             )
-        (logprobs.mean() + values.square().mean()).backward()
+        (token_logprobs.mean() + values.square().mean()).backward()
         model.zero_grad(set_to_none=True)
 
     single_s = timed(lambda: micro_step(False), repeats)

@@ -3,19 +3,19 @@ logprobs, against a float64 product, on SmolLM2-135M-Instruct's real weights (Q4
 a real forward's hidden states.
 
     .venv/bin/python bench/head_precision.py         # CPU: TF32 and bf16 emulated (below); prints the table
-    .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also corrections.py's real TF32 and bf16 paths
+    .venv/bin/python bench/head_precision.py --cuda  # on a GPU: also logprobs.py's real TF32 and bf16 paths
     .venv/bin/python bench/head_precision.py --save-inputs   # write HEAD_INPUTS (32 MB) from the model
     python bench/head_precision.py --inputs --cuda   # a GPU machine without the model: read HEAD_INPUTS
 
 Emulated on CPU, with the rounding applied to the fp32 bit pattern (round to nearest, ties to even)
 and the sums in fp32, as tensor cores accumulate:
-    fp32 (IEEE)                 the float32 product: corrections.py's head on CPU and with --no-bf16
+    fp32 (IEEE)                 the float32 product: logprobs.py's head on CPU and with --no-bf16
     TF32                        both inputs rounded to TF32 (10 explicit mantissa bits), float32 matmul
     bf16 inputs, fp32 output    both inputs rounded to bfloat16, float32 matmul (torch.mm(..., out_dtype=float32))
     bf16 logits                 the float32 logits rounded to bfloat16: a head under bf16 autocast (verl, TRL)
 The logprob is log_softmax(logits)[token] of the text's own next tokens; the error is |logprob -
-float64 logprob|. tests/test_corrections.py runs this on every CI run; the table is in
-docs/corrections.md#lm-head-precision.
+float64 logprob|. tests/test_logprobs.py runs this on every CI run; the table is in
+docs/logprobs.md#lm-head-precision.
 """
 
 import argparse
@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import corrections  # noqa: E402
+import logprobs  # noqa: E402
 
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 # the hidden states, next tokens and head weight of smollm2_hidden, small enough to carry to a
@@ -127,15 +127,18 @@ def logprob_errors(logits, hidden, weight, tokens):
 
 
 def cuda_logprobs(hidden, weight, tokens, precision):
-    """The trainer's own path on a GPU: corrections.token_logprobs_and_entropy under bf16 autocast
+    """The trainer's own path on a GPU: logprobs.token_logprobs_and_entropy under bf16 autocast
     with --lm-head-precision `precision` (auto: TF32)."""
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).cuda()
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         head.weight.copy_(weight)
-        logprobs, _ = corrections.token_logprobs_and_entropy(
-            hidden.cuda(), tokens.cuda(), 1.0, project=head, precision=precision
+        token_logprobs, _ = logprobs.token_logprobs_and_entropy(
+            hidden.cuda(),
+            tokens.cuda(),
+            head,
+            logprobs.LogprobSettings(temperature=1.0, head_precision=precision),
         )
-    return logprobs.cpu()
+    return token_logprobs.cpu()
 
 
 def main():

@@ -6,6 +6,7 @@
     python scripts/compare.py runs/grpo_s1 runs/grpo_s2 --baseline rollout_corr_health
     python scripts/compare.py runs/ppo_s1 --baseline adam_table      # a table, not a curve: printed, not plotted
     python scripts/compare.py runs/tiny_s1 runs/tiny_s2 --baseline none --metrics objective/scores objective/kl
+    python scripts/compare.py runs/grpo_s1 runs/grpo_s2          # no baseline: our seeds' headline curves
 
 It writes `<output_dir>/compare_<baseline>.png` (one panel per metric: each seed faint, the seed
 mean bold, a min-max or mean±std band, the published curve in black, published final values as
@@ -42,8 +43,9 @@ The first curve/reference label of a metric in the file is the "main" baseline w
 `# x: table` marks a file that is a table of numbers and not a curve (adam_table.csv): compare.py
 prints it and plots nothing.
 
-`--baseline none`: no published curve exists (the offline `tiny` presets): only our seeds, their
-mean and band are drawn, `--metrics` is required, the x kind is not checked against anything (the
+`--baseline none` (the default): no published curve exists (the offline `tiny` presets) or none is
+wanted: only our seeds, their mean and band are drawn (`--metrics`, or else the script's headline
+metrics that every run logs: HEADLINE_METRICS), the x kind is not checked against anything (the
 runs must still agree with each other), and the table gives our final values with "no published
 baseline" in the baseline column.
 
@@ -99,6 +101,12 @@ X_LABELS = {
 }
 # args.json script -> kind
 SCRIPT_X_KIND = {"ppo_rlhf": "ppo_update", "grpo": "grpo_step", "rewards": "rm_step"}
+# --baseline none without --metrics: each kind's headline curves (those every run logs are shown)
+HEADLINE_METRICS = {
+    "grpo_step": ("reward/mean", "val/accuracy", "response_length/mean", "actor/entropy"),
+    "ppo_update": ("objective/scores", "objective/kl", "objective/kl_coef", "objective/entropy"),
+    "rm_step": ("train/loss", "train/accuracy", "test/accuracy"),
+}
 
 
 @dataclass
@@ -107,11 +115,12 @@ class Args:
         Annotated[list[str], tyro.conf.arg(metavar="RUN_DIR [RUN_DIR ...]")]
     ]
     """run directories (each with a metrics.jsonl): several seeds of one config"""
-    baseline: str
+    baseline: str = "none"
     """a baseline name under baselines/ (e.g. gpt2_sentiment), a path to a .csv file, or `none` (our
-    seeds only)"""
+    seeds only, the default)"""
     metrics: tuple[str, ...] = ()
-    """metrics to plot; default: every metric the baseline has"""
+    """metrics to plot; default: every metric the baseline has (`none`: the script's headline
+    metrics, HEADLINE_METRICS, that every run logs)"""
     output_dir: str = "runs/compare"
     """where compare_<baseline>.png and compare_<baseline>.md are written"""
     x: Literal["step", "episode"] = "step"
@@ -554,8 +563,6 @@ def compare(args: Args) -> dict:
         )
 
     # 2. load the baseline (`none`: our seeds only); a table baseline is printed, not plotted
-    if args.baseline == "none" and not args.metrics:
-        fail("--baseline none needs --metrics (there is no baseline to take the metric list from)")
     baseline = no_baseline() if args.baseline == "none" else load_baseline(args.baseline)
     md_path = os.path.join(args.output_dir, f"compare_{baseline['name']}.md")
     if baseline["x_kind"] == "table":
@@ -584,6 +591,14 @@ def compare(args: Args) -> dict:
 
     # 4. every requested metric must be in the baseline and in every run
     metrics = list(args.metrics) or baseline_metrics(baseline)
+    if baseline["name"] == "none" and not args.metrics:
+        metrics = [
+            metric
+            for metric in HEADLINE_METRICS[kinds[0]]
+            if all(any(metric in record for record in run["records"]) for run in runs)
+        ]
+        if not metrics:
+            fail(f"no run logs any of {', '.join(HEADLINE_METRICS[kinds[0]])}: pass --metrics")
     for metric in metrics:
         if baseline["name"] != "none" and metric not in baseline_metrics(baseline):
             fail(

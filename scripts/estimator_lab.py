@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import corrections  # noqa: E402
+import logprobs  # noqa: E402
 import objectives  # noqa: E402
 from corrections import RolloutCorrection  # noqa: E402
 
@@ -168,12 +169,15 @@ def reward(tokens, vocab_size):
 
 def token_logprobs(table, tokens, prev, temperature=1.0):
     """(B, L) log pi(y_t | y_{t-1}) for a table (V+1, V) shared by all responses, or (B, V+1, V) one
-    per response; through corrections.token_logprobs_and_entropy (the trainers' own logprob
+    per response; through logprobs.token_logprobs_and_entropy (the trainers' own logprob
     routine)."""
     B, L = tokens.shape
     logits = table[prev] if table.dim() == 2 else table[torch.arange(B)[:, None], prev]  # (B, L, V)
-    lp, _ = corrections.token_logprobs_and_entropy(
-        logits.reshape(B * L, -1), tokens.reshape(-1), temperature, chunk_size=B * L
+    lp, _ = logprobs.token_logprobs_and_entropy(
+        logits.reshape(B * L, -1),
+        tokens.reshape(-1),
+        None,
+        logprobs.LogprobSettings(temperature=temperature, chunk_size=B * L),
     )
     return lp.reshape(B, L)
 

@@ -52,12 +52,26 @@ RUNS = {
         + ["--rollout-staleness", "1", "--kl-loss-coef", "0.01", *GRPO_PINNED],
         ["checkpoint/model.safetensors"],
     ),
+    "grpo_named_losses_4": (
+        ["grpo.py", "tiny", "--total-steps", "4", "--policy-loss", "dro", "--dro-beta", "0.1"]
+        + ["--adv-estimator", "reinforce_plus_plus", *GRPO_PINNED],
+        ["checkpoint/model.safetensors"],
+    ),
+    "grpo_gspo_gdpo_4": (
+        ["grpo.py", "tiny", "--total-steps", "4", "--policy-loss", "gspo"]
+        + ["--adv-estimator", "gdpo", *GRPO_PINNED],
+        ["checkpoint/model.safetensors"],
+    ),
     "ppo_rlhf_tiny_10": (
         ["ppo_rlhf.py", "tiny", "--total-episodes", "640"],
         ["policy/model.safetensors", "policy/value_head.pt"],
     ),
     "ppo_rlhf_token_is_5": (
         ["ppo_rlhf.py", "tiny", "--total-episodes", "320", "--correction", "decoupled_token_is"],
+        ["policy/model.safetensors", "policy/value_head.pt"],
+    ),
+    "ppo_rlhf_bypass_pg_is_5": (
+        ["ppo_rlhf.py", "tiny", "--total-episodes", "320", "--correction", "bypass_pg_is"],
         ["policy/model.safetensors", "policy/value_head.pt"],
     ),
     "rewards_tiny": (

@@ -23,7 +23,7 @@ Rows:
                       GPU: an engine in sleep mode holds < 1 GiB asleep and samples the synced weights after waking
   vllm torchrun       2+ GPUs and vllm: one GRPO step of the tiny preset with --backend vllm under torchrun on 2 GPUs;
                       each rank's engine (vLLM's external_launcher) holds its weights on cuda:LOCAL_RANK
-  head precision      GPU and the converted SmolLM2: the LM head's real TF32 product (corrections.token_logprobs_and_
+  head precision      GPU and the converted SmolLM2: the LM head's real TF32 product (logprobs.token_logprobs_and_
                       entropy under bf16 autocast) on SmolLM2's weights and hidden states: logprob error against a
                       float64 head <= 1/4 of bf16-rounded logits' (bench/head_precision.py; CPU: emulated in CI)
 Every vLLM comparison is a bound on logprobs, never token for token: CUDA vLLM's V2 model runner
@@ -49,8 +49,9 @@ os.chdir(ROOT)
 import plan_memory  # noqa: E402  (scripts/plan_memory.py, beside this file)
 import torch  # noqa: E402
 
-import corrections  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
+import memory  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
@@ -185,10 +186,10 @@ def train_peak(grpo_args):
         )
     if ref is not None:
         ref.requires_grad_(False)
-        rollout.bf16_frozen_linears_(ref)
+        logprobs.bf16_frozen_linears_(ref)
     if grpo_args.gradient_checkpointing:
         # the layers the plan chooses for this GPU (grpo.py's own call)
-        grpo.recompute_layers(model, grpo_args, torch.device("cuda"), 0)
+        memory.recompute_layers(model, grpo_args, torch.device("cuda"), 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     micro, P, R = (
         grpo_args.ppo_micro_batch_size_per_gpu,
@@ -199,17 +200,18 @@ def train_peak(grpo_args):
     prompts = torch.randint(0, config.vocab_size - 1, (micro, P), generator=g).tolist()
     responses = torch.randint(0, config.vocab_size - 1, (micro, R), generator=g).tolist()
     batch = rollout.make_batch(prompts, responses, [[0.0] * R] * micro, 0, R, torch.device("cuda"))
+    settings = logprobs.LogprobSettings(temperature=1.0, chunk_size=grpo_args.logprob_chunk_size)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         if ref is not None:
             with torch.no_grad():
-                grpo.compute_logprobs(ref.eval(), batch, 1.0, grpo_args.logprob_chunk_size)
+                logprobs.response_logprobs(ref.eval(), batch, settings)
         model.train()
-        logprobs, _ = grpo.compute_logprobs(model, batch, 1.0, grpo_args.logprob_chunk_size)
-        loss = -(logprobs * batch["response_mask"]).sum() / batch["response_mask"].sum()
+        lp, _ = logprobs.response_logprobs(model, batch, settings)
+        loss = -(lp * batch["response_mask"]).sum() / batch["response_mask"].sum()
     loss.backward()
     optimizer.step()  # AdamW state allocated here
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
-    del model, ref, optimizer, batch, logprobs, loss
+    del model, ref, optimizer, batch, lp, loss
     torch.cuda.empty_cache()
     return peak
 
@@ -278,11 +280,11 @@ def vllm_parity(tmp, device):
                         for p in model.parameters():
                             p.add_(0.01 * torch.randn_like(p))
                 backend.sync_weights(model)
-                responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
+                responses, sampled_logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
                 batch = rollout.make_batch(
                     [p for p in prompts for _ in range(4)],
                     responses,
-                    logprobs,
+                    sampled_logprobs,
                     tokenizer.pad_token_id,
                     6,
                     torch.device(device),
@@ -293,7 +295,9 @@ def vllm_parity(tmp, device):
                     else contextlib.nullcontext()
                 )
                 with torch.no_grad(), autocast:
-                    train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)
+                    train_lp, _ = logprobs.response_logprobs(
+                        model, batch, logprobs.LogprobSettings()
+                    )
                 mask = batch["response_mask"].bool()
                 diff = (train_lp - batch["rollout_logprobs"]).abs()[mask].max().item()
                 limit = 1e-4 if dtype == "float32" else 0.1
@@ -328,17 +332,17 @@ def vllm_parity(tmp, device):
                 held < 1,
             )
             backend.sync_weights(model)
-            responses, logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
+            responses, sampled_logprobs, _ = backend.generate(prompts, 4, 6, 1.0, seed=3)
             batch = rollout.make_batch(
                 [p for p in prompts for _ in range(4)],
                 responses,
-                logprobs,
+                sampled_logprobs,
                 tokenizer.pad_token_id,
                 6,
                 torch.device(device),
             )
             with torch.no_grad():
-                train_lp, _ = grpo.compute_logprobs(model, batch, 1.0)
+                train_lp, _ = logprobs.response_logprobs(model, batch, logprobs.LogprobSettings())
             diff = (
                 (train_lp - batch["rollout_logprobs"])
                 .abs()[batch["response_mask"].bool()]
@@ -482,7 +486,7 @@ def head_precision():
         "<= 1/4 of bf16 logits'",
         tf32_max <= bf16_max / 4,
     )
-    # the default's rule (docs/corrections.md#lm-head-precision): auto would take the bf16-input
+    # the default's rule (docs/logprobs.md#lm-head-precision): auto would take the bf16-input
     # head only if its error were within 2x of TF32's, max and mean; the row checks that the
     # measurement on this GPU agrees with the choice auto makes (TF32)
     ratio_max = errors["bf16"][0] / tf32_max
@@ -498,7 +502,7 @@ def head_precision():
 
 
 def head_gradient():
-    """The LM head on this GPU as the trainer runs it (corrections._ChunkedHead: compiled
+    """The LM head on this GPU as the trainer runs it (logprobs._ChunkedHead: compiled
     element-wise kernels, the gradient written out), against eager autograd through one full
     log-softmax of the same products, for the TF32 and the bf16-input heads: logprobs and the
     gradients of hidden and W (random Qwen2.5-0.5B-sized head, 3000 rows, chunks of 512)."""
@@ -508,15 +512,15 @@ def head_gradient():
     tokens = torch.randint(0, 151936, (3000,), device="cuda", generator=g)
     upstream = torch.randn(3000, device="cuda", generator=g)
     for precision in ("tf32", "bf16"):
-        logprobs, _ = corrections._ChunkedHead.apply(
+        chunked_logprobs, _ = logprobs._ChunkedHead.apply(
             hidden, weight, tokens, 1.0, None, False, precision, 512, None
         )
-        got = torch.autograd.grad((logprobs * upstream).sum(), (hidden, weight))
-        expected_logprobs, _ = corrections._logprob_entropy_chunk(
+        got = torch.autograd.grad((chunked_logprobs * upstream).sum(), (hidden, weight))
+        expected_logprobs, _ = logprobs._logprob_entropy_chunk(
             weight, hidden, tokens, 1.0, None, False, precision
         )
         expected = torch.autograd.grad((expected_logprobs * upstream).sum(), (hidden, weight))
-        logprob_err = (logprobs - expected_logprobs).abs().max().item()
+        logprob_err = (chunked_logprobs - expected_logprobs).abs().max().item()
         grad_err = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, expected))
         row(
             "head gradient",
@@ -586,7 +590,7 @@ def main():
             row(
                 "head precision",
                 "-",
-                "GPU only (CPU: emulated, tests/test_corrections.py)",
+                "GPU only (CPU: emulated, tests/test_logprobs.py)",
                 "-",
                 None,
             )

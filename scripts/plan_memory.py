@@ -15,7 +15,7 @@ does not fit. No vLLM is needed: the trainers' modules import it only to run an 
 What one rank holds, in three phases that do not overlap in time (the plan's peak is the largest
 phase):
   train           fp32 weights, fp32 gradients, the optimizer's fp32 m and v, autocast's bf16 weight copies, the
-                  frozen models (the reference with bf16 Linear weights, rollout.bf16_frozen_linears_;
+                  frozen models (the reference with bf16 Linear weights, logprobs.bf16_frozen_linears_;
                   ppo_rlhf's fp32 reward model), activations of one micro-batch (an estimate: activation_bytes),
                   vLLM's share while it stays awake
   optimizer step  the same without activations and bf16 copies, plus the step's temporaries: torch's foreach
@@ -52,8 +52,8 @@ sys.path.insert(0, ROOT)
 
 
 import grpo  # noqa: E402
-import harness  # noqa: E402
-from harness import (  # noqa: E402  (the byte model the trainer reads too)
+import memory  # noqa: E402
+from memory import (  # noqa: E402  (the byte model the trainer reads too)
     CONTEXT_ROW,
     GIB,
     REFERENCE_GPU_GIB,
@@ -128,8 +128,8 @@ def load_model_config(trainer, args):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. One rank of ppo_rlhf.py (grpo.py's, harness.plan_grpo, is read by the trainer itself: it chooses
-# the layers to recompute; the bytes of KV cache, activations and the optimizer step are harness's too)
+# 2. One rank of ppo_rlhf.py (grpo.py's, memory.plan_grpo, is read by the trainer itself: it chooses
+# the layers to recompute; the bytes of KV cache, activations and the optimizer step are memory.py's too)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -304,7 +304,7 @@ def format_memory_plan(plan):
         lines.append(
             f"  gradient checkpointing: {recomputed} of {layers} decoder layers recomputed "
             "(grpo.py --recompute-num-layers; -1 chooses the fewest that fit "
-            f"{harness.PLAN_FILL:.0%} of the GPU)"
+            f"{memory.PLAN_FILL:.0%} of the GPU)"
         )
     if "note" in plan:
         lines.append("  " + plan["note"])

@@ -5,7 +5,7 @@ The same fp32 weights and the same prompts, twice per precision, as grpo.py comp
   rollout   rollout.HFBackend samples n responses per prompt with KV-cache decoding under the
             precision's autocast; its logits come out of the LM head in that dtype, as an inference
             engine's do (vLLM computes them in its model dtype)
-  trainer   grpo.compute_logprobs recomputes the sampled tokens' logprobs with one full forward
+  trainer   logprobs.response_logprobs recomputes the sampled tokens' logprobs with one full forward
             under the same autocast, the LM head in fp32 (TF32 on CUDA)
 and compares them with corrections.offpolicy_metrics: KL(rollout || trainer) as k1
 (rollout_corr/kl) and k3, and |p_rollout - p_trainer| over the sampled tokens (Yao et al. 2025's
@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 
@@ -55,7 +56,7 @@ def smollm2_prompts(tokenizer, count):
 @torch.no_grad()
 def measure(model, prompt_ids, precision, n, max_new_tokens, temperature, seed, eos_id, pad_id):
     """corrections.offpolicy_metrics of one rollout (n samples per prompt) against the trainer's
-    recompute of the same tokens, both under `precision` (rollout.PRECISIONS)."""
+    recompute of the same tokens, both under `precision` (logprobs.PRECISIONS)."""
     device = next(model.parameters()).device
     backend = rollout.HFBackend(model, eos_id, pad_id, precision=precision)
     responses, rollout_logprobs, _ = backend.generate(
@@ -70,12 +71,12 @@ def measure(model, prompt_ids, precision, n, max_new_tokens, temperature, seed, 
         device,
     )
     model.eval()
+    settings = logprobs.LogprobSettings(temperature=temperature, precision=precision)
     train_logprobs = []
     for start in range(0, len(responses), 16):  # micro-batches of 16 rows
-        logprobs, _ = grpo.compute_logprobs(
-            model, batch, temperature, rows=slice(start, start + 16), precision=precision
-        )
-        train_logprobs.append(logprobs)
+        rows = slice(start, start + 16)
+        lp, _ = logprobs.response_logprobs(model, {k: v[rows] for k, v in batch.items()}, settings)
+        train_logprobs.append(lp)
     return corrections.offpolicy_metrics(
         torch.cat(train_logprobs), batch["rollout_logprobs"], batch["response_mask"]
     )
@@ -151,7 +152,7 @@ def parse(argv=None):
     parser.add_argument("--output", help="also write the metrics as JSON here")
     opts = parser.parse_args(argv)
     for precision in opts.precisions:
-        if precision not in rollout.PRECISIONS[1:]:
+        if precision not in logprobs.PRECISIONS[1:]:
             parser.error(f"--precisions: {precision!r} is not one of fp32, bf16, fp16")
     return opts
 

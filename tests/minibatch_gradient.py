@@ -6,7 +6,8 @@
 A fixed tiny model and a fixed batch of 64 sequences (8 prompts x n = 8, responses of 1..8 tokens)
 make one minibatch; grpo.update_policy runs it with an optimizer stand-in that records the
 (averaged, unclipped) gradient at step(). Rank 0 saves {mode: flat gradient}. Not a test file itself
-(no test_ prefix).
+(no test_ prefix). pi_old_and_ref is grpo.train()'s step 3 on a batch, for the tests that run
+update_policy themselves (tests/test_grpo.py).
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ sys.path.insert(0, ROOT)
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 
@@ -59,12 +61,35 @@ def fixed_batch(model, tokenizer):
         torch.device("cpu"),
     )
     with torch.no_grad():
-        logprobs, _ = grpo.compute_logprobs(model, batch, 1.0)
-    batch["rollout_logprobs"] = (
-        logprobs + 0.05 * torch.randn(logprobs.shape, generator=g)
-    ) * batch["response_mask"]
+        lp, _ = logprobs.response_logprobs(model, batch, logprobs.LogprobSettings())
+    batch["rollout_logprobs"] = (lp + 0.05 * torch.randn(lp.shape, generator=g)) * batch[
+        "response_mask"
+    ]
     batch["advantages"] = torch.randn(PROMPTS * N, generator=g)
     return batch
+
+
+def pi_old_and_ref(model, ref_model, batch, args, correction, world_size=1):
+    """grpo.train()'s step 3 on `batch`, in place: pi_old (grpo.compute_pi_old), the rollout
+    correction's IS weights and loss mask (decoupled mode), pi_ref's logprobs when `ref_model` is
+    given. Returns the step's metrics (the correction's, actor/entropy)."""
+    log_pi = grpo.logprob_settings(args)
+    old_logprobs, _, corr_metrics = grpo.compute_pi_old(
+        model, batch, args, log_pi, correction, world_size
+    )
+    is_weights, loss_mask = None, batch["response_mask"]
+    if not correction.bypass_mode:
+        is_weights, loss_mask, batch_corr_metrics = corrections.apply_rollout_correction(
+            old_logprobs, batch["rollout_logprobs"], batch["response_mask"], correction
+        )
+        corr_metrics.update(batch_corr_metrics)
+    batch["old_logprobs"] = old_logprobs
+    batch["loss_mask"] = loss_mask
+    if is_weights is not None:
+        batch["is_weights"] = is_weights
+    if ref_model is not None:
+        batch["ref_logprobs"] = grpo.batch_logprobs(ref_model, batch, args, log_pi)["logprobs"]
+    return corr_metrics
 
 
 def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla", **settings):
@@ -89,9 +114,11 @@ def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla",
         **settings,
     )
     correction = corrections.RolloutCorrection.from_name("decoupled_token_is")
-    grpo.compute_pi_old_and_ref(model, None, batch, args, correction)
+    pi_old_and_ref(model, None, batch, args, correction)
     recorder = GradientRecorder(model.parameters())
-    grpo.update_policy(model, recorder, batch, args, correction, world_size)
+    grpo.update_policy(
+        model, recorder, batch, args, correction, grpo.logprob_settings(args), world_size
+    )
     return recorder.gradient
 
 

@@ -539,9 +539,15 @@ def test_baseline_none_plots_only_our_seed_band(tmp_path):
         make_args(runs, "none", tmp_path / "titled", metrics=("objective/kl",), title="tiny")
     )
     assert os.path.getsize(titled["png"]) > 10_000
-    # the metric list is required, a metric some run lacks is still refused, and so are runs of
-    # different kinds
-    assert_refused(make_args(runs, "none", tmp_path / "out2"), "--baseline none needs --metrics")
+    # without --metrics (and without --baseline: none is the default), the script's headline
+    # metrics that every run logs: here objective/scores and objective/kl of ppo_rlhf.py's four
+    headline = compare.compare(compare.Args(run_dirs=runs, output_dir=str(tmp_path / "out2")))
+    table = open(headline["markdown"]).read()
+    assert "| objective/scores | 2 ± 0.82" in table and "| objective/kl | 1 ± 0" in table
+    assert "objective/kl_coef" not in table and "objective/entropy" not in table
+    lacking = write_run(tmp_path / "lacking", [{"step": 1, "ppo/lr": 1e-5}])
+    assert_refused(make_args([lacking], "none", tmp_path / "out5"), "no run logs any of")
+    # a metric some run lacks is still refused, and so are runs of different kinds
     assert_refused(
         make_args(runs, "none", tmp_path / "out3", metrics=("objective/entropy",)),
         "'objective/entropy' is missing from",

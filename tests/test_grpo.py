@@ -24,9 +24,12 @@ from verl_source import verl_root  # noqa: E402
 import corrections  # noqa: E402
 import grpo  # noqa: E402
 import harness  # noqa: E402
+import logprobs  # noqa: E402
+import memory  # noqa: E402
 import objectives  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
+from minibatch_gradient import pi_old_and_ref  # noqa: E402
 
 CPU = torch.device("cpu")
 TOL = 1e-4  # max |rollout logprob - trainer recompute| in fp32 (measured ~1e-6)
@@ -108,7 +111,12 @@ def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
     ref_grads = [p.grad.clone() for p in model.parameters()]
     for chunk in (1, 4, 1024):
         model.zero_grad()
-        lp, ent = grpo.compute_logprobs(model, batch, T, chunk_size=chunk, entropy_grad=True)
+        lp, ent = logprobs.response_logprobs(
+            model,
+            batch,
+            logprobs.LogprobSettings(temperature=T, chunk_size=chunk),
+            entropy_grad=True,
+        )
         assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
         (lp * weights + ent).sum().backward()
         for p, r in zip(model.parameters(), ref_grads):
@@ -117,7 +125,7 @@ def test_chunked_logprobs_and_entropy_match_full_softmax(tiny):
 
 def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
     """Under bf16 autocast the LM head, log-softmax and entropy run in float32
-    (corrections.fp32_project).
+    (logprobs.fp32_project).
 
     The tiny model's LM head (tied to the embedding) is scaled by 40 so its logits reach 117 in
     magnitude, like gpt2/Qwen logits. Measured on this batch (torch 2.13 CPU, bf16 autocast,
@@ -138,9 +146,11 @@ def test_logprobs_under_bf16_autocast_use_an_fp32_lm_head(tiny):
     )
     mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
     with torch.no_grad():
-        full_fp32, _ = grpo.compute_logprobs(model, batch, 1.0)
+        full_fp32, _ = logprobs.response_logprobs(model, batch, logprobs.LogprobSettings())
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ours, entropy = grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
+            ours, entropy = logprobs.response_logprobs(
+                model, batch, logprobs.LogprobSettings(chunk_size=5)
+            )
             hidden = model.get_decoder()(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
@@ -166,7 +176,7 @@ def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
     """On CUDA: bf16 autocast (--precision bf16) runs the LM head's product in TF32 and the log-softmax in
     fp32: against a float64 head on the same hidden states (logits ~100) its error is <= 1/4 of
     bf16-rounded logits' (emulated on CPU:
-    0.016 vs 0.20 nats; docs/corrections.md#lm-head-precision); --precision fp32 matches the CPU fp32 forward to ~1e-5."""
+    0.016 vs 0.20 nats; docs/logprobs.md#lm-head-precision); --precision fp32 matches the CPU fp32 forward to ~1e-5."""
     model, tokenizer = tiny
     cpu_model = copy.deepcopy(model)
     with torch.no_grad():
@@ -185,8 +195,10 @@ def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
     mask, tokens = batch["response_mask"].bool(), batch["responses"][..., None]
     with torch.no_grad():
         cuda_batch = {k: v.cuda() for k, v in batch.items()}
-        ours, _ = grpo.compute_logprobs(
-            cuda_model, cuda_batch, 1.0, precision="bf16" if bf16 else "fp32"
+        ours, _ = logprobs.response_logprobs(
+            cuda_model,
+            cuda_batch,
+            logprobs.LogprobSettings(temperature=1.0, precision="bf16" if bf16 else "fp32"),
         )
         if bf16:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -203,7 +215,7 @@ def test_cuda_logprobs_use_an_fp32_lm_head(tiny, bf16):
             )
             tol = (bf16_logits[..., 0] - reference)[mask.cuda()].abs().max().item() / 4
         else:
-            reference, _ = grpo.compute_logprobs(cpu_model, batch, 1.0)
+            reference, _ = logprobs.response_logprobs(cpu_model, batch, logprobs.LogprobSettings())
             tol = 1e-4
     assert ours.dtype == torch.float32
     assert (ours.cpu().double() - reference.cpu().double())[mask].abs().max() < tol
@@ -320,17 +332,19 @@ def test_replay_scores_each_sampled_token_as_the_truncated_sampler_did(tiny, fla
     args = _small_args(**flags)
     _, batch = _rollout(model, tokenizer, args, seed=5)
     mask = batch["response_mask"].bool()
-    replayed = grpo.batch_logprobs(model, batch, args)["logprobs"]
+    replayed = grpo.batch_logprobs(model, batch, args, grpo.logprob_settings(args))["logprobs"]
     assert (replayed - batch["rollout_logprobs"])[mask].abs().max() < 1e-6
     full_vocabulary = dataclasses.replace(args, replay_sampling_mask=False)
-    full = grpo.batch_logprobs(model, batch, full_vocabulary)["logprobs"]
+    full = grpo.batch_logprobs(
+        model, batch, full_vocabulary, grpo.logprob_settings(full_vocabulary)
+    )["logprobs"]
     log_ratio = (full - batch["rollout_logprobs"])[mask]
     assert (log_ratio <= 1e-6).all()
     # (min-p 0.05 keeps every token of the tiny random model's flat distributions: S = 1 there)
     assert "min_p" in flags or (log_ratio < -1e-3).any()
     # log S by hand: the full softmax's mass on the kept set, token by token
     logits = _response_logits(model, batch, args)
-    kept = corrections.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
+    kept = logprobs.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
     log_kept_mass = torch.log((torch.softmax(logits, -1) * kept).sum(-1))
     assert torch.allclose(log_ratio, log_kept_mass, atol=1e-5)
 
@@ -352,7 +366,9 @@ def test_replay_keeps_the_sampled_token_for_every_model_that_scores_it(tiny):
     ref_model = copy.deepcopy(model)
     torch.manual_seed(3)
     ref_model.apply(ref_model._init_weights)
-    ref_stats = grpo.batch_logprobs(ref_model, batch, args, left_out_of_kept_set=True)
+    ref_stats = grpo.batch_logprobs(
+        ref_model, batch, args, grpo.logprob_settings(args), left_out_of_kept_set=True
+    )
     ref_logprobs = ref_stats["logprobs"]
     mask = batch["response_mask"].bool()
     assert torch.isfinite(ref_logprobs).all()
@@ -360,7 +376,7 @@ def test_replay_keeps_the_sampled_token_for_every_model_that_scores_it(tiny):
     logits = _response_logits(ref_model, batch, args)
     tokens = batch["responses"][mask]
     rows = torch.arange(tokens.shape[0])
-    kept = corrections.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
+    kept = logprobs.truncation_mask(logits, *rollout.sampling_truncation(args, "hf"))
     left_out = ~kept[rows, tokens]
     # the case this test is about happens in this batch
     assert left_out.sum() >= 3
@@ -379,9 +395,11 @@ def _run_update(model, args, batch, preset, ref_model=None):
     model = copy.deepcopy(model)
     batch = dict(batch)
     correction = corrections.RolloutCorrection.from_name(preset)
-    corr_metrics = grpo.compute_pi_old_and_ref(model, ref_model, batch, args, correction)
+    corr_metrics = pi_old_and_ref(model, ref_model, batch, args, correction)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    metrics = grpo.update_policy(model, optimizer, batch, args, correction)
+    metrics = grpo.update_policy(
+        model, optimizer, batch, args, correction, grpo.logprob_settings(args)
+    )
     return model, {**corr_metrics, **metrics}
 
 
@@ -483,24 +501,26 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
         for p in ref.parameters():
             p.add_(0.02 * torch.randn_like(p))
     batch = dict(batch)
-    grpo.compute_pi_old_and_ref(
-        model, ref, batch, args, corrections.RolloutCorrection.from_name("disabled")
-    )
+    pi_old_and_ref(model, ref, batch, args, corrections.RolloutCorrection.from_name("disabled"))
     corrected = batch["response_mask"].clone()
     corrected[::2] = 0  # as if RS had rejected every other sequence
     corrected[1::4, 0] = 0  # and some single tokens
     batch["loss_mask"] = corrected
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     disabled = corrections.RolloutCorrection.from_name("disabled")
-    metrics = grpo.update_policy(copy.deepcopy(model), optimizer, batch, args, disabled)
-    logprobs, entropy = grpo.compute_logprobs(
-        model.eval(), batch, args.temperature, args.logprob_chunk_size
+    metrics = grpo.update_policy(
+        copy.deepcopy(model), optimizer, batch, args, disabled, grpo.logprob_settings(args)
     )
-    kld = objectives.kl_penalty(logprobs, batch["ref_logprobs"], "k3")
+    new_logprobs, entropy = logprobs.response_logprobs(
+        model.eval(),
+        batch,
+        logprobs.LogprobSettings(temperature=args.temperature, chunk_size=args.logprob_chunk_size),
+    )
+    kld = objectives.kl_penalty(new_logprobs, batch["ref_logprobs"], "k3")
     # the logged terms are whole-minibatch losses (global normalisation)
     _, mini = grpo.local_batch_sizes(args, 1)
     expected = {"actor/entropy_loss": [], "actor/kl_loss": [], "plain_entropy": []}
-    for start in range(0, logprobs.shape[0], mini):
+    for start in range(0, new_logprobs.shape[0], mini):
         rows = slice(start, start + mini)
         expected["actor/entropy_loss"].append(
             objectives.agg_loss(entropy[rows], corrected[rows]).item()
@@ -527,8 +547,10 @@ def test_actor_entropy_is_pi_olds_over_the_whole_batch_before_the_update(tiny, r
     model, _ = tiny
     args, batch = rollout_batch
     args = dataclasses.replace(args, loss_agg_mode=mode, lr=1e-2)
-    _, entropy = grpo.compute_logprobs(
-        model.eval(), batch, args.temperature, args.logprob_chunk_size
+    _, entropy = logprobs.response_logprobs(
+        model.eval(),
+        batch,
+        logprobs.LogprobSettings(temperature=args.temperature, chunk_size=args.logprob_chunk_size),
     )
     by_hand = objectives.agg_loss(entropy, batch["response_mask"], mode).item()
     _, metrics = _run_update(model, args, batch, "disabled")
@@ -956,28 +978,30 @@ def test_precision_reaches_the_forward_the_rollout_and_the_engine_dtype(tiny, ro
     trainer's forward (on CPU too: real bf16/fp16 kernels) and vLLM's dtype; the logprobs stay
     float32 and differ from fp32's by the format's rounding alone."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert rollout.resolve_precision("auto", cpu) == "fp32"
-    assert rollout.resolve_precision("auto", cuda) == "bf16"
-    assert rollout.resolve_precision("fp16", cpu) == "fp16"
+    assert logprobs.resolve_precision("auto", cpu) == "fp32"
+    assert logprobs.resolve_precision("auto", cuda) == "bf16"
+    assert logprobs.resolve_precision("fp16", cpu) == "fp16"
     engine = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
     model, _ = tiny
     args, batch = rollout_batch
-    reference, _ = grpo.compute_logprobs(model, batch, 1.0, precision="fp32")
+    reference, _ = logprobs.response_logprobs(
+        model, batch, logprobs.LogprobSettings(temperature=1.0, precision="fp32")
+    )
     mask = batch["response_mask"].bool()
     for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        with rollout.autocast_context(cpu, precision):
+        with logprobs.autocast_context(cpu, precision):
             assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == dtype
         assert (
             rollout.vllm_dtype(dataclasses.replace(args, precision=precision), cpu)
             == engine[precision]
         )
         with torch.no_grad():
-            logprobs, _ = grpo.compute_logprobs(model, batch, 1.0, precision=precision)
-        error = (logprobs - reference)[mask].abs().max().item()
+            lp, _ = logprobs.response_logprobs(
+                model, batch, logprobs.LogprobSettings(temperature=1.0, precision=precision)
+            )
+        error = (lp - reference)[mask].abs().max().item()
         # fp16 keeps 10 mantissa bits, bf16 7
-        assert logprobs.dtype == torch.float32 and 0 < error < (
-            0.3 if precision == "bf16" else 0.05
-        )
+        assert lp.dtype == torch.float32 and 0 < error < (0.3 if precision == "bf16" else 0.05)
     assert rollout.vllm_dtype(args, cuda) == "bfloat16"  # auto on a GPU
     assert rollout.vllm_dtype(args, cpu) == "float32"
     assert rollout.vllm_dtype(dataclasses.replace(args, vllm_dtype="float32"), cuda) == "float32"
@@ -990,12 +1014,14 @@ def _fp16_update(model, args, batch, make_inf):
     batch = dict(batch)
     args = dataclasses.replace(args, precision="fp16", ppo_mini_batch_size=args.train_batch_size)
     correction = corrections.RolloutCorrection.from_name("disabled")
-    grpo.compute_pi_old_and_ref(model, None, batch, args, correction)
+    pi_old_and_ref(model, None, batch, args, correction)
     if make_inf:
         next(model.parameters()).register_hook(lambda grad: torch.full_like(grad, float("inf")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu")
-    metrics = grpo.update_policy(model, optimizer, batch, args, correction, scaler=scaler)
+    metrics = grpo.update_policy(
+        model, optimizer, batch, args, correction, grpo.logprob_settings(args), scaler=scaler
+    )
     return model, scaler, metrics
 
 
@@ -1272,7 +1298,7 @@ def test_main_refuses_a_bad_flag_in_one_line_before_any_model_loads(
 
 
 def _random_batch(vocab_size):
-    """The tensors grpo.compute_logprobs reads: 3 rows of 4 prompt + 8 response tokens, no padding."""
+    """The tensors logprobs.response_logprobs reads: 3 rows of 4 prompt + 8 response tokens, no padding."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (3, 12), generator=g)
     return {
@@ -1286,7 +1312,7 @@ def _random_batch(vocab_size):
 
 def test_recomputed_layers_change_memory_not_gradients(tmp_path):
     """--gradient-checkpointing with --recompute-num-layers k: the first k decoder layers recompute
-    in backward, the others keep their activations (grpo.recompute_layers); -1 on a CPU recomputes
+    in backward, the others keep their activations (memory.recompute_layers); -1 on a CPU recomputes
     every layer (no GPU size to plan for). Whichever layers recompute, the loss and every gradient
     are those of no checkpointing, bit for bit (a CPU's recompute is deterministic)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -1301,10 +1327,10 @@ def test_recomputed_layers_change_memory_not_gradients(tmp_path):
             flags["recompute_num_layers"] = recompute
         args = grpo.Args(**flags)
         if recompute is not None:
-            grpo.recompute_layers(m, args, torch.device("cpu"), rank=1)
+            memory.recompute_layers(m, args, torch.device("cpu"), rank=1)
         layers = [x for x in m.modules() if isinstance(x, GradientCheckpointingLayer)]
-        logprobs, _ = grpo.compute_logprobs(m, batch, 1.0, chunk_size=5)
-        logprobs.sum().backward()
+        lp, _ = logprobs.response_logprobs(m, batch, logprobs.LogprobSettings(chunk_size=5))
+        lp.sum().backward()
         return [x.gradient_checkpointing for x in layers], [p.grad for p in m.parameters()]
 
     recomputing, expected = gradients(None)
@@ -1316,7 +1342,7 @@ def test_recomputed_layers_change_memory_not_gradients(tmp_path):
 
 
 def test_compiled_layers_give_the_eager_logprobs_and_gradients():
-    """--compile-layers (harness.compile_decoder_layers): the logprobs and every gradient of the
+    """--compile-layers (memory.compile_decoder_layers): the logprobs and every gradient of the
     compiled layers equal eager's to float32 rounding, with one layer recomputed in backward and
     the other not; every layer runs the one compiled graph; HF generate (a KV cache) stays eager
     and gives eager's tokens; a deepcopy (rollout.HFBackend's rollout copy) computes with its own
@@ -1324,7 +1350,7 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients():
     from torch._dynamo.utils import counters
 
     model = tasks.build_tiny_model(None, arch="qwen2", seed=3)[0].float().train()
-    grpo.recompute_layers(
+    memory.recompute_layers(
         model,
         grpo.Args(gradient_checkpointing=True, recompute_num_layers=1),
         torch.device("cpu"),
@@ -1333,11 +1359,11 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients():
     batch = _random_batch(model.config.vocab_size)
 
     def logprobs_and_gradients(m):
-        logprobs, _ = grpo.compute_logprobs(m, batch, 1.0, chunk_size=5)
-        logprobs.sum().backward()
+        lp, _ = logprobs.response_logprobs(m, batch, logprobs.LogprobSettings(chunk_size=5))
+        lp.sum().backward()
         gradients = [p.grad.clone() for p in m.parameters()]
         m.zero_grad(set_to_none=True)
-        return logprobs.detach(), gradients
+        return lp.detach(), gradients
 
     def generate(m):
         m.eval()
@@ -1347,13 +1373,13 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients():
         return tokens
 
     compiled = copy.deepcopy(model)
-    assert harness.compile_decoder_layers(compiled) == 2
+    assert memory.compile_decoder_layers(compiled) == 2
     graphs = counters["stats"]["unique_graphs"]
     expected_logprobs, expected = logprobs_and_gradients(model)
-    logprobs, got = logprobs_and_gradients(compiled)
+    compiled_logprobs, got = logprobs_and_gradients(compiled)
     # one graph for both layers (a cached one if another test compiled this layer before)
     assert counters["stats"]["unique_graphs"] - graphs <= 1
-    assert (logprobs - expected_logprobs).abs().max() < 1e-5
+    assert (compiled_logprobs - expected_logprobs).abs().max() < 1e-5
     for a, b in zip(got, expected):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     graphs = counters["stats"]["unique_graphs"]
@@ -1369,7 +1395,7 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients():
     logprobs_copy, _ = logprobs_and_gradients(copied)
     logprobs_halved, _ = logprobs_and_gradients(halved)
     assert (logprobs_copy - logprobs_halved).abs().max() < 1e-5
-    assert (logprobs_copy - logprobs).abs().max() > 0.1
+    assert (logprobs_copy - compiled_logprobs).abs().max() > 0.1
 
 
 def test_compiled_layers_stay_under_the_recompile_limit_over_a_runs_batches():
@@ -1385,13 +1411,13 @@ def test_compiled_layers_stay_under_the_recompile_limit_over_a_runs_batches():
 
     torch._dynamo.reset()  # this test's graphs only
     model = tasks.build_tiny_model(None, arch="qwen2", seed=3)[0].float().train()
-    grpo.recompute_layers(
+    memory.recompute_layers(
         model,
         grpo.Args(gradient_checkpointing=True, recompute_num_layers=1),
         torch.device("cpu"),
         1,
     )
-    harness.compile_decoder_layers(model)
+    memory.compile_decoder_layers(model)
     g = torch.Generator().manual_seed(0)
     for step in range(12):
         width = 3 + step % 7
@@ -1402,10 +1428,11 @@ def test_compiled_layers_stay_under_the_recompile_limit_over_a_runs_batches():
         ]
         responses = [torch.randint(3, 20, (5,), generator=g).tolist() for _ in range(4)]
         batch = rollout.make_batch(prompts, responses, [[0.0] * 5] * 4, 0, 6, torch.device("cpu"))
+        settings = logprobs.LogprobSettings(chunk_size=5)
         with torch.no_grad():
-            grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
-        logprobs, _ = grpo.compute_logprobs(model, batch, 1.0, chunk_size=5)
-        logprobs.sum().backward()
+            logprobs.response_logprobs(model, batch, settings)
+        lp, _ = logprobs.response_logprobs(model, batch, settings)
+        lp.sum().backward()
         model.zero_grad(set_to_none=True)
     graphs = len(_debug_get_cache_entry_list(Qwen2DecoderLayer.forward.__code__))
     assert 2 <= graphs < torch._dynamo.config.recompile_limit

@@ -132,14 +132,14 @@ def test_countdown_plan_rows_by_hand():
 
 
 def test_layers_recomputed_are_the_fewest_that_fit():
-    """harness.recompute_choice: without --gradient-checkpointing none; --recompute-num-layers k
+    """memory.recompute_choice: without --gradient-checkpointing none; --recompute-num-layers k
     as given (at most every layer); -1 on a GPU the fewest k whose train phase fits PLAN_FILL of it
     (k - 1 would not); -1 with no GPU size (a CPU): every layer. Each kept layer adds its whole
     activation set, each recomputed one only its fp32 input."""
-    import harness
+    import memory
 
     config = config_of("Qwen2.5-3B")
-    shape = harness.model_shape(config)
+    shape = memory.model_shape(config)
     args = plan_memory.preset_args("grpo", "countdown")
     tokens = 8 * (256 + 1024)
 
@@ -157,14 +157,14 @@ def test_layers_recomputed_are_the_fewest_that_fit():
     for gpu_gib in (80, 141):
         chosen = plan(gpu_gib * GIB)
         k = chosen["recompute_num_layers"][0]
-        assert chosen["totals"]["train"] <= harness.PLAN_FILL * gpu_gib * GIB
+        assert chosen["totals"]["train"] <= memory.PLAN_FILL * gpu_gib * GIB
         if k > 0:
             fewer = plan(gpu_gib * GIB, "--recompute-num-layers", str(k - 1))
-            assert fewer["totals"]["train"] > harness.PLAN_FILL * gpu_gib * GIB
+            assert fewer["totals"]["train"] > memory.PLAN_FILL * gpu_gib * GIB
     # each layer recomputed instead of kept saves its activations but its fp32 input
     saved = [
-        harness.activation_bytes(shape, tokens, k, 512)
-        - harness.activation_bytes(shape, tokens, k + 1, 512)
+        memory.activation_bytes(shape, tokens, k, 512)
+        - memory.activation_bytes(shape, tokens, k + 1, 512)
         for k in range(1, 36)
     ]
     assert len(set(saved)) == 1 and saved[0] > 0

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import corrections
 import grpo
 import objectives as O
 from verl_source import load_functions, verl_root
@@ -193,7 +194,7 @@ def test_estimators_match_verl(name, norm_by_std, bf16):
 
 
 def otb_inputs(seed, T=12, bf16=False, rejection=False, is_weights=False):
-    """random_rollout's step with what the optimal token baseline also takes from step 4:
+    """random_rollout's step with what the optimal token baseline also takes from step 3:
     pi_old's logprobs of the sampled tokens, sum_v pi_old(v)^2 (at least pi_old(a)^2, at most 1),
     the mask after a token-level rejection (holes, one response rejected whole) and IS weights."""
     scores, group_ids, lengths, mask, token_rewards, _ = random_rollout(seed, T=T, bf16=bf16)
@@ -271,45 +272,40 @@ def test_optimal_token_baseline_hand_values():
 
 
 def test_sum_pi_squared_comes_from_the_chunked_pass():
-    """corrections.token_logprobs_and_entropy(sum_pi_squared=True): a third output, sum_v p_v^2 of
+    """logprobs.token_logprobs_and_entropy(sum_pi_squared=True): a third output, sum_v p_v^2 of
     softmax(logits / T), chunk by chunk (3 chunks here), equal to the full softmax's; with a
     replayed truncation, of the renormalised distribution over the kept set and the sampled token
     (these random tokens are often outside the top 5); refused with a gradient."""
-    import corrections
+    import logprobs
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False)
     hidden = torch.randn(40, 16, generator=g)
     tokens = torch.randint(0, 50, (40,), generator=g)
+    settings = logprobs.LogprobSettings(temperature=0.7, chunk_size=16)
     with torch.no_grad():
-        logprobs, entropy, sum_sq = corrections.token_logprobs_and_entropy(
-            hidden, tokens, 0.7, project=head, chunk_size=16, sum_pi_squared=True
+        token_logprobs, entropy, sum_sq = logprobs.token_logprobs_and_entropy(
+            hidden, tokens, head, settings, sum_pi_squared=True
         )
         p = torch.softmax(head(hidden) / 0.7, -1)
         assert torch.allclose(sum_sq, (p * p).sum(-1), atol=1e-6)
-        plain = corrections.token_logprobs_and_entropy(
-            hidden, tokens, 0.7, project=head, chunk_size=16
-        )
-        assert torch.equal(plain[0], logprobs) and torch.equal(plain[1], entropy)
+        plain = logprobs.token_logprobs_and_entropy(hidden, tokens, head, settings)
+        assert torch.equal(plain[0], token_logprobs) and torch.equal(plain[1], entropy)
         truncation = (5, 1.0, 0.0, "hf")
-        _, _, kept_sq = corrections.token_logprobs_and_entropy(
+        _, _, kept_sq = logprobs.token_logprobs_and_entropy(
             hidden,
             tokens,
-            0.7,
-            project=head,
-            chunk_size=16,
-            truncation=truncation,
+            head,
+            logprobs.LogprobSettings(temperature=0.7, chunk_size=16, truncation=truncation),
             sum_pi_squared=True,
         )
         z = head(hidden) / 0.7
-        kept = corrections.truncation_mask(z, *truncation)
+        kept = logprobs.truncation_mask(z, *truncation)
         kept[torch.arange(40), tokens] = True
         p_kept = torch.softmax(z.masked_fill(~kept, -math.inf), -1)
         assert torch.allclose(kept_sq, (p_kept * p_kept).sum(-1), atol=1e-6)
     with pytest.raises(ValueError, match="without a gradient"):
-        corrections.token_logprobs_and_entropy(
-            hidden, tokens, 0.7, project=head, chunk_size=16, sum_pi_squared=True
-        )
+        logprobs.token_logprobs_and_entropy(hidden, tokens, head, settings, sum_pi_squared=True)
 
 
 def test_optimal_token_baseline_refuses_what_it_cannot_run():
@@ -471,3 +467,166 @@ def test_all_equal_groups_give_exactly_zero_and_are_filtered(value):
                         assert torch.equal(advantages[n:, None] * mask[n:], vectorised[n:])
         assert not grpo.has_reward_signal(same.tolist())
         assert grpo.has_reward_signal(mixed.tolist())
+
+
+# the estimators whose advantages depend on which tokens the mask keeps (lengths or whitening)
+LENGTH_DEPENDENT = ("opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo")
+
+
+class VerlConfig(dict):
+    """verl's AlgoConfig as its estimators read it: config.gamma and config.get(...)."""
+
+    __getattr__ = dict.__getitem__
+
+
+class VerlBatch:
+    """The parts of verl's DataProto that its trainer's correction and compute_advantage use."""
+
+    def __init__(self, batch, non_tensor_batch=None):
+        self.batch = batch
+        self.non_tensor_batch = non_tensor_batch or {}
+
+    @classmethod
+    def from_dict(cls, tensors):
+        return cls(dict(tensors))
+
+    def union(self, other):
+        self.batch.update(other.batch)
+        return self
+
+
+def _load_verl_trainer_order():
+    """verl 0.9.1's fit-loop steps after the recompute, run from its source: the rollout correction
+    (trainer/ppo/rollout_corr_helper.py compute_rollout_correction_and_add_to_batch, which replaces
+    response_mask with the rejected one) and compute_advantage (trainer/ppo/ray_trainer.py)."""
+    if VERL is None:
+        return None
+    root = verl_root()
+    ns = dict(VERL, DataProto=VerlBatch, RolloutCorrectionConfig=Any, math=math)
+    helpers = {
+        "_parse_rollout_is_threshold",
+        "_parse_rollout_rs_thresholds",
+        "compute_rollout_rejection_mask",
+        "compute_rs_metrics",
+        "compute_rollout_correction_weights",
+        "compute_is_metrics",
+        "compute_offpolicy_metrics",
+        "compute_rollout_correction_and_rejection_mask",
+        "compute_rollout_correction_and_add_to_batch",
+    }
+    load_functions(root, "trainer/ppo/rollout_corr_helper.py", helpers, ns, keep_assignments=True)
+    load_functions(root, "utils/debug/metrics.py", {"calculate_log_prob_diff"}, ns)
+    estimators = {name: VERL[function] for name, function in VERL_ESTIMATORS.items()}
+    ns["core_algos"] = types.SimpleNamespace(
+        compute_grpo_outcome_advantage=VERL["compute_grpo_outcome_advantage"],
+        get_adv_estimator_fn=estimators.__getitem__,
+    )
+    ns["AdvantageEstimator"] = types.SimpleNamespace(
+        GAE="gae",
+        GRPO="grpo",
+        GDPO="gdpo",
+        OPTIMAL_TOKEN_BASELINE="optimal_token_baseline",
+        TIR_OPTIMAL_TOKEN_BASELINE="tir_optimal_token_baseline",
+    )
+    ns["AlgoConfig"] = Any
+    ns["compute_response_mask"] = None  # the batch has its response_mask
+    load_functions(root, "trainer/ppo/ray_trainer.py", {"compute_advantage"}, ns)
+    return ns
+
+
+VERL_TRAINER = _load_verl_trainer_order()
+
+
+def test_opo_counts_the_tokens_the_rejection_keeps():
+    """The example of the change to verl's order: one group with lengths [4, 2, 1, 3], scores
+    [1, 0, 1, 0] and 3 of response 0's tokens rejected. OPO's baseline is the kept-length-weighted
+    mean score, (1 x 1 + 1 x 1) / (1 + 2 + 1 + 3) = 2/7, so the advantages are [5/7, -2/7, 5/7,
+    -2/7] (with the sampled lengths: 5/10, [0.5, -0.5, 0.5, -0.5], what grpo.py computed before
+    it corrected first)."""
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    kept = torch.tensor([1, 2, 1, 3])
+    advantages = O.opo_advantages(scores, [0, 0, 0, 0], kept)
+    assert torch.allclose(advantages, torch.tensor([5.0, -2.0, 5.0, -2.0]) / 7)
+    sampled = O.opo_advantages(scores, [0, 0, 0, 0], torch.tensor([4, 2, 1, 3]))
+    assert torch.allclose(sampled, torch.tensor([0.5, -0.5, 0.5, -0.5]))
+
+
+@needs_verl
+@pytest.mark.parametrize("name", LENGTH_DEPENDENT)
+def test_advantages_follow_verls_trainer_order_under_rejection(tmp_path, monkeypatch, name):
+    """grpo.py corrects before it computes the advantages, as verl 0.9.1's fit loop does. A step of
+    `grpo.py tiny --correction decoupled_geo_rs_seq_tis --mismatch int8` (int8 rollouts: Geo-RS rejects
+    some responses whole) with a length-dependent estimator: the advantages update_policy receives,
+    over the mask it receives, equal what verl's trainer computes from the same step's pi_old and
+    pi_rollout, run from its source: compute_rollout_correction_and_add_to_batch (its rejected
+    response_mask equals ours), then compute_advantage reading that mask (the score on each
+    response's sampled last token, GDPO's one component in non_tensor_batch). Computed from the
+    sampled lengths instead, they differ."""
+    captured = {}
+    real_update, real_score = grpo.update_policy, grpo.score_responses
+
+    def update(model, optimizer, batch, *rest, **kwargs):
+        captured["batch"] = {k: v.clone() for k, v in batch.items()}
+        return real_update(model, optimizer, batch, *rest, **kwargs)
+
+    def score(*args, **kwargs):
+        captured["scores"] = real_score(*args, **kwargs)
+        return captured["scores"]
+
+    monkeypatch.setattr(grpo, "update_policy", update)
+    monkeypatch.setattr(grpo, "score_responses", score)
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny"][1],
+        cuda=False,
+        output_dir=str(tmp_path),
+        adv_estimator=name,
+        correction="decoupled_geo_rs_seq_tis",
+        mismatch="int8",
+        rollout_n=8,
+        train_batch_size=8,
+        ppo_mini_batch_size=4,
+        total_steps=1,
+        val_every=0,
+        log_samples_every=0,
+    )
+    grpo.train(args)
+    batch, scores = captured["batch"], captured["scores"]
+    response_mask = batch["response_mask"]
+    lengths = response_mask.sum(-1).long()
+    kept = batch["loss_mask"].sum(-1)
+    assert 0 < int((kept == 0).sum()) < len(kept)  # some responses rejected, not all
+
+    B, R = response_mask.shape
+    P = batch["input_ids"].shape[1] - R
+    token_level_rewards = torch.zeros(B, R)
+    token_level_rewards[torch.arange(B), lengths - 1] = scores
+    verl_batch = VerlBatch(
+        {
+            "old_log_probs": batch["old_logprobs"],
+            "rollout_log_probs": batch["rollout_logprobs"],
+            "response_mask": response_mask.clone(),
+            "token_level_rewards": token_level_rewards,
+            "prompts": batch["input_ids"][:, :P],
+            "attention_mask": batch["attention_mask"],
+        },
+        {
+            "uid": torch.arange(B // 8).repeat_interleave(8).numpy(),
+            "reward": scores.numpy(),
+        },
+    )
+    rollout_corr = corrections.PRESET_SETTINGS["decoupled_geo_rs_seq_tis"]
+    verl_batch, _ = VERL_TRAINER["compute_rollout_correction_and_add_to_batch"](
+        verl_batch, rollout_corr
+    )
+    assert torch.equal(verl_batch.batch["response_mask"], batch["loss_mask"])
+    config = VerlConfig(gamma=1.0, norm_adv_by_std_in_grpo=True, gdpo_reward_keys=["reward"])
+    verl_batch = VERL_TRAINER["compute_advantage"](
+        verl_batch, name, gamma=1.0, lam=1.0, num_repeat=8, config=config
+    )
+    theirs = verl_batch.batch["advantages"]
+    ours = batch["advantages"][:, None] * batch["loss_mask"]
+    assert torch.allclose(ours, theirs.float(), atol=2e-6, rtol=1e-5), name
+    # from the sampled lengths (the order before): not verl's
+    group_ids = torch.arange(B // 8).repeat_interleave(8)
+    before = O.ADV_ESTIMATORS[name](scores, group_ids, lengths)
+    assert not torch.allclose(before[:, None] * batch["loss_mask"], theirs.float(), atol=1e-4)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import corrections
+import logprobs
 import objectives
 import ppo_rlhf
 import rewards
@@ -239,15 +240,14 @@ def test_unknown_preset_is_rejected_by_the_cli():
 
 
 def logprobs_from_logits(logits, tokens, temperature, banned=None, chunk_rows=1024):
-    """corrections.token_logprobs_and_entropy's logprobs on (B, T, V) logits (what
+    """logprobs.token_logprobs_and_entropy's logprobs on (B, T, V) logits (what
     logprobs_from_hidden calls)."""
     B, T, V = logits.shape
-    return corrections.token_logprobs_and_entropy(
+    return logprobs.token_logprobs_and_entropy(
         logits.reshape(B * T, V),
         tokens.reshape(B * T),
-        temperature,
-        chunk_size=chunk_rows,
-        banned=banned,
+        None,
+        logprobs.LogprobSettings(temperature=temperature, chunk_size=chunk_rows, banned=banned),
     )[0].reshape(B, T)
 
 
@@ -263,8 +263,11 @@ def test_chunked_logprobs_and_entropy_match_log_softmax_including_gradients():
     (g2,) = torch.autograd.grad(ref.sum(), logits)
     assert torch.allclose(g1, g2, atol=1e-6)
     p = F.softmax(logits / T, -1)
-    _, entropy = corrections.token_logprobs_and_entropy(
-        logits.detach().reshape(15, 11), tokens.reshape(15), T, chunk_size=4
+    _, entropy = logprobs.token_logprobs_and_entropy(
+        logits.detach().reshape(15, 11),
+        tokens.reshape(15),
+        None,
+        logprobs.LogprobSettings(temperature=T, chunk_size=4),
     )
     assert torch.allclose(entropy.reshape(3, 5), -(p * p.log()).sum(-1), atol=1e-5)
     # a banned (in-vocabulary pad) token is removed from the distribution
@@ -301,7 +304,9 @@ def test_padded_forward_matches_unpadded_hf_forward(tiny_lm):
         assert torch.equal(ppo_rlhf.response_hidden(model, padded, 4, pad), hidden[:, 3:-1])
         # logprobs and entropy through the float32 LM head == a plain log_softmax of the logits
         tokens = padded[:, 4:]
-        lp, ent = ppo_rlhf.logprobs_from_hidden(model, resp_hidden, tokens, 0.7, chunk_rows=4)
+        lp, ent = ppo_rlhf.logprobs_from_hidden(
+            model, resp_hidden, tokens, logprobs.LogprobSettings(temperature=0.7, chunk_size=4)
+        )
         full = torch.log_softmax(logits[:, 3:-1] / 0.7, -1)
         assert torch.allclose(lp, full.gather(-1, tokens[..., None])[..., 0], atol=1e-5)
         assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-5)
@@ -533,6 +538,9 @@ def test_bypass_logs_the_first_micro_batch_correction_metrics(tiny_assets, tmp_p
         return weights, mask, metrics
 
     monkeypatch.setattr(corrections, "apply_rollout_correction", recording)
+    # bypass mode's per-micro-batch correction runs in objectives.bypass_mode_loss, which calls
+    # the function by the name objectives imported it under
+    monkeypatch.setattr(objectives, "apply_rollout_correction", recording)
     out = tmp_path / "bypass"
     ppo_rlhf.train(
         tiny_args(

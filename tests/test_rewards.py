@@ -124,7 +124,7 @@ def test_last_token_reward_left_padding_equals_unpadded(arch):
 
 
 def test_reward_head_runs_in_fp32_under_bf16_autocast():
-    """Under bf16 autocast the scalar head runs in fp32 (corrections.fp32_project): the reward
+    """Under bf16 autocast the scalar head runs in fp32 (logprobs.fp32_project): the reward
     equals a float64 head on the same hidden state. Measured here (rewards up to 85): a bf16 head
     (before) was 0.15 off, the fp32 head 7e-6."""
     backbone, _ = tasks.build_tiny_model(

@@ -14,7 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rollout  # noqa: E402
 from test_grpo import _prompts, _small_args, unpadded_logprobs  # noqa: E402
@@ -75,11 +75,11 @@ def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
     )
     prompts, n, max_new = _prompts(tokenizer), 8, 12
     backend = rollout.make_backend("hf", None, leaky, _small_args(), tokenizer)
-    responses, logprobs, finish = backend.generate(prompts, n, max_new, temperature, seed=3)
-    assert len(responses) == len(logprobs) == len(finish) == len(prompts) * n
+    responses, sampled_logprobs, finish = backend.generate(prompts, n, max_new, temperature, seed=3)
+    assert len(responses) == len(sampled_logprobs) == len(finish) == len(prompts) * n
     assert set(finish) == {"stop", "length"}  # responses of different lengths, some ending in EOS
     eos = tokenizer.eos_token_id
-    for r, lp, f in zip(responses, logprobs, finish):
+    for r, lp, f in zip(responses, sampled_logprobs, finish):
         assert len(r) == len(lp)
         assert (f == "stop") == (r[-1] == eos) and eos not in r[:-1]  # EOS kept as the last action
         assert f == "stop" or len(r) == max_new
@@ -88,13 +88,15 @@ def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
     batch = rollout.make_batch(
         [p for p in prompts for _ in range(n)],
         responses,
-        logprobs,
+        sampled_logprobs,
         tokenizer.pad_token_id,
         max_new,
         CPU,
     )
     with torch.no_grad():
-        recomputed, _ = grpo.compute_logprobs(model, batch, temperature, chunk_size=7)
+        recomputed, _ = logprobs.response_logprobs(
+            model, batch, logprobs.LogprobSettings(temperature=temperature, chunk_size=7)
+        )
     mask = batch["response_mask"].bool()
     diff = (recomputed - batch["rollout_logprobs"]).abs()[mask].max().item()
     assert diff < TOL, diff
@@ -105,7 +107,7 @@ def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
         .abs()
         .max()
         .item()
-        for k, (r, lp) in enumerate(zip(responses, logprobs))
+        for k, (r, lp) in enumerate(zip(responses, sampled_logprobs))
     )
     assert worst < TOL, worst
     if temperature != 1.0:  # processed (tempered) logprobs, not raw ones
@@ -114,9 +116,42 @@ def test_hf_backend_logprobs_match_trainer_recompute(tiny, temperature):
             .abs()
             .max()
             .item()
-            for k, (r, lp) in enumerate(zip(responses, logprobs))
+            for k, (r, lp) in enumerate(zip(responses, sampled_logprobs))
         )
         assert raw > 100 * TOL
+
+
+@pytest.mark.parametrize("prompt_lengths", [(5, 5, 5), (2, 5, 3)])
+def test_hf_generate_loses_no_attention_mask(tiny, prompt_lengths):
+    """transformers' "We strongly recommend passing in an `attention_mask`" warning at step 1 of
+    `grpo.py tiny` comes from generate's own forwards, and no mask is lost. Prompts of equal length
+    (the copy task's): generate drops the all-ones mask (transformers 5, generation/utils.py: "We can
+    drop the mask altogether if it's all 1s"), so its forwards get none, and after a row samples EOS
+    it is fed the pad token, which the warning sees; rows are independent and a finished row's later
+    tokens are discarded, so every logprob still equals an unpadded forward's. Left-padded prompts:
+    every forward of generate gets the mask."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 50, (k,), generator=g).tolist() for k in prompt_lengths]
+    masks = []
+    real_forward = model.model.forward
+
+    def forward(*args, **kwargs):
+        masks.append(kwargs.get("attention_mask"))
+        return real_forward(*args, **kwargs)
+
+    model.model.forward = forward
+    backend = rollout.make_backend("hf", None, model, _small_args(), tokenizer)
+    responses, sampled_logprobs, finish = backend.generate(prompts, 8, 12, 1.0, seed=1)
+    assert "stop" in finish and "length" in finish  # some rows finish early, some run on
+    padded = len(set(prompt_lengths)) > 1
+    assert all((mask is not None) == padded for mask in masks) and len(masks) > 1
+    worst = max(
+        (unpadded_logprobs(model, prompts[k // 8], r, 1.0) - torch.tensor(lp)).abs().max().item()
+        for k, (r, lp) in enumerate(zip(responses, sampled_logprobs))
+    )
+    assert worst < TOL, worst
 
 
 def test_hf_backend_seeding(tiny):
@@ -311,5 +346,10 @@ def test_sampling_is_fixed_length_ignores_eos_and_matches_forward_logprobs(tiny_
         hidden = ppo_rlhf.response_hidden(
             model, torch.cat([queries, responses], 1), 4, tok.pad_token_id
         )
-        forward_lp, _ = ppo_rlhf.logprobs_from_hidden(model, hidden, responses, 0.7, banned)
+        forward_lp, _ = ppo_rlhf.logprobs_from_hidden(
+            model,
+            hidden,
+            responses,
+            logprobs.LogprobSettings(temperature=0.7, chunk_size=1024, banned=banned),
+        )
     assert torch.allclose(rollout_lp, forward_lp, atol=1e-4)

@@ -2,7 +2,7 @@
 scripts/get_smollm2.py): a 49k BPE vocabulary, GQA (9 query / 3 KV heads), RoPE, tied embeddings, a
 chat template, pad = eos, 30 layers.
 
-    padded vs unpadded forward      rollout.make_batch + grpo.compute_logprobs (left-padded prompts, right-padded
+    padded vs unpadded forward      rollout.make_batch + logprobs.response_logprobs (left-padded prompts, right-padded
                                     responses, position ids from the attention mask) == one unpadded forward per row
     generate() vs the trainer       HFBackend's recorded logprobs == the trainer's recompute of the same tokens
     reward model                    rewards.RewardModel on a left-padded real-tokenizer batch == each row alone
@@ -30,6 +30,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import get_smollm2  # noqa: E402
 
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 
@@ -92,8 +93,10 @@ def trainer_logprobs(model, prompts, responses, temperature, response_length):
         device=torch.device("cpu"),
     )
     with torch.no_grad():
-        logprobs, _ = grpo.compute_logprobs(model, batch, temperature)
-    return [logprobs[i, : len(r)] for i, r in enumerate(responses)]
+        lp, _ = logprobs.response_logprobs(
+            model, batch, logprobs.LogprobSettings(temperature=temperature)
+        )
+    return [lp[i, : len(r)] for i, r in enumerate(responses)]
 
 
 def test_padded_batch_matches_unpadded_forward(smol):

@@ -156,29 +156,32 @@ def test_step0_logprobs_match_hf(setup, temperature):
 )
 def test_truncated_sampling_logprobs_are_the_kept_sets_and_replay_matches(setup, truncation):
     """--top-p 0.8 / --top-k 5 / --min-p 0.05 through vLLM's own sampler: its processed logprobs
-    are over the kept set, and the trainer's replay (corrections.truncation_mask with vLLM's
+    are over the kept set, and the trainer's replay (logprobs.truncation_mask with vLLM's
     order, from the trainer's own logits) gives the same logprobs within the sync test's bound;
     every sampled token is in the trainer's kept set."""
-    import corrections
+    import logprobs
 
     backend, model, tokenizer = setup
     prompts, n, max_new, temperature = _prompts(tokenizer), 4, 12, 0.7
     backend.truncation = truncation
     try:
-        responses, logprobs, _ = backend.generate(
+        responses, sampled_logprobs, _ = backend.generate(
             prompts, n=n, max_new_tokens=max_new, temperature=temperature, seed=2
         )
     finally:
         backend.truncation = None
     worst, outside = 0.0, 0
-    for k, (response, lps) in enumerate(zip(responses, logprobs)):
+    for k, (response, lps) in enumerate(zip(responses, sampled_logprobs)):
         ids = torch.tensor([list(prompts[k // n]) + list(response)])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(prompts[k // n]) - 1 : -1].float()
-        replayed, _ = corrections.token_logprobs_and_entropy(
-            logits, torch.tensor(response), temperature, truncation=truncation
+        replayed, _ = logprobs.token_logprobs_and_entropy(
+            logits,
+            torch.tensor(response),
+            None,
+            logprobs.LogprobSettings(temperature=temperature, truncation=truncation),
         )
-        kept = corrections.truncation_mask(logits / temperature, *truncation)
+        kept = logprobs.truncation_mask(logits / temperature, *truncation)
         outside += int((~kept.gather(-1, torch.tensor(response)[:, None])).sum())
         worst = max(worst, (torch.tensor(lps) - replayed).abs().max().item())
     print(f"{truncation}: max |replayed - vLLM logprob| = {worst:.2e}")
