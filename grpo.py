@@ -50,6 +50,7 @@ in tasks.py.
 
 import collections
 import contextlib
+import functools
 import math
 import os
 import time
@@ -807,9 +808,8 @@ def train(args, backend=None):
     """Run GRPO; returns the path of <output_dir>/metrics.jsonl. backend: a rollout engine built by
     the caller (tests share one vLLM engine this way), synced from the trainer before the first
     rollout, closed by the caller."""
-    # 0. Setup. Every check that needs no weights runs first (bad input fails in seconds); then the
-    #    task, the policy (and pi_ref), the optimizer and a checkpoint to resume from, the rollout
-    #    engine, the logs.
+    # 0. Setup. Every check that needs no weights first (bad input fails in seconds); then the task,
+    #    a checkpoint, the policy (and pi_ref), the optimizer, the rollout engine, the logs.
     harness.check_command_line(check_args, args)
     rank, world_size, device = harness.setup_distributed(args.cuda)
     if args.torch_threads and device.type == "cpu":
@@ -824,11 +824,11 @@ def train(args, backend=None):
     task = tasks.load_task(args)
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
+    inputs = pinned_inputs(args, model_path, checkpoint)
     tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
         args, model_path, checkpoint, device, rank
     )
-    # the prompts tokenized; those longer than --max-prompt-length dropped (verl's
-    # filter_overlong_prompts)
+    # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts)
     task = prompts_that_fit(task, tokenizer, args)
     # The rollout engine. vLLM: one engine per rank, created by all ranks together after
     # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
@@ -845,7 +845,8 @@ def train(args, backend=None):
             "model, so it cannot lag; let train() build it"
         )
     backend.sync_weights(rollout_model)
-    log = harness.start_logs(args, "grpo", rank, world_size, start_step if checkpoint else None)
+    resume_step = start_step if checkpoint else None
+    log = harness.start_logs(args, "grpo", rank, world_size, resume_step, inputs)
 
     # Validation before training (verl val_before_train): the initial policy, as step 0.
     if args.val_every and args.val_before_train and start_step == 0:
@@ -878,7 +879,7 @@ def train(args, backend=None):
             # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
             # signal (the policy answers nearly every prompt the same way, right or wrong), so the
             # run ends after `step` steps, saved; it resumes from there with a larger cap
-            save(args, rank, model, tokenizer, optimizer, scaler, step)
+            save(args, rank, model, tokenizer, optimizer, scaler, step, inputs)
             raise harness.RunError(
                 f"stopping after step {step}: --max-num-gen-batches "
                 f"{filter_metrics['filter_groups/gen_batches']} gave "
@@ -993,7 +994,7 @@ def train(args, backend=None):
                 log.samples(rows)
         stop_signal = harness.stop_signal(world_size)  # SIGTERM or SIGINT on any rank
         if (args.save_every and (step + 1) % args.save_every == 0) or last or stop_signal:
-            save(args, rank, model, tokenizer, optimizer, scaler, step + 1)
+            save(args, rank, model, tokenizer, optimizer, scaler, step + 1, inputs)
         if stop_signal and not last:
             raise harness.stopped(stop_signal, step + 1, args.output_dir)
 
@@ -1120,21 +1121,37 @@ def changeable_settings(args):
 def policy_path(args, rank, world_size):
     """Where the policy loads from: --model-name-or-path, or for "tiny" the offline tiny model,
     built into <output_dir>/tiny_model (an engine such as vLLM loads it from disk too) once per
-    settings: its built_with.json records them."""
+    settings: its built_with.json records them and its files' hashes."""
     if args.model_name_or_path != TINY_MODEL:
         return args.model_name_or_path
     path = os.path.join(args.output_dir, "tiny_model")
     settings = {"tiny_arch": args.tiny_arch, "max_positions": TINY_MAX_POSITIONS, "seed": args.seed}
-    # a tiny model an earlier run built with other settings (another --tiny-arch or --seed) is
-    # rebuilt: a fresh start never trains another experiment's model
-    if rank == 0 and harness.built_with(path) != settings:
+
+    def build(folder):
         tasks.build_tiny_model(
-            path, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
+            folder, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
         )
-        harness.mark_built(path, settings)
+
+    # a tiny model an earlier run built with other settings (another --tiny-arch or --seed), or
+    # whose files changed since, is built again, in a new folder swapped in with its mark: a fresh
+    # start never trains another experiment's model, a kill mid-build leaves the old one whole
+    if rank == 0 and harness.built_with(path) != settings:
+        harness.write_folder(path, build, settings)
     if world_size > 1:
         harness.barrier()
     return path
+
+
+def pinned_inputs(args, model_path, checkpoint):
+    """What the run loads from outside its checkpoint (the model folder or Hub name the tokenizer
+    and the reference come from, a task's Hub dataset), pinned by harness.input_digests: recorded
+    in every checkpoint and in args.json, and on a resume checked against the checkpoint's
+    (harness.check_inputs: the same experiment, or refused in one line)."""
+    inputs = harness.input_digests(
+        {"model": model_path, "task data": tasks.TASK_DATASETS.get(args.task)}
+    )
+    harness.check_inputs(checkpoint, inputs, args)
+    return inputs
 
 
 def load_models(args, model_path, checkpoint, device, rank):
@@ -1146,9 +1163,11 @@ def load_models(args, model_path, checkpoint, device, rank):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(checkpoint or model_path, dtype=torch.float32).to(
-        device
-    )
+    # fp32 masters; a crafted pickle or diverged weights in the folder end the run in one line
+    model = harness.load_model_folder(
+        functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32),
+        checkpoint or model_path,
+    ).to(device)
     if args.gradient_checkpointing:
         memory.recompute_layers(model, args, device, rank)
     if args.compile_layers:
@@ -1322,9 +1341,10 @@ def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, advanta
     ]
 
 
-def save(args, rank, model, tokenizer, optimizer, scaler, step):
+def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs):
     """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
-    and the step (harness.py adds every rank's RNG and swaps it in atomically)."""
+    and the step (harness.py adds every rank's RNG and the pinned inputs, and swaps it in
+    atomically)."""
 
     def write_files(folder):
         model.save_pretrained(folder)
@@ -1333,7 +1353,7 @@ def save(args, rank, model, tokenizer, optimizer, scaler, step):
     state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
-    harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs)
 
 
 # --------------------------------------------------------------------------------------------------

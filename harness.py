@@ -36,8 +36,10 @@ settings built it (built_with.json: then it is built again). A checkpoint folder
 cannot be used stops the run in one line: it is never silently replaced.
 """
 
+import contextlib
 import dataclasses
 import errno
+import glob
 import hashlib
 import importlib.metadata
 import json
@@ -47,6 +49,8 @@ import os
 import pickle
 import platform
 import random
+import re
+import resource
 import shutil
 import signal
 import socket
@@ -67,7 +71,8 @@ TRAINER_STATE = "trainer_state.pt"  # step, optimizer and the script's own state
 MANIFEST = "manifest.json"  # every file of a checkpoint with its size and sha256, written last
 LOG_FILES = ("metrics.jsonl", "samples.jsonl", "args.json")  # what a fresh start moves aside
 # Settings a resumed run may change: they cannot change the experiment (output and logging options,
-# tracking, intervals of logging, validation and saving, thread counts).
+# tracking, intervals of logging, validation and saving, thread counts: these change the last bits
+# of the numbers, ROUNDING_SETTINGS).
 CHANGEABLE_SETTINGS = (
     "output_dir",
     "resume_from",
@@ -83,6 +88,12 @@ CHANGEABLE_SETTINGS = (
     "val_every",
     "val_before_train",
 )
+
+
+# Changeable settings that change how float sums are ordered, so the numbers' last bits (grpo.py
+# tiny resumed with 2 threads instead of 1: 3.8e-6 at most over 5 steps): a resume with another
+# says so
+ROUNDING_SETTINGS = ("torch_threads",)
 
 
 class RunError(Exception):
@@ -173,6 +184,12 @@ def check_command_line(check_args, args, world_size=None):
         raise FlagError(str(e)) from None
 
 
+def first_line(error, limit=160):
+    """The first line of an error's message (its type's name if it has none), at most `limit`
+    characters: what a one-line refusal quotes of a library's error."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
 def refuse(args, name, rule):
     """A bad flag in one line: ValueError("--flag-name must be RULE, got VALUE")."""
     raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)!r}")
@@ -227,7 +244,7 @@ def model_config(flag, name_or_path):
             where = "a local directory without a config.json"
         else:
             where = "not a local directory, and its config could not be read from the Hub"
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        reason = first_line(e)
         raise ValueError(f"{flag} {name_or_path!r}: {where} ({reason})") from None
     weights = (".safetensors", ".bin", ".pt", ".gguf")
     if os.path.isdir(name_or_path) and not any(
@@ -240,6 +257,10 @@ def model_config(flag, name_or_path):
     return config
 
 
+# characters a run may add below --output-dir (reward_model_run.tmp/reward_model.tmp/ and a file)
+LONGEST_NAME_BELOW = 100
+
+
 def check_paths(args):
     """The checks every script's check_args ends with: --resume-from, where the script has it and it
     is given, is a checkpoint folder, and --output-dir exists (created here). Raises ValueError."""
@@ -248,12 +269,25 @@ def check_paths(args):
         raise ValueError(
             f"--resume-from {resume_from!r} must be a checkpoint directory (with {TRAINER_STATE})"
         )
+    # the longest path a run writes below its folder (a reward model run's temporary folders, a
+    # tokenizer file in them) must stay within the system's limit
+    longest = len(os.path.abspath(args.output_dir)) + LONGEST_NAME_BELOW
+    if longest >= os.pathconf("/", "PC_PATH_MAX"):
+        raise ValueError(
+            f"--output-dir is {len(os.path.abspath(args.output_dir))} characters long: the files a "
+            f"run writes below it would pass the system's path limit of "
+            f"{os.pathconf('/', 'PC_PATH_MAX')} characters"
+        )
     try:
         os.makedirs(args.output_dir, exist_ok=True)
     except OSError as e:
         raise ValueError(
             f"--output-dir {args.output_dir!r}: cannot be created ({e.strerror})"
         ) from None
+
+
+# wandb's WANDB_MODE values, exactly (wandb_settings.py Settings.mode: lower case only)
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")
 
 
 def wandb_problem():
@@ -264,7 +298,10 @@ def wandb_problem():
 
     if importlib.util.find_spec("wandb") is None:
         return "--track needs the wandb package: pip install wandb"
-    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:
+        return f"--track: WANDB_MODE={mode} is not one of wandb's modes ({', '.join(WANDB_MODES)})"
+    if mode in ("offline", "disabled", "dryrun"):
         return None
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return None
@@ -390,13 +427,13 @@ def setup_distributed(use_cuda=True):
 
 def end_with_launcher(rank):
     """Under torchrun: end this rank when its launcher dies. A launcher killed with SIGKILL cannot
-    stop its workers, which would run on as orphans beside a rerun; a daemon thread notices the
-    new parent process within a second and ends this rank in one line."""
+    stop its workers, which would run on as orphans beside a rerun; a daemon thread looks four times
+    a second, notices the new parent process and ends this rank in one line."""
     launcher = os.getppid()
 
     def watch():
         while os.getppid() == launcher:
-            time.sleep(1.0)
+            time.sleep(0.25)
         print(
             f"rank {rank}: the torchrun launcher (pid {launcher}) is gone: ending this rank",
             file=sys.stderr,
@@ -409,57 +446,75 @@ def end_with_launcher(rank):
         end_with_launcher.started = True
 
 
-# One run per output folder: <output_dir>/run.lock, flock-ed by rank 0 (the OS drops the lock when
-# the process ends, however it ends, so a dead run never leaves a stale lock behind)
+# One run per output folder: rank 0 flocks the folder itself (the OS drops the lock when the process
+# ends, however it ends, so a dead run never leaves a stale lock behind; deleting a file cannot free
+# it) and writes who holds it into <output_dir>/run.lock, for the refusal to name
 RUN_LOCK = "run.lock"
-_held_locks = {}  # real path of a lock file -> its open file, in this process
+_held_locks = {}  # real path of a locked folder -> its open descriptor, in this process
 
 
 def lock_output_dir(output_dir, rank):
-    """Rank 0 takes <output_dir>/run.lock before the run writes anything there, and holds it until
-    the run ends (release_output_dirs) or its process dies. A second run into the same folder is
-    refused in one line (RunError) naming the holder, which wrote its pid, host, start time and
-    command into the file. Taking it again in the same process is a no-op (tests rerun in-process).
-    fcntl locks hold within one machine; on a network filesystem they may not."""
+    """Rank 0 takes an exclusive flock of the folder output_dir before the run writes anything
+    there, and holds it until the run ends (release_output_dirs) or its process dies; its pid,
+    host, start time and command go to <output_dir>/run.lock (written as every harness file is:
+    never through a symlink). A second run into the same folder is refused in one line (RunError)
+    naming the holder. Taking it again in the same process is a no-op (tests rerun in-process).
+    flock holds within one machine; on a network filesystem it may not."""
     import fcntl
 
     if rank != 0:
         return
-    path = os.path.realpath(os.path.join(output_dir, RUN_LOCK))
-    if path in _held_locks:
+    key = os.path.realpath(output_dir)
+    if key in _held_locks:
         return
-    lock = open(path, "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        folder = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise RunError(f"cannot open {output_dir}: {write_error(e, output_dir)}") from None
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        lock.seek(0)
-        holder = lock.read().strip() or "a process that has not said who it is yet"
-        lock.close()
+        os.close(folder)
+        holder = read_small_file(os.path.join(output_dir, RUN_LOCK)).strip()
+        holder = holder or "a process that has not said who it is yet"
         raise RunError(
             f"{output_dir} is in use by another run ({holder}): wait for it to end, or use "
             "another --output-dir"
         ) from None
-    lock.seek(0)
-    lock.truncate()
+    _held_locks[key] = folder
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     command = " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {command}\n")
-    lock.flush()
-    _held_locks[path] = lock
+    holder = f"pid {os.getpid()} on {socket.gethostname()}, since {started}: {command}\n"
+    try:
+        write_atomically(os.path.join(output_dir, RUN_LOCK), holder)
+    except RunError:
+        release_output_dir(output_dir)
+        raise
+
+
+def read_small_file(path):
+    """The text of a small regular file (a run.lock's holder line), "" if there is none; a symlink
+    is not followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        return f.read(4096).decode("utf-8", errors="replace")
 
 
 def release_output_dir(output_dir):
     """Release this process's lock of output_dir (RunLog.close: the run is over)."""
-    lock = _held_locks.pop(os.path.realpath(os.path.join(output_dir, RUN_LOCK)), None)
-    if lock is not None:
-        lock.close()
+    folder = _held_locks.pop(os.path.realpath(output_dir), None)
+    if folder is not None:
+        os.close(folder)
 
 
 def release_output_dirs():
     """Release every output folder lock this process holds (run: the end of a run, however it
     ends)."""
-    for lock in _held_locks.values():
-        lock.close()
+    for folder in _held_locks.values():
+        os.close(folder)
     _held_locks.clear()
 
 
@@ -540,7 +595,7 @@ def collective(function, *args, **kwargs):
     try:
         return function(*args, **kwargs)
     except RuntimeError as e:  # DistBackendError is a RuntimeError
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
+        reason = first_line(e, limit=None).split(". ")[0][:200]
         raise RunError(
             f"rank {dist.get_rank()}: another rank stopped during a collective ({reason})"
         ) from None
@@ -702,11 +757,33 @@ def load_plain(path, map_location="cpu"):
         with torch.serialization.safe_globals(numpy_globals):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        reason = first_line(e)
         raise RunError(
             f"{path} holds more than tensors and plain values, so it was not loaded and nothing in "
             f"it ran ({reason}); resume only from checkpoints these scripts wrote"
         ) from None
+
+
+def load_model_folder(load, path):
+    """load(path), a model folder's loader (transformers' from_pretrained: a .bin with
+    torch.load(weights_only=True)), with what it loads checked: a file that needs more than tensors
+    (a crafted pickle: nothing in it runs) or a model with a non-finite weight (a run that diverged
+    before it was saved: every rerun would fail the same way) ends the run in one line."""
+    try:
+        model = load(path)
+    except pickle.UnpicklingError as e:
+        reason = first_line(e, 120)
+        raise RunError(
+            f"{path} holds weights that need more than tensors and plain values, so they were not "
+            f"loaded and nothing in them ran ({reason}); load only folders these scripts wrote"
+        ) from None
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise RunError(
+                f"{path} holds non-finite weights ({name}): the run diverged before this was "
+                "saved; resume an earlier checkpoint, or start afresh with a smaller --lr"
+            )
+    return model
 
 
 def sha256_of(path):
@@ -719,18 +796,24 @@ def sha256_of(path):
 
 
 def write_error(error, path=None):
-    """One line for a failed write: the OS's reason (no space, read-only, quota) where the error, or
-    one it was raised from, carries an errno; else, when the filesystem of `path` is (nearly) full,
-    that (torch's zip writer reports a full disk as "unexpected pos N vs M"); else the error's first
-    line."""
+    """One line for a failed write: the OS's reason (no space, read-only, quota, a file-size limit,
+    a symlink refused) where the error, or one it was raised from, carries an errno (or says "os
+    error N", as safetensors' Rust writer does); else, when a file under `path` reached the
+    process's file-size limit (ulimit -f), that; else, when the filesystem of `path` is (nearly)
+    full, that (torch's zip writer reports a full disk as "unexpected pos N vs M"); else the
+    error's first line."""
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno:
-            return f"{os.strerror(seen.errno)} [{errno.errorcode.get(seen.errno, seen.errno)}]"
+            return os_reason(seen.errno)
         seen = seen.__cause__ or seen.__context__
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    if "os error 28" in text:  # safetensors' Rust writer
-        return "No space left on device [ENOSPC]"
+    text = first_line(error, limit=None)
+    rust_errno = re.search(r"os error (\d+)", text)
+    if rust_errno:
+        return os_reason(int(rust_errno.group(1)))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and largest_file_under(path) >= limit:
+        return os_reason(errno.EFBIG)
     folder = path
     while folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
@@ -742,77 +825,173 @@ def write_error(error, path=None):
     return text[:200]
 
 
+def os_reason(number):
+    """The OS's reason for errno `number`, with what it means for a run where that is not plain."""
+    reason = f"{os.strerror(number)} [{errno.errorcode.get(number, number)}]"
+    if number == errno.ELOOP:
+        return f"it is a symbolic link, and a run writes nothing through one {reason[-7:]}"
+    if number == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return f"{reason}: the file-size limit of this process (ulimit -f) is {limit} bytes"
+    return reason
+
+
+def largest_file_under(path):
+    """The size of the largest regular file at or under `path` (0 if none), links not followed."""
+    if not path or os.path.islink(path):
+        return 0
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    sizes = [0]
+    for folder, _, names in os.walk(path):
+        for name in names:
+            file = os.path.join(folder, name)
+            if not os.path.islink(file):
+                sizes.append(os.path.getsize(file))
+    return max(sizes)
+
+
+def remove_path(path):
+    """Remove whatever is at `path`, never following a symlink: a link or a file is unlinked, a
+    folder removed with everything in it; nothing there is fine. (A stale checkpoint.tmp that is a
+    file or a link, or a link planted where a temporary goes, is removed, not written through.)"""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def save_plain(obj, path):
+    """torch.save(obj) into a new file at `path` (never through a link), through a file object of
+    our own, so that a failed write keeps the OS's reason (torch's own file writer reports a full
+    disk or a file-size limit as "unexpected pos N vs M", without the errno)."""
+    with open(path, "xb", opener=open_new) as f:
+        torch.save(obj, f)
+
+
+def open_new(path, flags):
+    """open()'s opener for a file that must be new: never through a symlink."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
+def refuse_symlinks(folder, names):
+    """A run folder copied with its symlinks (cp -r, tar, rsync -a) may hold a known name that
+    points elsewhere: a RunError in one line naming the first such name, before anything is written
+    through it."""
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.islink(path):
+            raise RunError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): a run writes only inside its "
+                "folder; put the file itself there, or use another --output-dir"
+            )
+
+
 def swap_in(tmp, path):
-    """Replace the folder `path` by the complete folder `tmp` (os.replace; <path>.old exists only
-    during the swap, so a crash at any moment leaves one complete folder)."""
+    """Replace whatever is at `path` (a folder, a file, a symlink: moved, never followed) by the
+    complete folder `tmp` (os.replace; <path>.old exists only during the swap, so a crash at any
+    moment leaves one complete folder)."""
     old = path + ".old"
-    if os.path.isdir(path):
-        shutil.rmtree(old, ignore_errors=True)
+    if os.path.lexists(path):
+        remove_path(old)
         os.replace(path, old)
     os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    remove_path(old)
 
 
 BUILT_WITH = "built_with.json"  # in a folder a run builds for itself: the settings that made it
 
 
+def folder_hashes(path):
+    """{relative path: sha256} of every file under the folder `path` but its BUILT_WITH mark."""
+    hashes = {}
+    for folder, _, names in os.walk(path):
+        for name in names:
+            file = os.path.join(folder, name)
+            relative = os.path.relpath(file, path)
+            if relative != BUILT_WITH:
+                hashes[relative] = sha256_of(file)
+    return dict(sorted(hashes.items()))
+
+
 def built_with(path):
-    """The settings recorded in <path>/built_with.json by mark_built, or None (no folder, or one
-    built before folders recorded their settings)."""
+    """The settings recorded in <path>/built_with.json by mark_built, or None: no folder, one built
+    before folders recorded their settings, or one whose files are no longer those the mark hashed
+    (a file truncated, deleted or edited since: the folder is built again)."""
     try:
         with open(os.path.join(path, BUILT_WITH)) as f:
-            return json.load(f)
+            mark = json.load(f)
     except (OSError, ValueError):
         return None
+    if not isinstance(mark, dict) or "settings" not in mark:
+        return mark  # marked before the marks hashed their folder's files
+    if not isinstance(mark.get("files"), dict) or folder_hashes(path) != mark["files"]:
+        return None
+    return mark["settings"]
 
 
 def mark_built(path, settings):
     """Record the settings (a dict of plain values) that built the folder `path` (a tiny model, a
-    reward model run), so a later fresh start with other settings rebuilds it instead of training
-    on another experiment's artifact."""
-    write_atomically(os.path.join(path, BUILT_WITH), json.dumps(settings, indent=1) + "\n")
+    reward model run) and the sha256 of each of its files, so a later fresh start with other
+    settings, or one that finds a file changed, builds it again instead of training on another
+    experiment's artifact."""
+    mark = {"settings": settings, "files": folder_hashes(path)}
+    write_atomically(os.path.join(path, BUILT_WITH), json.dumps(mark, indent=1) + "\n")
 
 
-def write_folder(path, write_files):
-    """Write a folder atomically (one process): write_files(folder) into <path>.tmp, then swap_in.
-    A write that fails removes <path>.tmp and raises a RunError naming the cause and the path; the
-    folder that was there stays (rewards.save_reward_model, ppo_rlhf's final policy)."""
+def write_folder(path, write_files, settings=None):
+    """Write a folder atomically (one process): write_files(folder) into a new <path>.tmp (a stale
+    one, file, folder or link, removed first), with settings also the BUILT_WITH mark inside it,
+    then swap_in: the folder and its mark appear together, so a kill leaves the old folder with its
+    old mark, never new files under an old mark. Whatever was at `path` (a link too) is replaced,
+    not written through. A write that fails removes <path>.tmp and raises a RunError naming the
+    cause and the path; the folder that was there stays (grpo.py's tiny model, rewards.py's tiny
+    policy and reward model, ppo_rlhf's reward model run and final policy)."""
     tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        remove_path(tmp)
         os.makedirs(tmp)
         write_files(tmp)
+        if settings is not None:
+            mark_built(tmp, settings)
+        swap_in(tmp, path)
     except Exception as e:
         reason = write_error(e, tmp)  # before the removal frees the space
-        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_path(tmp)
+        if isinstance(e, RunError):
+            raise
         raise RunError(f"writing {tmp} failed: {reason}; the partial folder was removed") from None
-    swap_in(tmp, path)
 
 
-def save_checkpoint(output_dir, rank, write_files, trainer_state, args):
+def save_checkpoint(output_dir, rank, write_files, trainer_state, args, inputs=None):
     """Write <output_dir>/checkpoint, every rank together. Rank 0 calls write_files(folder) (the
     model, the tokenizer, ...) and saves trainer_state (a dict with "step", the optimizer, ...) as
     trainer_state.pt; every rank saves its own RNG states as rng_rank<r>.pt, so a resume continues
     every rank's random stream exactly. Rank 0 writes manifest.json last: each file's size and
-    sha256, the step and the run's settings (checkpoint_to_resume checks all three).
+    sha256, the step, the run's settings, the number of processes and `inputs`, the digests of
+    what the run loads from outside the checkpoint (input_digests; checkpoint_to_resume and
+    check_inputs check them all).
 
-    Atomic: everything goes to checkpoint.tmp, which replaces checkpoint with os.replace
-    (checkpoint.old exists only during the swap), so a crash at any moment leaves one complete
-    checkpoint. A write that fails (no space, read-only, quota) removes checkpoint.tmp and ends the
-    run with a RunError naming the cause and the path; the last complete checkpoint stays."""
+    Atomic: everything goes to a new checkpoint.tmp (a stale one, a file or a link there, removed
+    first), which replaces checkpoint with os.replace (checkpoint.old exists only during the swap),
+    so a crash at any moment leaves one complete checkpoint. A write that fails (no space,
+    read-only, quota, a file-size limit) removes checkpoint.tmp and ends the run with a RunError
+    naming the cause and the path; the last complete checkpoint stays."""
     # a checkpoint folder that is a symlink keeps pointing at it: its target is written
     path = os.path.realpath(os.path.join(output_dir, CHECKPOINT))
     tmp = path + ".tmp"
     try:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_path(tmp)
             os.makedirs(tmp)
         barrier()
-        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        save_plain(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
         barrier()
         if rank == 0:
             write_files(tmp)
-            torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+            save_plain(trainer_state, os.path.join(tmp, TRAINER_STATE))
             files = {}
             for name in sorted(os.listdir(tmp)):
                 file = os.path.join(tmp, name)
@@ -822,24 +1001,37 @@ def save_checkpoint(output_dir, rank, write_files, trainer_state, args):
                 "script": script_of(args),
                 "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                 "args": json.loads(json.dumps(dataclasses.asdict(args))),
+                "inputs": inputs or {},
                 "files": files,
             }
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
     except RunError:  # another rank stopped while this one waited for it
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_path(tmp)
         raise
     except Exception as e:
         reason = write_error(e, tmp)  # before the removal frees the space
+        removed = "the partial checkpoint was removed"
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                remove_path(tmp)
+            except OSError as removal:
+                why = os_reason(removal.errno)
+                removed = f"the partial checkpoint could not be removed ({why})"
         raise RunError(
-            f"writing the checkpoint to {tmp} failed: {reason}; the partial checkpoint was "
-            f"removed, the last complete one (if any) is {path}"
+            f"writing the checkpoint to {tmp} failed: {reason}; {removed}, the last complete one "
+            f"(if any) is {path}"
         ) from None
     if rank == 0:
-        swap_in(tmp, path)
+        try:
+            swap_in(tmp, path)
+        except OSError as e:
+            raise RunError(
+                f"swapping {tmp} in for {path} failed: {write_error(e, path)}; the new checkpoint "
+                "is whole in the first, the last one in the second or in checkpoint.old"
+            ) from None
     barrier()
 
 
@@ -852,8 +1044,9 @@ def script_of(args):
 
 def checkpoint_problem(path):
     """None if the checkpoint folder is complete and undamaged, else one line saying why not: its
-    manifest is missing or unreadable, or a file it lists is missing, has another size, or bytes
-    whose sha256 differs (overwritten bytes keep a file's size: the hash catches them)."""
+    manifest is missing, unreadable or malformed (manifest_problem), or a file it lists is
+    missing, has another size, or bytes whose sha256 differs (overwritten bytes keep a file's size:
+    the hash catches them)."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         return (
@@ -862,9 +1055,13 @@ def checkpoint_problem(path):
         )
     try:
         with open(manifest_path) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
         return f"{manifest_path} cannot be read ({type(e).__name__})"
+    malformed = manifest_problem(manifest)
+    if malformed:
+        return f"{manifest_path} is malformed: {malformed}"
+    files = manifest["files"]
     unlisted = sorted(set(os.listdir(path)) - set(files) - {MANIFEST})
     if unlisted:
         return f"{os.path.join(path, unlisted[0])} is not in the manifest (added or edited since?)"
@@ -877,6 +1074,29 @@ def checkpoint_problem(path):
             return f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated?)"
         if sha256_of(file) != expected["sha256"]:
             return f"{file} is damaged: its sha256 differs from the manifest's"
+    return None
+
+
+def manifest_problem(manifest):
+    """None if a manifest has the shape save_checkpoint writes, else what is wrong with it: an
+    object whose "files" map each name to an integer "bytes" and a "sha256" string, with the "args"
+    the run was written with, its integer "step" and (since 2026-11) its "world_size"."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return 'no "files" object'
+    for name, entry in files.items():
+        if not isinstance(entry, dict):
+            return f"the entry of {name} is {entry!r}, not an object"
+        if type(entry.get("bytes")) is not int or not isinstance(entry.get("sha256"), str):
+            return f'the entry of {name} needs an integer "bytes" and a "sha256" string: {entry!r}'
+    if not isinstance(manifest.get("args"), dict):
+        return 'no "args" object (the settings it was written with)'
+    if type(manifest.get("step")) is not int:
+        return f'its "step" is {manifest.get("step")!r}, not an integer'
+    if "world_size" in manifest and type(manifest["world_size"]) is not int:
+        return f'its "world_size" is {manifest["world_size"]!r}, not an integer'
     return None
 
 
@@ -921,9 +1141,11 @@ def checkpoint_to_resume(args, changeable=()):
     script = manifest.get("script")
     if script and script != script_of(args):
         raise RunError(f"{path} was written by {script}.py, not {script_of(args)}.py")
-    # every rank's random stream continues exactly only with as many ranks as wrote it (1 -> 2 is
-    # refused by load_checkpoint: rank 1 has no RNG file)
-    written_by = len([n for n in os.listdir(path) if n.startswith("rng_rank")])
+    # every rank's random stream continues exactly only with as many ranks as wrote it: the
+    # manifest says how many (older ones did not: their RNG files count)
+    written_by = manifest.get("world_size")
+    if written_by is None:
+        written_by = len([n for n in os.listdir(path) if n.startswith("rng_rank")])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if written_by != world_size:
         raise RunError(
@@ -932,6 +1154,14 @@ def checkpoint_to_resume(args, changeable=()):
             "rank's random stream exactly, or use a new --output-dir"
         )
     now = json.loads(json.dumps(dataclasses.asdict(args)))
+    for name in ROUNDING_SETTINGS:
+        if name in saved and name in now and saved[name] != now[name]:
+            print(
+                f"resuming {path} with --{name.replace('_', '-')} {saved[name]!r} -> "
+                f"{now[name]!r}: the same experiment, but not bit for bit (float sums in another "
+                "order differ in their last bits)",
+                file=sys.stderr,
+            )
     allowed = set(CHANGEABLE_SETTINGS) | set(changeable)
     changed = [k for k in sorted(saved) if k in now and saved[k] != now[k] and k not in allowed]
     if changed:
@@ -943,6 +1173,87 @@ def checkpoint_to_resume(args, changeable=()):
             )
         print(f"resuming {path} with changed settings: {listed}", file=sys.stderr)
     return path
+
+
+def input_digests(inputs):
+    """What a run loads from outside its checkpoint, pinned so that a resume can tell it is the same
+    experiment: {label: digest} for {label: a local file, a local folder, a glob of local files,
+    or a Hub name} (None skipped). A file: its sha256; a folder or a glob: each file's sha256
+    (links followed: what is loaded; a folder's BUILT_WITH mark left out); a Hub name: the revision
+    its local snapshot resolves to (huggingface_hub's cache: the files of a revision never change),
+    or the name alone where nothing is cached. Each digest also says where it was read ("path")."""
+    digests = {}
+    for label, source in inputs.items():
+        if source is None:
+            continue
+        if os.path.isfile(source):
+            digests[label] = {"path": os.path.abspath(source), "sha256": sha256_of(source)}
+        elif os.path.isdir(source):
+            digests[label] = {"path": os.path.abspath(source), "files": folder_hashes(source)}
+        elif glob.glob(source):
+            files = sorted(f for f in glob.glob(source) if os.path.isfile(f))
+            digests[label] = {"path": source, "files": {f: sha256_of(f) for f in files}}
+        else:
+            digests[label] = {"hub": source, "revision": hub_revision(source)}
+    return digests
+
+
+def hub_revision(name):
+    """The commit a Hub name (a model, else a dataset) resolves to in the local huggingface_hub
+    cache, or None (not cached, or not a Hub name: a URL). Reads no network."""
+    from huggingface_hub import snapshot_download
+
+    for repo_type in ("model", "dataset"):
+        try:
+            folder = snapshot_download(name, repo_type=repo_type, local_files_only=True)
+        except Exception:
+            continue
+        return os.path.basename(os.path.normpath(folder))
+    return None
+
+
+def check_inputs(checkpoint, inputs, args):
+    """A resume is the same experiment or refused: each input the run loads from outside the
+    checkpoint (input_digests) must have the content it had when the checkpoint was written (its
+    manifest's "inputs"; where it was read may differ: a run folder moved elsewhere resumes). A
+    RunError in one line naming what changed, unless --allow-changed-settings (then printed). A
+    checkpoint written before the manifests recorded inputs has nothing to compare."""
+    if checkpoint is None:
+        return
+    with open(os.path.join(checkpoint, MANIFEST)) as f:
+        saved = json.load(f).get("inputs") or {}
+    changed = []
+    for label, now in inputs.items():
+        before = saved.get(label)
+        if isinstance(before, dict) and input_change(before, now):
+            changed.append(f"{label} {input_change(before, now)}")
+    if not changed:
+        return
+    listed = "; ".join(changed)
+    if not args.allow_changed_settings:
+        raise RunError(
+            f"{checkpoint} was written with other inputs: {listed}; resume with the inputs it "
+            "was written with, use a new --output-dir, or pass --allow-changed-settings"
+        )
+    print(f"resuming {checkpoint} with changed inputs: {listed}", file=sys.stderr)
+
+
+def input_change(before, now):
+    """How an input's digest changed, in a few words ("" if its content did not)."""
+    where = now.get("path") or now.get("hub")
+    if before.get("hub") != now.get("hub") or before.get("revision") != now.get("revision"):
+        return f"({where}): {before.get('hub')}@{before.get('revision')} -> {now.get('revision')}"
+    if before.get("sha256") != now.get("sha256"):
+        return f"({where}): its sha256 differs"
+    old_files, new_files = before.get("files") or {}, now.get("files") or {}
+    for name in sorted(set(old_files) | set(new_files)):
+        if name not in new_files:
+            return f"({where}): {name} is gone"
+        if name not in old_files:
+            return f"({where}): {name} is new"
+        if old_files[name] != new_files[name]:
+            return f"({where}): {name} differs"
+    return ""
 
 
 def load_checkpoint(path, rank):
@@ -965,31 +1276,40 @@ def load_checkpoint(path, rank):
 
 
 def read_rows(path):
-    """(rows, bad_lines) of a jsonl file: the complete JSON objects, and the lines a kill or a full
-    disk cut short (no newline at the end, not JSON, or JSON that is not an object)."""
+    """(rows, bad_lines) of a jsonl file, as bytes: rows are (row, line) for each complete JSON
+    object with a numeric "step" (or none); bad_lines are the lines a kill or a full disk cut short
+    (no newline at the end), lines that are not UTF-8, not JSON, not an object, or whose step is
+    not a number. A line is moved or kept byte for byte, never re-encoded."""
     rows, bad = [], []
     with open(path, "rb") as f:
-        for raw in f:
-            line = raw.decode("utf-8", errors="replace")
+        for line in f:
             try:
-                if not line.endswith("\n"):
+                if not line.endswith(b"\n"):
                     raise ValueError("no newline")
-                row = json.loads(line)
+                row = json.loads(line.decode("utf-8"))
                 if not isinstance(row, dict):
                     raise ValueError("not a row")
+                step = row.get("step", 0)
+                if isinstance(step, bool) or not isinstance(step, (int, float)):
+                    raise ValueError("a step that is not a number")
                 rows.append((row, line))
-            except ValueError:
+            except ValueError:  # UnicodeDecodeError and json's errors are ValueErrors
                 if line.strip():
-                    bad.append(line if line.endswith("\n") else line + "\n")
+                    bad.append(line if line.endswith(b"\n") else line + b"\n")
     return rows, bad
 
 
 def move_rows_after(path, step):
     """On resume: the rows a killed run logged after its checkpoint's step (the resumed run logs
-    them again), and any line cut short, move from path to <path>.discarded, never deleted."""
+    them again), and any line cut short or malformed, move from path to <path>.discarded, byte for
+    byte, never deleted. A write that fails ends the run in one line naming the file and the
+    cause."""
     if not os.path.isfile(path):
         return
-    rows, bad = read_rows(path)
+    try:
+        rows, bad = read_rows(path)
+    except OSError as e:
+        raise RunError(f"cannot read {path}: {os_reason(e.errno)}") from None
     later = [line for row, line in rows if row.get("step", 0) > step]
     if bad:
         print(f"{path}: {len(bad)} line(s) cut short moved to {path}.discarded", file=sys.stderr)
@@ -1000,48 +1320,64 @@ def move_rows_after(path, step):
             file=sys.stderr,
         )
     if bad or later:
-        with open(path + ".discarded", "a") as f:
-            f.writelines(bad + later)
+        append_line(path + ".discarded", b"".join(bad + later))
         # the kept rows go to a temporary that replaces the file: a kill at any moment leaves
         # either the old file or the new one, never a half-written one
-        write_atomically(path, "".join(line for row, line in rows if row.get("step", 0) <= step))
+        write_atomically(path, b"".join(line for row, line in rows if row.get("step", 0) <= step))
 
 
-def write_atomically(path, text):
-    """Replace the file `path` by `text`: written to <path>.tmp, flushed to disk, then swapped in
-    with os.replace, so a reader (or a crash) sees the old file or the new one, never a part."""
+def write_atomically(path, data):
+    """Replace the file `path` by `data` (text or bytes): written to a new <path>.tmp (a stale one,
+    or a link planted there, removed first; never written through a link), flushed to disk, then
+    swapped in with os.replace, which replaces a link at `path` itself, not its target. A reader
+    (or a crash) sees the old file or the new one, never a part; a write that fails (no space,
+    read-only, quota) ends the run in one line naming the file and the cause (RunError)."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    data = data.encode() if isinstance(data, str) else data
+    try:
+        remove_path(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        reason = write_error(e, tmp)
+        with contextlib.suppress(OSError):
+            remove_path(tmp)
+        raise RunError(f"cannot write {path}: {reason}") from None
 
 
 def move_previous_run_aside(output_dir):
     """A fresh start in a folder an earlier run logged into: its metrics.jsonl, samples.jsonl and
-    args.json (and their .discarded rows) move to <output_dir>/previous_run_<N>/, N = 1, 2, ...;
-    returns that folder, or None."""
+    args.json (and their .discarded rows) move to <output_dir>/previous_run_<N>/, N = 1, 2, ...
+    (links moved as links); returns that folder, or None."""
     names = [n for n in os.listdir(output_dir) if n.removesuffix(".discarded") in LOG_FILES]
     if not names:
         return None
     n = 1
-    while os.path.exists(os.path.join(output_dir, f"previous_run_{n}")):
+    while os.path.lexists(os.path.join(output_dir, f"previous_run_{n}")):
         n += 1
     folder = os.path.join(output_dir, f"previous_run_{n}")
-    os.makedirs(folder)
-    for name in names:
-        os.replace(os.path.join(output_dir, name), os.path.join(folder, name))
+    try:
+        os.makedirs(folder)
+        for name in names:
+            os.replace(os.path.join(output_dir, name), os.path.join(folder, name))
+    except OSError as e:
+        raise RunError(
+            f"cannot move the earlier run's logs to {folder}: {write_error(e, folder)}"
+        ) from None
     return folder
 
 
 def append_line(path, text):
-    """Append one line (or a few) straight to the OS, no Python buffer in between; a write that
-    fails (no space, read-only, quota) is cut back to the last complete line and ends the run with
-    a RunError naming the cause and the file."""
-    data = memoryview(text.encode())
+    """Append one line (or a few; text or bytes) straight to the OS, no Python buffer in between,
+    never through a symlink; a write that fails (no space, read-only, quota) is cut back to the
+    last complete line and ends the run with a RunError naming the cause and the file."""
+    data = memoryview(text.encode() if isinstance(text, str) else text)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         raise RunError(f"cannot append to {path}: {write_error(e, path)}") from None
     try:
@@ -1154,11 +1490,37 @@ def run_environment():
     }
 
 
-def start_logs(args, script, rank, world_size, resume_step=None):
+def start_wandb(args, config):
+    """The wandb run of --track, its files under <output_dir>/wandb (refused in one line if that is
+    a symlink). wandb gives up after WANDB_INIT_TIMEOUT seconds (its default: 90) without its
+    server; that, or any other failure to start, ends the run in one line (RunError) instead of
+    wandb's traceback, nothing written yet but args.json."""
+    import wandb
+
+    refuse_symlinks(args.output_dir, ("wandb",))
+    try:
+        return wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            name=f"{args.exp_name}__{args.seed}__{int(time.time())}",
+            config=config,
+            dir=args.output_dir,
+        )
+    except Exception as e:  # wandb raises its own errors (CommError, UsageError, timeouts)
+        reason = first_line(e, 200)
+        raise RunError(
+            f"--track: wandb could not start a run ({type(e).__name__}: {reason}); check the "
+            "network and the login, or log offline with WANDB_MODE=offline"
+        ) from None
+
+
+def start_logs(args, script, rank, world_size, resume_step=None, inputs=None):
     """The logs of a run that starts (resume_step None) or resumes after step resume_step, by the
     rerun rule (see the module docstring); rank 0 writes args.json (the script, the world size, the
-    run_environment and every field of args) and, with --track, opens the wandb run (its files under
-    <output_dir>/wandb). Returns a RunLog."""
+    run_environment, `inputs`: the digests of what the run loads from outside its checkpoint, such
+    as ppo_rlhf.py's reward model, and every field of args) and, with --track, opens the wandb run
+    (its files under <output_dir>/wandb). A resumed run's logs that are symlinks are refused in one
+    line (a resume reads and rewrites them). Returns a RunLog."""
     wandb_run = None
     if rank == 0:
         if resume_step is None:
@@ -1169,29 +1531,18 @@ def start_logs(args, script, rank, world_size, resume_step=None):
                     f"to {moved}"
                 )
         else:
-            for name in ("metrics.jsonl", "samples.jsonl"):
+            logs = ("metrics.jsonl", "samples.jsonl")
+            refuse_symlinks(args.output_dir, logs + tuple(name + ".discarded" for name in logs))
+            for name in logs:
                 move_rows_after(os.path.join(args.output_dir, name), resume_step)
         config = {
             "script": script,
             "world_size": world_size,
             "environment": run_environment(),
+            "inputs": inputs or {},
             **dataclasses.asdict(args),
         }
-        try:
-            write_atomically(
-                os.path.join(args.output_dir, "args.json"), json.dumps(config, indent=2)
-            )
-        except OSError as e:
-            path = os.path.join(args.output_dir, "args.json")
-            raise RunError(f"cannot write {path}: {write_error(e, path)}") from None
+        write_atomically(os.path.join(args.output_dir, "args.json"), json.dumps(config, indent=2))
         if args.track:
-            import wandb
-
-            wandb_run = wandb.init(
-                project=args.wandb_project,
-                entity=args.wandb_entity,
-                name=f"{args.exp_name}__{args.seed}__{int(time.time())}",
-                config=config,
-                dir=args.output_dir,
-            )
+            wandb_run = start_wandb(args, config)
     return RunLog(args.output_dir, enabled=rank == 0, wandb_run=wandb_run)

@@ -48,6 +48,7 @@ Run:
 """
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -281,6 +282,10 @@ def check_args(args, world_size):
         raise ValueError(
             f"--query-dataset {dataset!r} must be one of {', '.join(names)}, a file or a URL"
         )
+    # a local query file is read and checked now (rewards.py's checks: empty, no text column, nulls,
+    # not UTF-8, no text at all); the Hub's and a URL's when the run reads them
+    if dataset not in names and "://" not in dataset:
+        rewards.load_query_dataset(dataset)
     if dataset != "tiny" and args.base_model == "":
         raise ValueError(
             f"--query-dataset {dataset!r} needs a real --base-model (e.g. gpt2), got ''"
@@ -529,7 +534,10 @@ def load_policy(path, device):
     4]: rollout.never_stop_at_eos)."""
     from transformers import AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # a crafted pickle or diverged weights in the folder end the run in one line
+    lm = harness.load_model_folder(
+        functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32), path
+    )
     # [policy 4] no dropout (rewards.py's helper also resets the config)
     rewards.disable_dropout(lm)
     rollout.never_stop_at_eos(lm)
@@ -551,33 +559,60 @@ def load_tokenizer(path):
 def reward_model_paths(args, resume=None):
     """(reward model dir, policy path: --base-model, or the tiny policy rewards.py saved next to the
     reward model). With no --reward-model-path, rewards.train trains one first on every rank (it is
-    torchrun-aware), once per settings: <output_dir>/reward_model_run/DONE records the preset and
-    seed it was trained with. A resume reuses it; a fresh start with another preset or seed trains
-    it again (never another experiment's reward model)."""
+    torchrun-aware), once per settings, into <output_dir>/reward_model_run, whose built_with.json
+    records the preset, the seed and its files' hashes; the reward model is always that folder's
+    reward_model/ (derived, never read back from a file). A resume reuses it (check_inputs then
+    holds it to the checkpoint's); a fresh start with another preset or seed, or one that finds
+    its files changed, trains it again (never another experiment's reward model)."""
     rm_path = args.reward_model_path
     if rm_path is None:
         rm_run = os.path.join(args.output_dir, "reward_model_run")
-        done = os.path.join(rm_run, "DONE")
         settings = {"reward_preset": args.reward_preset, "seed": args.seed}
-        # no race: DONE is written only after every rank finished rewards.train
-        if not os.path.exists(done) or (not resume and harness.built_with(rm_run) != settings):
-            # the reward model gets the policy's seed, as lm-human-preference-details' train_both
-            # script, so a seed sweep varies the reward model too (launch.py pinned run.seed 1 for
-            # both)
-            preset = rewards.PRESETS[args.reward_preset][1]
-            rm_path = rewards.train(dataclasses.replace(preset, output_dir=rm_run, seed=args.seed))
-            harness.barrier()
-            if int(os.environ.get("RANK", "0")) == 0:
-                harness.mark_built(rm_run, settings)
-                with open(done, "w") as f:
-                    f.write(rm_path)
-        harness.barrier()
-        with open(done) as f:
-            rm_path = f.read().strip()
+        if not resume and harness.built_with(rm_run) != settings:
+            train_reward_model(args, rm_run, settings)
+        rm_path = os.path.join(rm_run, "reward_model")
     policy_path = args.base_model or os.path.join(
         os.path.dirname(os.path.normpath(rm_path)), "tiny_policy"
     )
     return rm_path, policy_path
+
+
+def train_reward_model(args, rm_run, settings):
+    """rewards.train for this run, on every rank, into a new <rm_run>.tmp that rank 0 marks with
+    the settings and swaps in for rm_run once every rank is done: a run stopped mid-way leaves the
+    previous reward model run whole under its own mark (the reward model trained in the .tmp
+    folder records that folder as its output_dir). The reward model gets the policy's seed, as
+    lm-human-preference-details' train_both script, so a seed sweep varies it too (launch.py pinned
+    run.seed 1 for both)."""
+    tmp = rm_run + ".tmp"
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        harness.remove_path(tmp)
+    harness.barrier()
+    preset = rewards.PRESETS[args.reward_preset][1]
+    rewards.train(dataclasses.replace(preset, output_dir=tmp, seed=args.seed))
+    harness.barrier()
+    if rank == 0:
+        harness.mark_built(tmp, settings)
+        harness.swap_in(tmp, rm_run)
+    harness.barrier()
+
+
+def pinned_inputs(args, rm_path, policy_path, resume):
+    """What the run loads from outside its checkpoint (the reward model, the policy folder or Hub
+    name the tokenizer and the reference come from, a local query file), pinned by
+    harness.input_digests: recorded in every checkpoint and in args.json (which so names the reward
+    model used), and on a resume checked against the checkpoint's (harness.check_inputs)."""
+    generated = args.query_dataset in ("tiny", "openers")
+    inputs = harness.input_digests(
+        {
+            "reward model": rm_path,
+            "policy": policy_path,
+            "queries": None if generated else args.query_dataset,
+        }
+    )
+    harness.check_inputs(resume, inputs, args)
+    return inputs
 
 
 def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, world_size=1):
@@ -612,15 +647,15 @@ def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, worl
         update += 1
 
 
-def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef):
+def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef, inputs):
     """Step 11: <output_dir>/checkpoint with the HF policy + tokenizer, value_head.pt, and the
-    update, episodes, beta and optimizer (harness.py adds every rank's RNG and swaps it in
-    atomically)."""
+    update, episodes, beta and optimizer (harness.py adds every rank's RNG and the pinned inputs,
+    and swaps it in atomically)."""
 
     def write_files(folder):
         model.lm.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        torch.save(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
+        harness.save_plain(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
 
     state = dict(
         step=update,
@@ -629,7 +664,7 @@ def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef):
         optimizer=optimizer.state_dict(),
         args=dataclasses.asdict(args),
     )
-    harness.save_checkpoint(args.output_dir, rank, write_files, state, args)
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs)
 
 
 def rollout_metrics(args, stats, extra_stats, corr_metrics, tensors, tokenizer, tokens, world_size):
@@ -787,14 +822,18 @@ def load_models(args, rm_path, policy_path, resume, device):
 
 def load_checkpoint(resume, rank, model, optimizer, args):
     """Resume from a checkpoint (the policy's weights are loaded with the model): the value head,
-    the optimizer and this rank's RNG; returns (kl_coef, first update, episodes so far). A run
-    whose checkpoint is already at --total-episodes' last update is refused in one line."""
+    the optimizer and this rank's RNG; returns (kl_coef, first update, episodes so far). A
+    checkpoint of the last update whose final policy was not written (a full disk at step 12)
+    resumes to write it; one already at or past --total-episodes' last update with its final
+    policy written is refused in one line: nothing to train."""
     state = harness.load_checkpoint(resume, rank)
     value_head = harness.load_plain(os.path.join(resume, "value_head.pt"))
     model.value_head.load_state_dict(value_head)
     optimizer.load_state_dict(state["optimizer"])
     num_updates = args.total_episodes // args.rollout_batch_size
-    if state["step"] >= num_updates:
+    final = [os.path.join(args.output_dir, "policy"), final_checksum_path(args, rank)]
+    finished = all(os.path.exists(path) for path in final)
+    if state["step"] > num_updates or (state["step"] == num_updates and finished):
         raise harness.RunError(
             f"{resume} is at update {state['step']} and --total-episodes {args.total_episodes} "
             f"makes {num_updates}: nothing to train (raise --total-episodes to continue it)"
@@ -804,6 +843,15 @@ def load_checkpoint(resume, rank, model, optimizer, args):
             f"resumed from {resume} at update {state['step'] + 1} (kl_coef {state['kl_coef']:.4f})"
         )
     return state["kl_coef"], state["step"] + 1, state["global_step"]
+
+
+def print_sizes(world_size, sizes):
+    """Step 1's line on rank 0: the per-rank batch sizes and the number of updates."""
+    print(
+        f"world_size {world_size}: per-rank batch {sizes['local_batch']}, "
+        f"minibatch {sizes['local_mini']}, micro-batch {sizes['micro']}, "
+        f"gradient accumulation {sizes['grad_accum']}, {sizes['num_updates']} updates"
+    )
 
 
 def print_update(metrics, update, num_updates, start_update, args, start_time):
@@ -829,15 +877,20 @@ def save_final_policy(args, rank, model, tokenizer, kl_coef):
         def write_files(folder):
             model.lm.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            torch.save(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
+            harness.save_plain(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
 
         harness.write_folder(os.path.join(args.output_dir, "policy"), write_files)
     with torch.no_grad():
         checksum = float(sum(p.double().sum() for p in model.parameters()))
         abs_checksum = float(sum(p.double().abs().sum() for p in model.parameters()))
-    with open(os.path.join(args.output_dir, f"final_rank{rank}.json"), "w") as f:
-        json.dump(dict(rank=rank, checksum=checksum, abs_checksum=abs_checksum, kl_coef=kl_coef), f)
+    final = dict(rank=rank, checksum=checksum, abs_checksum=abs_checksum, kl_coef=kl_coef)
+    harness.write_atomically(final_checksum_path(args, rank), json.dumps(final))
     harness.barrier()
+
+
+def final_checksum_path(args, rank):
+    """<output_dir>/final_rank<r>.json: this rank's parameter checksums at the end of the run."""
+    return os.path.join(args.output_dir, f"final_rank{rank}.json")
 
 
 # ==================================================================================================
@@ -1015,8 +1068,10 @@ def train(args: Args):
     # one run per output folder; a verified checkpoint of these settings (before any reward model)
     harness.lock_output_dir(args.output_dir, rank)
     resume = harness.checkpoint_to_resume(args)
-    # trains a reward model first if none is given (or one built with other settings)
+    # trains a reward model first if none is given (or one built with other settings); what the
+    # run loads from outside its checkpoint, pinned (a resume with other inputs is refused)
     rm_path, policy_path = reward_model_paths(args, resume)
+    inputs = pinned_inputs(args, rm_path, policy_path, resume)
     seed = local_seed(args.seed, rank)  # [general 6] (after rewards.train, which seeds itself)
     harness.seed_everything(seed)
     # the models, and what every log pi of the run shares (logits / T, chunk size, banned pad)
@@ -1030,15 +1085,10 @@ def train(args: Args):
         kl_coef, start_update, global_step = load_checkpoint(resume, rank, model, optimizer, args)
     correction = corrections.RolloutCorrection.from_name(args.correction)
     batches = query_batches(args, tokenizer, seed, local_batch, start_update, rank, world_size)
-    log = harness.start_logs(
-        args, "ppo_rlhf", rank, world_size, start_update - 1 if resume else None
-    )
+    resume_update = start_update - 1 if resume else None
+    log = harness.start_logs(args, "ppo_rlhf", rank, world_size, resume_update, inputs)
     if rank == 0:
-        print(
-            f"world_size {world_size}: per-rank batch {local_batch}, "
-            f"minibatch {sizes['local_mini']}, micro-batch {micro}, "
-            f"gradient accumulation {sizes['grad_accum']}, {num_updates} updates"
-        )
+        print_sizes(world_size, sizes)
     start_time = time.time()
     # SIGTERM / Ctrl-C from here on: the update in progress ends, is saved, and the run stops
     harness.catch_stop_signals()
@@ -1194,7 +1244,7 @@ def train(args: Args):
         stop_signal = harness.stop_signal(world_size)
         last = update == num_updates
         if (args.save_every and update % args.save_every == 0) or last or stop_signal:
-            save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef)
+            save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef, inputs)
         if stop_signal and not last:
             raise harness.stopped(stop_signal, update, args.output_dir)
 

@@ -27,6 +27,7 @@ labels):
     torchrun --standalone --nproc_per_node 8 rewards.py gpt2_sentiment --output-dir runs/rm_sent
 """
 
+import functools
 import glob
 import gzip
 import json
@@ -35,6 +36,7 @@ import os
 import random
 import re
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +70,7 @@ OPENAI_LABELS_URL = "https://openaipublic.blob.core.windows.net/lm-human-prefere
 # the out-of-vocabulary padding id in OpenAI's label files ([general 2])
 OPENAI_PAD_TOKEN_ID = 50259
 NUM_SAMPLES = 4  # best-of-4 labels: query, sample0..sample3, best
+LABEL_KEYS = ("query", *(f"sample{k}" for k in range(NUM_SAMPLES)), "best")
 # scalar head + reward_gain/reward_bias, next to the save_pretrained backbone
 REWARD_HEAD_FILE = "reward_head.pt"
 
@@ -284,7 +287,7 @@ def save_reward_model(model, path, tokenizer):
     def write_files(folder):
         model.backbone.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        torch.save(head, os.path.join(folder, REWARD_HEAD_FILE))
+        harness.save_plain(head, os.path.join(folder, REWARD_HEAD_FILE))
 
     harness.write_folder(path, write_files)
 
@@ -294,8 +297,12 @@ def load_reward_model(path, device="cpu"):
     save_reward_model."""
     from transformers import AutoModelForCausalLM
 
-    model = RewardModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    head = torch.load(os.path.join(path, REWARD_HEAD_FILE), map_location="cpu", weights_only=True)
+    # a crafted pickle (in the backbone's weights or the head) runs nothing: one line (RunError)
+    backbone = harness.load_model_folder(
+        functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32), path
+    )
+    model = RewardModel(backbone)
+    head = harness.load_plain(os.path.join(path, REWARD_HEAD_FILE))
     # the head, gain and bias (the backbone was loaded above)
     keys = model.load_state_dict(head, strict=False)
     if bad := keys.unexpected_keys + [
@@ -468,8 +475,8 @@ def make_labels(
                     f"make_labels: only {len(labels)} of {n} decisive labels in {drawn} queries; "
                     "the policy's samples rarely contain lexicon words"
                 )
-    with open(path, "w") as f:
-        json.dump(labels, f)
+    # a new file swapped in, never written through a link
+    harness.write_atomically(path, json.dumps(labels))
     return labels
 
 
@@ -491,16 +498,148 @@ def lexicon_label_path(args, policy_path):
     return shipped if os.path.exists(shipped) else os.path.join(LABEL_CACHE, name)
 
 
-def load_labels(source):
+def read_error(error):
+    """The first line (at most 160 characters) of why a file could not be read: the innermost
+    cause, since a datasets error says only "An error occurred while generating the dataset"."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return harness.first_line(error)
+
+
+def read_dataset(builder, files, where):
+    """load_dataset(builder, data_files=files, split="train"), or a ValueError in one line that
+    starts with `where` (the flag and its value): not UTF-8, or cannot be read (a parse error, no
+    network, ...). datasets' file readers also log the error they raise, a second line: silenced
+    while they read."""
+    import logging
+
+    from datasets import load_dataset  # downloads and caches a URL once per machine
+
+    readers_log = logging.getLogger("datasets.packaged_modules")
+    level = readers_log.level
+    readers_log.setLevel(logging.CRITICAL)
+    try:
+        return load_dataset(builder, data_files=files, split="train")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: the file is not valid UTF-8 ({e})") from None
+    except Exception as e:
+        raise ValueError(f"{where}: cannot be read ({read_error(e)})") from None
+    finally:
+        readers_log.setLevel(level)
+
+
+def read_label_file(path):
+    """The JSON value of a local label file (gzipped if its name ends in .gz), or a ValueError in
+    one line naming the file: empty, not gzip, not UTF-8, not JSON."""
+    where = f"--label-source {path!r}"
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: the file is not valid UTF-8 ({e})") from None
+    # gzip: OSError (not gzip), EOFError (cut short), zlib.error (a damaged stream)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{where}: cannot be read ({read_error(e)})") from None
+    if not text.strip():
+        raise ValueError(f"{where}: the file is empty")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: the file is not valid JSON ({e})") from None
+
+
+def token_ids_problem(ids, vocab_size=None, pad_token_id=None):
+    """What is wrong with one token id list of a label (its query or a sample), or None: not a
+    list, empty, an entry that is not an integer (torch.tensor would cut 3.5 to 3), a negative
+    one, or with vocab_size one the policy's embedding has no row for. OpenAI's pad id and the
+    run's pad id pass: label_batch maps the first to the second, whose positions forward_inputs
+    masks ([general 2])."""
+    if not isinstance(ids, list):
+        return f"must be a list of token ids, got {ids!r:.40}"
+    if not ids:
+        return "is empty"
+    pads = (OPENAI_PAD_TOKEN_ID, pad_token_id)
+    for position, token in enumerate(ids):
+        # JSON's integers (a bool is no token id)
+        if type(token) is not int:
+            return f"must be a list of token ids, got {token!r:.40} at position {position}"
+        if token < 0:
+            return f"holds token id {token} at position {position} (token ids are >= 0)"
+        if vocab_size is not None and token >= vocab_size and token not in pads:
+            return (
+                f"holds token id {token} at position {position}, outside the policy's vocabulary "
+                f"of {vocab_size} tokens"
+            )
+    return None
+
+
+def label_problem(record, index, lengths, vocab_size=None, pad_token_id=None):
+    """What is wrong with label record number `index`, or None: not an object, a key of
+    LABEL_KEYS missing or null, a token id list token_ids_problem refuses, one whose length
+    differs from record 0's (label_batch stacks them: every query one length, every sample one
+    length), a `best` that is not 0..NUM_SAMPLES-1. `lengths` (kind -> (key, length)) holds
+    record 0's, set by its call."""
+    if not isinstance(record, dict):
+        return (
+            f"record {index} must be an object with query, sample0..sample3 and best, got "
+            f"{type(record).__name__}"
+        )
+    for key in LABEL_KEYS:
+        if key not in record:
+            return f"record {index} is missing {key!r}"
+        if record[key] is None:
+            return f"record {index}'s {key!r} is null"
+    for key in LABEL_KEYS[:-1]:
+        ids = record[key]
+        if problem := token_ids_problem(ids, vocab_size, pad_token_id):
+            return f"record {index}'s {key!r} {problem}"
+        kind = "query" if key == "query" else "sample"
+        first_key, length = lengths.setdefault(kind, (key, len(ids)))
+        if len(ids) != length:
+            return (
+                f"record {index}'s {key!r} has {len(ids)} token ids, record 0's {first_key!r} "
+                f"{length}: every {kind} must have the same length"
+            )
+    best = record["best"]
+    if type(best) is not int or not 0 <= best < NUM_SAMPLES:
+        return (
+            f"record {index}'s 'best' must be 0, 1, 2 or 3 (the index of the best sample), got "
+            f"{best!r:.40}"
+        )
+    return None
+
+
+def check_labels(labels, source, vocab_size=None, pad_token_id=None):
+    """Raise a ValueError in one line naming `source` and the first bad record (label_problem)
+    unless `labels` is a non-empty list of best-of-4 records every later step can use; the token
+    ids are checked against the policy's vocabulary when vocab_size is given."""
+    where = f"--label-source {source!r}"
+    if not isinstance(labels, list):
+        raise ValueError(
+            f"{where}: must be a JSON list of {{query, sample0..sample3, best}} records, got "
+            f"{type(labels).__name__}"
+        )
+    if not labels:
+        raise ValueError(f"{where}: holds no label records")
+    lengths = {}
+    for index, record in enumerate(labels):
+        if problem := label_problem(record, index, lengths, vocab_size, pad_token_id):
+            raise ValueError(f"{where}: {problem}")
+
+
+def load_labels(source, vocab_size=None, pad_token_id=None):
     """The label records (a list of dicts with query, sample0..3, best) from a local JSON file
     (gzipped if its name ends in .gz) or a URL; OpenAI's: OPENAI_LABELS_URL/<task>/offline_5k.json
-    (gpt2 ids, OPENAI_PAD_TOKEN_ID pads)."""
+    (gpt2 ids, OPENAI_PAD_TOKEN_ID pads). Checked as they are read (check_labels; the token ids
+    against the policy's vocabulary when vocab_size is given): a ValueError in one line naming the
+    file and the cause."""
     if os.path.exists(source):
-        with gzip.open(source, "rt") if source.endswith(".gz") else open(source) as f:
-            return json.load(f)
-    from datasets import load_dataset  # downloads and caches the URL once per machine
-
-    return list(load_dataset("json", data_files=source, split="train"))
+        labels = read_label_file(source)
+    else:
+        labels = list(read_dataset("json", source, f"--label-source {source!r}"))
+    check_labels(labels, source, vocab_size, pad_token_id)
+    return labels
 
 
 def label_batch(labels, indices, pad_token_id):
@@ -699,25 +838,74 @@ OPENAI_TLDR_URL = (
 )
 
 
+def query_column_problem(dataset, column):
+    """What makes a query dataset unusable, or None: no `column`, no rows, a null in it (the
+    first one's row, in file order), values that are not strings or not UTF-8. Arrow's own counts
+    and checks (5M rows, 354 MB: 0.14 s on 2 CPU cores)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column not in dataset.column_names:
+        return f"has no 'text' or 'content' column (its columns: {', '.join(dataset.column_names)})"
+    if len(dataset) == 0:
+        return "holds no rows"
+    values = dataset.data.column(column)
+    # before the type: a column of nulls only has Arrow's type null
+    if values.null_count:
+        return f"row {pc.index(values.is_null(), True).as_py()}'s {column!r} is null"
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        return f"{column!r} must hold strings, got {values.type}"
+    # Arrow's JSON and Parquet readers keep invalid UTF-8 bytes; Python would fail on the row
+    first_row = 0
+    for chunk in values.chunks:
+        try:
+            chunk.validate(full=True)
+        except pa.ArrowInvalid as e:
+            index = re.search(r"string index (\d+)", str(e))
+            where = f"row {first_row + int(index.group(1))}'s" if index else "a"
+            return f"{where} {column!r} is not valid UTF-8 ({read_error(e)})"
+        first_row += len(chunk)
+    return None
+
+
+def has_any_text(dataset):
+    """Whether some query of a dataset (its checked "text" column) is not the empty string."""
+    import pyarrow.compute as pc
+
+    return pc.any(pc.greater(pc.utf8_length(dataset.data.column("text")), 0)).as_py()
+
+
 def load_query_dataset(name):
     """A `datasets.Dataset` of query texts, column "text": "bookcorpus"/"books"
     (BOOKCORPUS_PARQUET), "tldr" (OPENAI_TLDR_URL, a JSON list of posts whose "content" is the
     query), or a path/URL/glob of .parquet, .json or .jsonl files with a "text" or "content"
-    column."""
-    from datasets import load_dataset
-
+    column. Checked as it is read: a file that is empty, not UTF-8 or cannot be parsed, a missing
+    column, a null or a value that is not a string (query_column_problem), or no text at all is a
+    ValueError in one line naming the file and the cause."""
     files = {
         "bookcorpus": BOOKCORPUS_PARQUET,
         "books": BOOKCORPUS_PARQUET,
         "tldr": OPENAI_TLDR_URL,
     }.get(name, name)
+    where = f"--query-dataset {name!r}"
+    # a local file (or every file of a glob)
+    for path in [] if "://" in files else sorted(glob.glob(files)):
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            raise ValueError(f"--query-dataset {path!r}: the file is empty")
     builder = "json" if files.endswith((".json", ".jsonl")) else "parquet"
-    dataset = load_dataset(builder, data_files=files, split="train")
+    dataset = read_dataset(builder, files, where)
+    # OpenAI's TL;DR posts are "content"
+    column = "content" if "content" in dataset.column_names else "text"
+    if problem := query_column_problem(dataset, column):
+        raise ValueError(f"{where}: {problem}")
     # OpenAI's TL;DR posts; datasets/tldr.py: 3+ newlines -> 2, strip (no ftfy)
-    if "content" in dataset.column_names:
+    if column == "content":
         dataset = dataset.map(
             lambda row: {"text": re.sub(r"\n{3,}", "\n\n", row["content"]).strip()}
         )
+    # empty queries would train on nothing but padding
+    if not has_any_text(dataset):
+        raise ValueError(f"{where}: no query in it has any text (every {column!r} is empty)")
     return dataset
 
 
@@ -732,7 +920,12 @@ def query_texts(query_dataset, seed, local_seed, rank=0, world_size=1):
         while True:
             yield from make_queries(1024, seed=local_seed + 7919 * (chunk + 1))
             chunk += 1
-    dataset = load_query_dataset(query_dataset).shuffle(seed=seed)
+    # checked as it is read (load_query_dataset): a bad file ends the run in one line, exit code 1
+    try:
+        dataset = load_query_dataset(query_dataset)
+    except ValueError as e:
+        raise harness.RunError(str(e)) from None
+    dataset = dataset.shuffle(seed=seed)
     while True:  # repeat forever, as tf_dataset.repeat()
         for i in range(rank, len(dataset), world_size):
             yield dataset[i]["text"]
@@ -806,6 +999,8 @@ def check_args(args, world_size):
             raise ValueError(
                 f"--label-source {args.label_source!r} must be tiny, lexicon, a label file or a URL"
             )
+        # read and checked now (the token ids against the vocabulary once the run has the
+        # policy's config: policy_tokenizer_and_labels)
         count, needed = len(load_labels(args.label_source)), args.num_train + (args.num_test or 0)
         if count < needed:
             raise ValueError(
@@ -813,15 +1008,15 @@ def check_args(args, world_size):
                 f"{args.label_source}"
             )
     names = ("tiny", "openers", "bookcorpus", "books", "tldr")
-    if (
-        args.query_dataset not in names
-        and "://" not in args.query_dataset
-        and not glob.glob(args.query_dataset)
-    ):
+    local_queries = args.query_dataset not in names and "://" not in args.query_dataset
+    if local_queries and not glob.glob(args.query_dataset):
         raise ValueError(
             f"--query-dataset {args.query_dataset!r} must be one of {', '.join(names)}, a file or "
             "a URL"
         )
+    # a local query file is read and checked now; the Hub's and a URL's when the run reads them
+    if local_queries:
+        load_query_dataset(args.query_dataset)
     if tasks.smollm2_problem(args.base_model):
         raise ValueError(tasks.smollm2_problem(args.base_model))
     if args.base_model != "tiny" and not os.path.isdir(args.base_model):
@@ -833,13 +1028,20 @@ def policy_tokenizer_and_labels(args, rank, device):
     """Step 3 of train(): (policy path, tokenizer, labels, number of held-out labels). The tiny task
     builds its policy and labels on rank 0; "lexicon" labels are made once per settings by rank 0
     and cached on disk; the other ranks wait and read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if args.base_model == "tiny":
         policy_path = os.path.join(args.output_dir, "tiny_policy")
         label_path = os.path.join(args.output_dir, "tiny_labels.json")
         if rank == 0:
-            policy, tokenizer = tasks.build_tiny_model(policy_path, arch="gpt2")
+            # built in tiny_policy.tmp with its mark and swapped in (never written through a link)
+            harness.write_folder(
+                policy_path,
+                functools.partial(tasks.build_tiny_model, arch="gpt2"),
+                {"arch": "gpt2", "seed": 0},
+            )
+            # the same model in memory (seed 0 again: torch's RNG ends where one build leaves it)
+            policy, tokenizer = tasks.build_tiny_model(None, arch="gpt2")
             make_labels(
                 "tiny",
                 rollout.never_stop_at_eos(policy).eval(),
@@ -897,11 +1099,17 @@ def policy_tokenizer_and_labels(args, rank, device):
                 backend.close()
             del frozen, backend
         harness.barrier()
-    labels = load_labels(label_path)
+    # every label checked before any model loads, its token ids against the policy's vocabulary
+    # (check_args checked a local file's records; a URL's and the labels made here are new)
+    vocab_size = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
+    try:
+        labels = load_labels(label_path, vocab_size, tokenizer.pad_token_id)
+    except ValueError as e:
+        raise harness.RunError(str(e)) from None
     num_test = len(labels) - args.num_train if args.num_test is None else args.num_test
     # a downloaded label file (check_args counted a local one)
     if len(labels) < args.num_train + num_test:
-        raise ValueError(
+        raise harness.RunError(
             f"--num-train + --num-test = {args.num_train + num_test} exceeds the {len(labels)} "
             f"labels of {label_path}"
         )

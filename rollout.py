@@ -38,6 +38,12 @@ import harness
 import logprobs
 
 BACKENDS = ("hf", "vllm")
+# what both engines say when the weights they sample with are no longer finite
+DIVERGED_SAMPLING = (
+    "sampling failed: the policy's next-token probabilities are not finite, so training diverged "
+    "at an earlier step (a checkpoint saved since then holds the diverged weights); lower --lr "
+    "and start again, or resume an earlier checkpoint"
+)
 MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
 
 
@@ -256,11 +262,7 @@ def hf_generate(
         # torch.multinomial on inf / nan probabilities: weights an earlier update broke
         if "probability tensor contains" not in str(e):
             raise
-        raise harness.RunError(
-            "sampling failed: the policy's next-token probabilities are not finite, so training "
-            "diverged at an earlier step (a checkpoint saved since then holds the diverged "
-            "weights); lower --lr and start again, or resume an earlier checkpoint"
-        ) from None
+        raise harness.RunError(DIVERGED_SAMPLING) from None
     new_tokens = out[:, input_ids.shape[1] :]
     return new_tokens, recorder.finish(new_tokens)
 
@@ -660,6 +662,9 @@ class VLLMBackend:
                 )
                 # "stop" (EOS, kept as the last token) or "length"
                 finish.append(sample.finish_reason)
+        # non-finite weights: the engine samples on (HF's sampler raises), with NaN logprobs
+        if not all(math.isfinite(lp) for row in response_logprobs for lp in row):
+            raise harness.RunError(DIVERGED_SAMPLING)
         return responses, response_logprobs, finish
 
     def sync_weights(self, model):

@@ -525,6 +525,10 @@ class Task:
     components_fn: Optional[Callable] = None
 
 
+# the Hub datasets of the tasks that read one (the others are made from the seed)
+TASK_DATASETS = {"gsm8k": "openai/gsm8k", "countdown": "Jiayi-Pan/Countdown-Tasks-3to4"}
+
+
 def load_task(args):
     """The Task of --task, its prompts not yet tokenized (nothing here needs the model).
 
@@ -573,7 +577,7 @@ def load_task(args):
     import datasets
 
     if args.task == "gsm8k":
-        dataset = datasets.load_dataset("openai/gsm8k", "main")
+        dataset = datasets.load_dataset(TASK_DATASETS["gsm8k"], "main")
 
         def convert(row):
             return {
@@ -586,7 +590,7 @@ def load_task(args):
         reward_fn = gsm8k_reward_fn
         components_fn = gsm8k_components_fn
     else:  # countdown
-        dataset = datasets.load_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
+        dataset = datasets.load_dataset(TASK_DATASETS["countdown"], split="train")
 
         def convert(row):
             nums, target = list(row["nums"]), int(row["target"])

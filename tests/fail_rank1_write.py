@@ -16,8 +16,10 @@ real_save = torch.save
 
 
 def save_failing_on_rank_1(obj, f, *args, **kwargs):
-    if int(os.environ.get("RANK", 0)) == 1 and str(f).endswith("rng_rank1.pt"):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+    # harness.save_plain passes a file object: its name is the path
+    path = str(getattr(f, "name", f))
+    if int(os.environ.get("RANK", 0)) == 1 and path.endswith("rng_rank1.pt"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     return real_save(obj, f, *args, **kwargs)
 
 

@@ -557,7 +557,9 @@ def test_check_args_refuses_missing_models_labels_and_query_files(tmp_path):
         rewards.PRESETS["gpt2_sentiment"][1], output_dir=str(tmp_path / "out"), num_train=32
     )
     labels = tmp_path / "labels.json"
-    labels.write_text(json.dumps([{"query": [1], "best": 0}] * 40))
+    # 40 best-of-4 records (check_args reads and checks a local label file)
+    samples = {f"sample{k}": [2, 3] for k in range(rewards.NUM_SAMPLES)}
+    labels.write_text(json.dumps([{"query": [1], **samples, "best": 0}] * 40))
     model_dir = str(tmp_path / "model")
     os.makedirs(model_dir)
     ok = replace(gpt2, base_model=model_dir, label_source=str(labels))

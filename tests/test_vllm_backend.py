@@ -315,6 +315,34 @@ def test_sync_applies_weight_transform(setup):
         backend.sync_weights(model)
 
 
+def test_diverged_weights_end_a_vllm_rollout_in_one_line(setup):
+    """Weights that are no longer finite (an update that diverged) are sampled on by vLLM, which
+    returns NaN logprobs where HF generate's sampler raises: the engine's rollout ends in the same
+    one line as HF's (rollout.DIVERGED_SAMPLING), not in a NaN loss that blames the step after."""
+    import harness
+    import rollout
+
+    backend, model, tokenizer = setup
+
+    def diverged(named):
+        # the final norm only: NaN logits, while the KV cache, which later tests of this shared
+        # engine reuse, stays finite (NaN keys and values in a freed block would leak into them)
+        return [
+            (name, torch.full_like(t, float("nan")) if name == "model.norm.weight" else t)
+            for name, t in named
+        ]
+
+    backend.weight_transform = diverged
+    try:
+        backend.sync_weights(model)
+        with pytest.raises(harness.RunError) as error:
+            backend.generate(_prompts(tokenizer), n=2, max_new_tokens=4, temperature=1.0, seed=5)
+        assert str(error.value) == rollout.DIVERGED_SAMPLING
+    finally:
+        backend.weight_transform = None
+        backend.sync_weights(model)
+
+
 def test_engine_options_are_vllm_engine_args_with_gpu_settings(monkeypatch):
     """What VLLMBackend passes to vllm.LLM on a GPU (a stand-in LLM records it; the platform is told
     it is CUDA with sleep mode): every option is a field of this vLLM's EngineArgs (a misspelt one
