@@ -704,7 +704,9 @@ def update_policy(
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
     micro = args.ppo_micro_batch_size_per_gpu
-    params = [p for p in model.parameters() if p.requires_grad]
+    # the weights the optimizer updates (under --sharding fsdp2 their shards: model.parameters()
+    # lists the gathered weights of a group that is between its forward and its backward)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     logged = collections.defaultdict(list)  # name -> values, averaged at the end
     bypass_metrics = None  # bypass mode: the correction's metrics of the first micro-batch
 
@@ -754,7 +756,7 @@ def update_policy(
             if scaler is not None:
                 # divide by S before clipping; records whether any gradient is inf or nan
                 scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norm = harness.clip_gradients(params, args.max_grad_norm)
             if scaler is not None:
                 logged["actor/loss_scale"].append(scaler.get_scale())
                 # skips the step if unscale_ found an inf/nan; then halves S (doubles it after 2000
@@ -811,7 +813,7 @@ def train(args, backend=None):
     # 0. Setup. Every check that needs no weights first (bad input fails in seconds); then the task,
     #    a checkpoint, the policy (and pi_ref), the optimizer, the rollout engine, the logs.
     harness.check_command_line(check_args, args)
-    rank, world_size, device = harness.setup_distributed(args.cuda)
+    rank, world_size, device = harness.setup_distributed(args.cuda, args.sharding)
     if args.torch_threads and device.type == "cpu":
         torch.set_num_threads(args.torch_threads)
     # one run per output folder (a second one is refused in one line)
@@ -826,7 +828,7 @@ def train(args, backend=None):
     model_path = policy_path(args, rank, world_size)
     inputs = pinned_inputs(args, model_path, checkpoint)
     tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
-        args, model_path, checkpoint, device, rank
+        args, model_path, checkpoint, device, rank, world_size
     )
     # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts)
     task = prompts_that_fit(task, tokenizer, args)
@@ -1002,7 +1004,7 @@ def train(args, backend=None):
     if own_backend and isinstance(backend, rollout.VLLMBackend):
         # vLLM's shutdown also destroys the default process group: after the last collective
         backend.close()
-    harness.end_processes(world_size)
+    harness.end_processes(world_size, args.sharding)
     return os.path.join(args.output_dir, "metrics.jsonl")
 
 
@@ -1086,6 +1088,14 @@ def check_args(args, world_size=1):
     objectives.check_objective(args, corrections.RolloutCorrection.from_name(args.correction))
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
+    if args.sharding == "fsdp2":
+        # what keeps a whole copy of the model beside the shards, or scales sharded gradients
+        if args.precision == "fp16":
+            harness.refuse(args, "precision", "auto, fp32 or bf16 with --sharding fsdp2")
+        if args.rollout_staleness:
+            harness.refuse(args, "rollout_staleness", "0 with --sharding fsdp2 (a whole copy)")
+        if args.mismatch != "none" and args.backend == "hf":
+            harness.refuse(args, "mismatch", "none with --sharding fsdp2 --backend hf")
     local_batch_sizes(args, world_size)
     if args.backend == "vllm":
         # a clear message before any model loads; vllm is imported later
@@ -1154,34 +1164,50 @@ def pinned_inputs(args, model_path, checkpoint):
     return inputs
 
 
-def load_models(args, model_path, checkpoint, device, rank):
+def load_models(args, model_path, checkpoint, device, rank, world_size):
     """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step):
     fp32 master weights (autocast to --precision's dtype for the forward), from the checkpoint when
-    resuming, with the optimizer and scaler state and this rank's RNG state."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    resuming, with the optimizer and scaler state and this rank's RNG state. --sharding fsdp2:
+    each rank keeps its shard of both models (harness.build_sharded: the ranks load in turns)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # fp32 masters; a crafted pickle or diverged weights in the folder end the run in one line
-    model = harness.load_model_folder(
-        functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32),
-        checkpoint or model_path,
-    ).to(device)
-    if args.gradient_checkpointing:
-        memory.recompute_layers(model, args, device, rank)
-    if args.compile_layers:
-        compiled = memory.compile_decoder_layers(model)
-        if rank == 0:
-            print(f"torch.compile: {compiled} decoder layers (the first steps pay the compile)")
-    ref_model = None
-    if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
+    if device.type == "cuda":
+        # a model whose training state alone overflows a GPU: refused before any weight loads
+        config = AutoConfig.from_pretrained(model_path)
+        n_params = memory.count_parameters(config)
+        gpu_bytes = memory.gpu_memory_bytes()
+        if problem := memory.resident_problem(n_params, args, gpu_bytes, world_size):
+            raise harness.RunError(problem)
+
+    def build_policy():
+        # fp32 masters; a crafted pickle or diverged weights in the folder end the run in one line
+        model = harness.load_model_folder(
+            functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32),
+            checkpoint or model_path,
+        )
+        if args.gradient_checkpointing:
+            memory.recompute_layers(model, args, device, rank, world_size)
+        if args.compile_layers:
+            compiled = memory.compile_decoder_layers(model)
+            if rank == 0:
+                print(f"torch.compile: {compiled} decoder layers (the first steps pay the compile)")
+        return model
+
+    def build_reference():
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
         # under bf16 autocast: same logprobs, ~half the memory
         if logprobs.resolve_precision(args.precision, device) == "bf16":
             logprobs.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)
-        ref_model = ref_model.to(device)
+        return ref_model
+
+    model = harness.build_sharded(build_policy, args.sharding, device, rank, world_size)
+    ref_model = None
+    if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
+        ref_model = harness.build_sharded(build_reference, args.sharding, device, rank, world_size)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
     )
@@ -1192,7 +1218,10 @@ def load_models(args, model_path, checkpoint, device, rank):
     start_step = 0
     if checkpoint:
         state = harness.load_checkpoint(checkpoint, rank)
-        optimizer.load_state_dict(state["optimizer"])
+        if "shard" in state:  # FSDP2: this rank's shard of the optimizer state
+            harness.load_local_optimizer_state(optimizer, state["shard"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
         start_step = state["step"]
@@ -1239,12 +1268,19 @@ def validate(backend, lag, tokenizer, task, args, step, rank, world_size):
     verl's val do_sample=False)."""
     t0 = time.time()
     mine = list(range(rank, len(task.val_prompt_ids), world_size))
+    prompts = [task.val_prompt_ids[i] for i in mine]
+    if args.sharding == "fsdp2":
+        # a sharded model's forward is a collective: every rank generates as many rows (rank 0's
+        # count; a repeated prompt, not scored)
+        prompts += [task.val_prompt_ids[0]] * (
+            len(range(0, len(task.val_prompt_ids), world_size)) - len(mine)
+        )
     responses = []
     # validate the trainer's current weights, also when the engine lags (--rollout-staleness)
     with lag.current(backend) if lag else contextlib.nullcontext():
-        if mine:
+        if prompts:
             responses, _, _ = backend.generate(
-                [task.val_prompt_ids[i] for i in mine],
+                prompts,
                 1,
                 args.max_response_length,
                 args.val_temperature,
@@ -1344,16 +1380,23 @@ def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, advanta
 def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs):
     """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
     and the step (harness.py adds every rank's RNG and the pinned inputs, and swaps it in
-    atomically)."""
+    atomically). --sharding fsdp2: the weights gathered whole onto rank 0 for the HF files, the
+    optimizer state saved by each rank, its own shard."""
+    weights = harness.full_state_dict(model)  # None unless sharded: every rank takes part
 
     def write_files(folder):
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, state_dict=weights)
         tokenizer.save_pretrained(folder)
 
-    state = {"step": step, "optimizer": optimizer.state_dict(), "args": asdict(args)}
+    state = {"step": step, "args": asdict(args)}
+    shard = None
+    if harness.is_sharded(model):
+        shard = harness.local_optimizer_state(optimizer)
+    else:
+        state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
-    harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs)
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs, shard)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1519,6 +1562,34 @@ PRESETS["gsm8k_qwen15b"] = (
         exp_name="grpo_gsm8k_qwen15b",
         model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct",
         ppo_micro_batch_size_per_gpu=8,
+    ),
+)
+
+# verl's GSM8K GRPO run of Qwen2-7B-Instruct with FSDP2 on 8 GPUs (docs/algo/baseline.md: "GRPO
+# (FSDP2)", test score 89.8, its log: eric-haibin-lin/verl-data, experiments/gsm8k/
+# qwen2-7b-fsdp2.log): the gsm8k_qwen05b settings (run_qwen2-7b.sh) at 7.6B parameters, which
+# 8 x 80 GiB hold only sharded (scripts/plan_memory.py: 113 GiB of fp32 weights, gradients and
+# AdamW per GPU under ddp). vLLM as verl's rollout, with its gpu_memory_utilization 0.6, asleep
+# while the trainer runs (verl's hybrid engine frees its cache the same way; here one engine per
+# GPU, verl's had 2 GPUs).
+PRESETS["gsm8k_qwen2_7b"] = (
+    "verl's FSDP2 GRPO run on GSM8K with Qwen2-7B-Instruct (8 GPUs of 80 GiB, --sharding fsdp2).",
+    replace(
+        PRESETS["gsm8k_qwen05b"][1],
+        exp_name="grpo_gsm8k_qwen2_7b",
+        model_name_or_path="Qwen/Qwen2-7B-Instruct",
+        sharding="fsdp2",
+        backend="vllm",
+        vllm_gpu_memory_utilization=0.6,
+        vllm_sleep_mode=True,
+    ),
+)
+PRESETS["gsm8k_qwen25_7b"] = (
+    "The same with Qwen2.5-7B-Instruct (8 GPUs of 80 GiB, --sharding fsdp2).",
+    replace(
+        PRESETS["gsm8k_qwen2_7b"][1],
+        exp_name="grpo_gsm8k_qwen25_7b",
+        model_name_or_path="Qwen/Qwen2.5-7B-Instruct",
     ),
 )
 

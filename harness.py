@@ -65,6 +65,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 CHECKPOINT = "checkpoint"  # <output_dir>/checkpoint: the latest complete checkpoint
 TRAINER_STATE = "trainer_state.pt"  # step, optimizer and the script's own state, written by rank 0
@@ -125,6 +126,10 @@ class RunArgs:
 
     exp_name: str = "run"
     """Name of this run (args.json; the wandb run name starts with it)."""
+    sharding: str = "ddp"
+    """How the ranks hold the model: ddp (each all of it, gradients averaged after backward) or
+    fsdp2 (PyTorch's fully_shard: each 1/N of the weights, gradients and optimizer state, a decoder
+    layer gathered while it runs; for models one GPU cannot train: docs/sharding.md)."""
     seed: int = 1
     """The run's seed: the data order, each rank's sampling and torch's RNG derive from it (the
     script's train() says how)."""
@@ -221,7 +226,8 @@ def check_flags(args, choices=None, ranges=None):
             raise ValueError(f"{flag} must be a finite number, got {value}")
     if args.track and wandb_problem() is not None:
         raise ValueError(wandb_problem())
-    for name, allowed in (choices or {}).items():
+    # every script's run flags have --sharding
+    for name, allowed in {"sharding": SHARDINGS, **(choices or {})}.items():
         if getattr(args, name) not in allowed:
             refuse(args, name, "one of " + ", ".join(allowed))
     for rule, names in (ranges or {}).items():
@@ -397,11 +403,12 @@ def fail_fast_excepthook(kind, value, tb):
     os._exit(1)
 
 
-def setup_distributed(use_cuda=True):
+def setup_distributed(use_cuda=True, sharding="ddp"):
     """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) the default process group is
-    created, or reused if the caller made it (ppo_rlhf.py calls rewards.train inside its own run).
-    use_cuda=False (--no-cuda) keeps every rank on the CPU even where a GPU exists (the exact fp32
-    tests)."""
+    created, or reused if the caller made it (ppo_rlhf.py calls rewards.train inside its own run);
+    --sharding fsdp2 in one process makes a group of one (FSDP2 shards over a device mesh, which
+    needs one). use_cuda=False (--no-cuda) keeps every rank on the CPU even where a GPU exists (the
+    exact fp32 tests)."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -418,10 +425,15 @@ def setup_distributed(use_cuda=True):
     if world_size > 1:
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            _meshes.clear()  # a mesh of an earlier group (vLLM's close ends groups) is stale
         # after init_process_group: torch installs a hook of its own there, which captures stderr
         # while it calls the previous hook; ours exits inside, so its traceback would be lost
         sys.excepthook = fail_fast_excepthook
         end_with_launcher(rank)
+    elif sharding == "fsdp2" and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _meshes.clear()
     return rank, world_size, device
 
 
@@ -607,11 +619,11 @@ def barrier():
         collective(dist.barrier)
 
 
-def end_processes(world_size):
-    """Under torchrun, destroy the default process group (after the last collective). In a single
-    process a group can only be vLLM's own (it makes one of size 1), which the engine's close()
-    ends."""
-    if world_size > 1 and dist.is_initialized():
+def end_processes(world_size, sharding="ddp"):
+    """Under torchrun, or in one process with --sharding fsdp2, destroy the default process group
+    (after the last collective). Any other group in a single process is vLLM's own (it makes one of
+    size 1), which the engine's close() ends."""
+    if (world_size > 1 or sharding == "fsdp2") and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -624,10 +636,12 @@ def seed_everything(seed):
 
 def average_gradients(parameters, world_size):
     """What DDP does during backward, by hand, once per optimizer step: every rank's p.grad becomes
-    the mean of the ranks' gradients (the parameters come in the same order on every rank)."""
+    the mean of the ranks' gradients (the parameters come in the same order on every rank). A
+    sharded parameter (FSDP2's DTensor) had its gradient reduce-scattered, averaged, in backward:
+    it is left alone."""
     if world_size > 1:
         for p in parameters:
-            if p.grad is not None:
+            if p.grad is not None and not isinstance(p.grad, DTensor):
                 collective(dist.all_reduce, p.grad)
                 p.grad.div_(world_size)
 
@@ -707,13 +721,175 @@ def reduce_metrics(metrics, world_size, sum_keys=()):
 def rank_checksum_spread(parameters, world_size):
     """The largest difference between ranks of float64 checksums (sum, sum of squares) of the
     parameters: 0.0 when the averaged gradients kept every rank's parameters identical
-    (debug/rank_param_checksum_max_diff)."""
-    params = [p.detach().double() for p in parameters]
-    checksum = torch.stack([sum(p.sum() for p in params), sum(p.square().sum() for p in params)])
+    (debug/rank_param_checksum_max_diff). A sharded parameter is gathered whole in its turn (every
+    rank takes part; one whole tensor at a time in float64)."""
+    checksum = float64_checksums(parameters)
     gathered = [checksum.clone() for _ in range(world_size)]
     if world_size > 1:
         collective(dist.all_gather, gathered, checksum)
     return max((g - gathered[0]).abs().max().item() for g in gathered)
+
+
+def float64_checksums(parameters):
+    """(sum, sum of squares) of the parameters' values in float64, one tensor at a time (a sharded
+    one gathered whole in its turn: a collective)."""
+    checksum = None
+    for p in parameters:
+        values = whole(p).detach().double()
+        sums = torch.stack([values.sum(), values.square().sum()])
+        checksum = sums if checksum is None else checksum + sums
+    return checksum
+
+
+# --------------------------------------------------------------------------------------------------
+# 2b. Data parallelism: every rank holds the whole model (ddp) or a shard of it (fsdp2)
+# --------------------------------------------------------------------------------------------------
+
+# --sharding's choices
+SHARDINGS = ("ddp", "fsdp2")
+_meshes = {}  # device type -> this process's one-dimensional device mesh over every rank
+
+
+def shard_model(model, sharding, device, world_size):
+    """The model as the ranks hold it. ddp: unchanged, every rank holds all of it and
+    average_gradients averages the gradients after backward. fsdp2: PyTorch's fully_shard
+    (torch.distributed.fsdp) on each decoder layer, then on the whole model (the root group: the
+    embeddings, the final norm, the heads): each rank keeps 1/world_size of every weight, gradient
+    and optimizer state (DTensors sharded on dim 0); a group's weights are all-gathered for its
+    forward (the root's stay gathered until backward) and again for its backward, and its
+    gradients are reduce-scattered, averaged over the ranks, as each micro-batch's backward ends.
+    The masters stay float32: a trainable weight in another dtype is refused (FSDP2 would keep
+    bf16 masters and drop every update below bf16's resolution); frozen weights (a reference
+    model's bf16 linears) may be bf16. The forward runs under the scripts' autocast, as with ddp
+    (no MixedPrecisionPolicy: the all-gathers and reduce-scatters move float32)."""
+    if sharding != "fsdp2":
+        return model
+    from torch.distributed.fsdp import fully_shard
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            raise RunError(
+                f"--sharding fsdp2: {name} is {p.dtype}, and FSDP2 keeps its masters in the dtype "
+                "it finds: load the model in float32 (masters in bf16 drop small updates)"
+            )
+    mesh = device_mesh(device, world_size)
+    for layer in [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def device_mesh(device, world_size):
+    """This process's one-dimensional device mesh over every rank (made once, by every rank
+    together)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type not in _meshes:
+        _meshes[device.type] = init_device_mesh(device.type, (world_size,))
+    return _meshes[device.type]
+
+
+def build_sharded(build, sharding, device, rank, world_size):
+    """The model build() returns (on the CPU, float32 masters) as the ranks hold it on `device`.
+    ddp: moved to the device. fsdp2: the ranks take turns, each building the whole model and
+    keeping its shard (shard_model moves a layer at a time to the device and frees the whole
+    weights) before the next one builds, so the host holds one whole model and the shards at a time
+    (7B in float32: ~28 GB + 28 GB, not world_size x 28 GB)."""
+    if sharding != "fsdp2":
+        return build().to(device)
+    device_mesh(device, world_size)  # a collective: before the turns
+    model = None
+    for turn in range(world_size):
+        if turn == rank:
+            model = shard_model(build(), sharding, device, world_size)
+        barrier()
+    return model
+
+
+def is_sharded(model):
+    """True for a model shard_model sharded (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def whole(tensor):
+    """A sharded tensor (DTensor) gathered whole on every rank (a collective: every rank calls it,
+    in the same order), any other tensor itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def clip_gradients(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_ (the norm of all gradients together, every gradient scaled by
+    min(1, max_norm / norm)); returns the norm as a plain tensor (sharded gradients: their global
+    norm, reduced over the ranks; the same number up to float32 rounding of its partial sums)."""
+    return whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+
+
+def full_state_dict(model):
+    """The weights to save whole, in HF format: under FSDP2 gathered one tensor at a time onto rank
+    0's CPU (every rank takes part; the other ranks get {}), a tied weight once; None for an
+    unsharded model (save_pretrained reads its own state dict)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    # a tied weight (gpt2's lm_head.weight is its embedding matrix) is gathered under each name:
+    # keep the first, as save_pretrained does for an unsharded model
+    first_names = {name for name, _ in model.named_parameters()}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name not in first_names:
+            weights.pop(name, None)
+    return weights
+
+
+def parameter_groups(parameters):
+    """The parameters as an optimizer takes them: a list (one group), or under FSDP2 with weights
+    that stay whole beside the shards (a value head, a reward head) two groups, the shards and the
+    whole ones, since a fused or foreach optimizer kernel takes one tensor type per call (PyTorch
+    refuses a mix of DTensors and tensors); the same hyperparameters, the same arithmetic."""
+    params = list(parameters)
+    shards = [p for p in params if isinstance(p, DTensor)]
+    if not shards or len(shards) == len(params):
+        return params
+    return [{"params": shards}, {"params": [p for p in params if not isinstance(p, DTensor)]}]
+
+
+def local_optimizer_state(optimizer):
+    """optimizer.state_dict() with each sharded state tensor (an FSDP2 parameter's Adam moments)
+    replaced by this rank's shard, a plain tensor: what every rank saves in its own
+    shard_rank<r>.pt (save_plain) and load_plain reads back with weights_only=True.
+    (torch.distributed.checkpoint would reshard across world sizes, but its reader unpickles its
+    .metadata with pickle.load: a crafted checkpoint could run code; a resume keeps the world size
+    anyway.)"""
+    state = optimizer.state_dict()
+    state["state"] = {
+        index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        for index, entry in state["state"].items()
+    }
+    return state
+
+
+def load_local_optimizer_state(optimizer, state):
+    """Put back what local_optimizer_state saved, on as many ranks: each plain shard becomes a
+    DTensor again, on its parameter's mesh and placements."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in state["state"].items():
+        param = params[index]
+        for k, v in entry.items():
+            if isinstance(param, DTensor) and torch.is_tensor(v) and v.dim() > 0:
+                entry[k] = DTensor.from_local(
+                    v.to(param.device),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+    optimizer.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -965,12 +1141,13 @@ def write_folder(path, write_files, settings=None):
         raise RunError(f"writing {tmp} failed: {reason}; the partial folder was removed") from None
 
 
-def save_checkpoint(output_dir, rank, write_files, trainer_state, args, inputs=None):
+def save_checkpoint(output_dir, rank, write_files, trainer_state, args, inputs=None, shard=None):
     """Write <output_dir>/checkpoint, every rank together. Rank 0 calls write_files(folder) (the
     model, the tokenizer, ...) and saves trainer_state (a dict with "step", the optimizer, ...) as
     trainer_state.pt; every rank saves its own RNG states as rng_rank<r>.pt, so a resume continues
-    every rank's random stream exactly. Rank 0 writes manifest.json last: each file's size and
-    sha256, the step, the run's settings, the number of processes and `inputs`, the digests of
+    every rank's random stream exactly, and, under FSDP2, `shard` (its part of the optimizer state,
+    local_optimizer_state) as shard_rank<r>.pt. Rank 0 writes manifest.json last: each file's size
+    and sha256, the step, the run's settings, the number of processes and `inputs`, the digests of
     what the run loads from outside the checkpoint (input_digests; checkpoint_to_resume and
     check_inputs check them all).
 
@@ -988,6 +1165,8 @@ def save_checkpoint(output_dir, rank, write_files, trainer_state, args, inputs=N
             os.makedirs(tmp)
         barrier()
         save_plain(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+        if shard is not None:
+            save_plain(shard, os.path.join(tmp, f"shard_rank{rank}.pt"))
         barrier()
         if rank == 0:
             write_files(tmp)
@@ -1153,6 +1332,15 @@ def checkpoint_to_resume(args, changeable=()):
             f"it with {written_by} (torchrun --nproc_per_node {written_by}) to continue every "
             "rank's random stream exactly, or use a new --output-dir"
         )
+    # the optimizer state is stored whole (ddp) or as each rank's shard (fsdp2): never switched,
+    # even with --allow-changed-settings (older checkpoints: ddp)
+    sharding = manifest["args"].get("sharding", "ddp")
+    if sharding != getattr(args, "sharding", "ddp"):
+        stored = "whole" if sharding == "ddp" else "in shards"
+        raise RunError(
+            f"{path} was written with --sharding {sharding}, which stores its optimizer state "
+            f"{stored}: resume it with --sharding {sharding}, or use a new --output-dir"
+        )
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     for name in ROUNDING_SETTINGS:
         if name in saved and name in now and saved[name] != now[name]:
@@ -1258,7 +1446,9 @@ def input_change(before, now):
 
 def load_checkpoint(path, rank):
     """The trainer_state dict of a checkpoint that checkpoint_to_resume verified; this rank's RNG
-    states are restored from rng_rank<r>.pt. The script loads its model from the same folder."""
+    states are restored from rng_rank<r>.pt, and under FSDP2 its shard of the optimizer state is
+    state["shard"] (shard_rank<r>.pt, for load_local_optimizer_state). The script loads its model
+    from the same folder."""
     rng_path = os.path.join(path, f"rng_rank{rank}.pt")
     if not os.path.isfile(rng_path):
         raise RunError(
@@ -1266,6 +1456,9 @@ def load_checkpoint(path, rank):
             f"resume rank {rank} exactly"
         )
     state = load_plain(os.path.join(path, TRAINER_STATE))
+    shard_path = os.path.join(path, f"shard_rank{rank}.pt")
+    if os.path.isfile(shard_path):
+        state["shard"] = load_plain(shard_path)
     set_rng_state(load_plain(rng_path))
     return state
 

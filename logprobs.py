@@ -108,12 +108,12 @@ def response_logprobs(
     distribution (the optimal token baseline's); left_out_of_kept_set (no gradient, with
     settings.truncation): a last (B, R) output, 1.0 where the replayed kept set leaves out the
     sampled token."""
-    backbone = model.get_decoder()
     lm_head = model.get_output_embeddings()
     R = batch["responses"].shape[1]
     with autocast_context(batch["input_ids"].device, settings.precision):
-        # (B, P+R, H)
-        hidden = backbone(
+        # (B, P+R, H): the backbone's last hidden state (the whole model's forward, no logits)
+        hidden = backbone_output(
+            model,
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             position_ids=batch["position_ids"],
@@ -139,6 +139,35 @@ def response_logprobs(
         torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, stat)
         for stat in token_stats
     )
+
+
+def backbone_output(model, **inputs):
+    """The output of an HF causal LM's backbone (model.get_decoder(): last_hidden_state (B, T, H),
+    and the KV cache when asked for one) from the whole model's forward on `inputs`, its LM head
+    switched off for the call (no (B, T, V) logits, and no bf16 copy of the head's matrix under
+    autocast): the chunked head applies it later, in float32. The whole model's forward, not the
+    backbone's alone: under FSDP2 (harness.shard_model) the model's root gathers the embeddings,
+    final norm and LM head as its forward starts, and keeps them gathered for the chunked head and
+    the backward."""
+    captured = {}
+
+    def keep(module, module_inputs, output):
+        captured["output"] = output
+
+    head = model.get_output_embeddings()
+    handle = model.get_decoder().register_forward_hook(keep)
+    head.forward = _no_logits
+    try:
+        model(**inputs)
+    finally:
+        handle.remove()
+        del head.forward  # the class's forward again
+    return captured["output"]
+
+
+def _no_logits(hidden):
+    """backbone_output's LM head: an empty (..., 0) tensor, nothing computed."""
+    return hidden.new_empty(*hidden.shape[:-1], 0)
 
 
 def token_logprobs_and_entropy(

@@ -153,6 +153,28 @@ def memory_plan(gpu_bytes, phases):
     )
 
 
+def sharded_rows(shape, n, world_size, sharding):
+    """What --sharding changes in a rank's plan: (shards, suffix for a sharded row's name, the
+    gathered rows of the train phase, the gathered rows of an HF generate). ddp: 1, no suffix,
+    nothing gathered. fsdp2 (harness.shard_model): each rank keeps 1/world_size of the weights,
+    gradients and optimizer state; the root group (embeddings, final norm, LM head: `root`
+    parameters) stays gathered from its forward to the end of its backward, with its whole fp32
+    gradient before the reduce-scatter, and two decoder layers are gathered at a time (the one
+    running and the one FSDP2 prefetches), weights and gradients in fp32."""
+    if sharding != "fsdp2":
+        return 1, "", {}, {}
+    root = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2) + shape["hidden"]
+    layer = (n - root) / shape["layers"]
+    train = {
+        "gathered: the root group + 2 decoder layers (fp32 weights, gradients)": 8
+        * (root + 2 * layer)
+    }
+    generate = {
+        "gathered: the root group + 2 decoder layers (fp32 weights)": 4 * (root + 2 * layer)
+    }
+    return world_size, f", 1/{world_size} per rank", train, generate
+
+
 def plan_grpo(args, config, world_size, gpu_bytes):
     """Per-GPU bytes of one GRPO rank (grpo.train: AdamW over fp32 weights, bf16 (or fp16) autocast
     unless --precision fp32):
@@ -164,8 +186,13 @@ def plan_grpo(args, config, world_size, gpu_bytes):
       rollout: weights, AdamW (m, v), the reference + HF generate's KV cache for
                generation_batch_size rows (and one fp32 row of logits each), or vLLM's whole share
       all:     with --rollout-staleness K, the lagging rollout copy and K + 1 weight snapshots
-               (fp32)."""
+               (fp32).
+    --sharding fsdp2 (sharded_rows): weights, gradients, AdamW and the reference are 1/world_size
+    each, the gathered groups are added, and the reference's root group stays gathered after its
+    forward (no backward reshards it); autocast's bf16 copies stay whole (autocast keeps the cast
+    of every layer's gathered weights until the forward ends), and so does vLLM's engine."""
     shape, n = model_shape(config), count_parameters(config)
+    shards, sharded, gathered, gathered_generate = sharded_rows(shape, n, world_size, args.sharding)
     bf16 = args.precision != "fp32"  # fp16 autocast holds the same 2-byte copies
     # bf16_frozen_linears_ (only under bf16: under fp16 the reference stays fp32)
     ref_bf16 = args.precision in ("auto", "bf16")
@@ -182,9 +209,16 @@ def plan_grpo(args, config, world_size, gpu_bytes):
         if args.backend == "vllm"
         else 0
     )
-    resident = {"policy weights (fp32)": 4 * n, "AdamW state (fp32 m and v)": 8 * n}
+    resident = {
+        f"policy weights (fp32{sharded})": 4 * n / shards,
+        f"AdamW state (fp32 m and v{sharded})": 8 * n / shards,
+    }
     if ref:
-        resident["reference model (bf16 linears)" if ref_bf16 else "reference model (fp32)"] = ref
+        name = "reference model (bf16 linears" if ref_bf16 else "reference model (fp32"
+        resident[f"{name}{sharded})"] = ref / shards
+        if shards > 1:
+            root = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2) + shape["hidden"]
+            resident["reference root group, gathered after its forward (fp32)"] = 4 * root
     # the lagging rollout copy and its K + 1 snapshots, fp32 on the trainer's device
     if args.rollout_staleness:
         resident[f"rollout copy + {args.rollout_staleness + 1} weight snapshots (fp32)"] = (
@@ -194,8 +228,9 @@ def plan_grpo(args, config, world_size, gpu_bytes):
     # (rollout.VLLMBackend passes sleep_mode_offload_cudagraph) offloads its CUDA-graph pool too,
     # which vLLM otherwise keeps on the GPU
     awake = {"vLLM share, awake": share} if share and not args.vllm_sleep_mode else {}
-    train_rows = {**resident, "gradients (fp32)": 4 * n}
-    step_rows = {**train_rows, **optimizer_step_rows("AdamW", n, shape), **awake}
+    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * n / shards}
+    step_rows = {**train_rows, **optimizer_step_rows("AdamW", n / shards, shape), **awake}
+    train_rows.update(gathered)
     if bf16:
         train_rows["autocast bf16 weight copies"] = 2 * n
     micro = args.ppo_micro_batch_size_per_gpu
@@ -213,6 +248,7 @@ def plan_grpo(args, config, world_size, gpu_bytes):
             seqs * seq * kv_cache_bytes_per_token(shape, 2 if bf16 else 4)
             + seqs * shape["vocab"] * 4
         )
+        rollout_rows.update(gathered_generate)
     phases = {"train": train_rows, "optimizer step": step_rows, "rollout": rollout_rows}
     plan = memory_plan(
         gpu_bytes, {name: {**rows, CONTEXT_ROW: GIB} for name, rows in phases.items()}
@@ -228,6 +264,19 @@ def plan_grpo(args, config, world_size, gpu_bytes):
             f"tokens) needs {seqs * seq * kv_cache_bytes_per_token(shape) / GIB:.2f} GiB of KV"
         )
     return plan
+
+
+def resident_problem(n, args, gpu_bytes, world_size):
+    """A one-line refusal, naming --sharding fsdp2, when the weights, gradients and Adam state of
+    the trained model (16 bytes per parameter, n) cannot fit one GPU under --sharding ddp, whatever
+    the batch; None when they fit, under fsdp2, or without a GPU size."""
+    if gpu_bytes is None or args.sharding != "ddp" or 16 * n <= gpu_bytes:
+        return None
+    return (
+        f"--sharding ddp: the fp32 weights, gradients and Adam state alone need {16 * n / GIB:.1f} "
+        f"GiB on every GPU, more than its {gpu_bytes / GIB:.1f} GiB: use --sharding fsdp2 "
+        f"({16 * n / world_size / GIB:.1f} GiB of them per GPU on {world_size}; docs/sharding.md)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,15 +299,14 @@ def recompute_choice(args, shape, tokens, gpu_bytes, train_rows):
     return layers_to_recompute(shape, tokens, args.logprob_chunk_size, budget)
 
 
-def recompute_layers(model, args, device, rank):
+def recompute_layers(model, args, device, rank, world_size=1):
     """--gradient-checkpointing: the first k decoder layers recompute their activations in
     backward, the others keep them; k = --recompute-num-layers, or the memory plan's choice for
-    this GPU (plan_grpo, recompute_choice)."""
+    this GPU (plan_grpo, recompute_choice; per rank under --sharding fsdp2)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     gpu_bytes = gpu_memory_bytes() if device.type == "cuda" else None
-    # (world size 1: only the rollout phase depends on it, and the choice reads the train phase)
-    plan = plan_grpo(args, model.config, 1, gpu_bytes)
+    plan = plan_grpo(args, model.config, world_size, gpu_bytes)
     recomputed, total = plan["recompute_num_layers"]
     model.gradient_checkpointing_enable()
     model.config.use_cache = False

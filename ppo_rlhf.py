@@ -49,6 +49,7 @@ Run:
 
 import dataclasses
 import functools
+import gc
 import glob
 import json
 import os
@@ -439,7 +440,7 @@ def response_hidden(lm, query_responses, context_length, pad_token_id):
     [context_length - 1, -1) of query_response."""
     # OpenAI's position ids (rewards.forward_inputs): the exclusive cumsum of the mask, pads -> id 0
     inputs = rewards.forward_inputs(query_responses, query_responses != pad_token_id)
-    out = lm.base_model(**inputs, use_cache=False)
+    out = logprobs.backbone_output(lm, **inputs, use_cache=False)
     return out.last_hidden_state[:, context_length - 1 : -1]
 
 
@@ -529,9 +530,9 @@ def forward_and_score(
 # ==================================================================================================
 
 
-def load_policy(path, device):
+def load_policy(path, device="cpu"):
     """An HF causal LM in float32 with dropout off ([policy 4]) that samples through EOS ([general
-    4]: rollout.never_stop_at_eos)."""
+    4]: rollout.never_stop_at_eos), on `device`."""
     from transformers import AutoModelForCausalLM
 
     # a crafted pickle or diverged weights in the folder end the run in one line
@@ -590,7 +591,11 @@ def train_reward_model(args, rm_run, settings):
         harness.remove_path(tmp)
     harness.barrier()
     preset = rewards.PRESETS[args.reward_preset][1]
-    rewards.train(dataclasses.replace(preset, output_dir=tmp, seed=args.seed))
+    rewards.train(
+        dataclasses.replace(preset, output_dir=tmp, seed=args.seed, sharding=args.sharding)
+    )
+    # a sharded model is freed by the cycle collector: before this run loads its own
+    gc.collect()
     harness.barrier()
     if rank == 0:
         harness.mark_built(tmp, settings)
@@ -650,21 +655,24 @@ def query_batches(args, tokenizer, seed, local_batch, start_update, rank=0, worl
 def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef, inputs):
     """Step 11: <output_dir>/checkpoint with the HF policy + tokenizer, value_head.pt, and the
     update, episodes, beta and optimizer (harness.py adds every rank's RNG and the pinned inputs,
-    and swaps it in atomically)."""
+    and swaps it in atomically). --sharding fsdp2: the policy gathered whole onto rank 0 for the HF
+    files, the optimizer state saved by each rank, its own shard."""
+    weights = harness.full_state_dict(model.lm)  # None unless sharded: every rank takes part
 
     def write_files(folder):
-        model.lm.save_pretrained(folder)
+        model.lm.save_pretrained(folder, state_dict=weights)
         tokenizer.save_pretrained(folder)
         harness.save_plain(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
 
     state = dict(
-        step=update,
-        global_step=global_step,
-        kl_coef=kl_coef,
-        optimizer=optimizer.state_dict(),
-        args=dataclasses.asdict(args),
+        step=update, global_step=global_step, kl_coef=kl_coef, args=dataclasses.asdict(args)
     )
-    harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs)
+    shard = None
+    if harness.is_sharded(model.lm):
+        shard = harness.local_optimizer_state(optimizer)
+    else:
+        state["optimizer"] = optimizer.state_dict()
+    harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs, shard)
 
 
 def rollout_metrics(args, stats, extra_stats, corr_metrics, tensors, tokenizer, tokens, world_size):
@@ -779,7 +787,7 @@ class Tokens:
     banned: Optional[torch.Tensor]
 
 
-def load_models(args, rm_path, policy_path, resume, device):
+def load_models(args, rm_path, policy_path, resume, device, rank, world_size):
     """Step 1's models: (tokenizer, Tokens, the run's logprobs.LogprobSettings, reward model, frozen
     reference policy, policy + value head). The reward model is normalised ([reward 3]); all three
     run without dropout ([policy 4]). The policy's weights come from the checkpoint when
@@ -790,15 +798,24 @@ def load_models(args, rm_path, policy_path, resume, device):
         raise ValueError(
             f"--truncate-token {args.truncate_token!r} must be a single token, got {truncate_ids}"
         )
-    reward_model = rewards.load_reward_model(rm_path, device=str(device))
+    shards = (args.sharding, device, rank, world_size)
+    reward_model = rewards.load_reward_model(rm_path, device, args.sharding, rank, world_size)
     reward_model = rewards.disable_dropout(reward_model).to(device).eval()
-    ref_policy = load_policy(policy_path, device).eval()
-    # under bf16 autocast: the same logprobs, half the memory
-    if logprobs.resolve_precision(args.precision, device) == "bf16":
-        logprobs.bf16_frozen_linears_(ref_policy)
-    model = PolicyAndValue(load_policy(resume or policy_path, device)).to(device).eval()
+
+    def build_reference():
+        # frozen before its linears go bf16 (a trainable bf16 weight is refused by FSDP2's sharding)
+        ref_policy = load_policy(policy_path).eval().requires_grad_(False)
+        # under bf16 autocast: the same logprobs, half the memory
+        if logprobs.resolve_precision(args.precision, device) == "bf16":
+            logprobs.bf16_frozen_linears_(ref_policy)
+        return ref_policy
+
+    # --sharding fsdp2: each rank keeps its shard of the three LMs (harness.build_sharded); the
+    # value head and the reward model's head stay whole on every rank
+    ref_policy = harness.build_sharded(build_reference, *shards)
+    lm = harness.build_sharded(functools.partial(load_policy, resume or policy_path), *shards)
+    model = PolicyAndValue(lm).to(device).eval()
     reward_model.requires_grad_(False)
-    ref_policy.requires_grad_(False)
 
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False) if text else []
@@ -829,7 +846,10 @@ def load_checkpoint(resume, rank, model, optimizer, args):
     state = harness.load_checkpoint(resume, rank)
     value_head = harness.load_plain(os.path.join(resume, "value_head.pt"))
     model.value_head.load_state_dict(value_head)
-    optimizer.load_state_dict(state["optimizer"])
+    if "shard" in state:  # FSDP2: this rank's shard of the optimizer state
+        harness.load_local_optimizer_state(optimizer, state["shard"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     num_updates = args.total_episodes // args.rollout_batch_size
     final = [os.path.join(args.output_dir, "policy"), final_checksum_path(args, rank)]
     finished = all(os.path.exists(path) for path in final)
@@ -871,18 +891,23 @@ def print_update(metrics, update, num_updates, start_update, args, start_time):
 
 def save_final_policy(args, rank, model, tokenizer, kl_coef):
     """Step 12: the final policy in HF format (<output_dir>/policy, with value_head.pt), and a
-    checksum of the parameters per rank (final_rank<r>.json: the 2-process test compares them)."""
+    checksum of the parameters per rank (final_rank<r>.json: the 2-process test compares them;
+    sharded weights gathered whole first)."""
+    weights = harness.full_state_dict(model.lm)  # None unless sharded: every rank takes part
     if rank == 0:
 
         def write_files(folder):
-            model.lm.save_pretrained(folder)
+            model.lm.save_pretrained(folder, state_dict=weights)
             tokenizer.save_pretrained(folder)
             harness.save_plain(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
 
         harness.write_folder(os.path.join(args.output_dir, "policy"), write_files)
+    checksum, abs_checksum = 0.0, 0.0
     with torch.no_grad():
-        checksum = float(sum(p.double().sum() for p in model.parameters()))
-        abs_checksum = float(sum(p.double().abs().sum() for p in model.parameters()))
+        for p in model.parameters():  # one whole tensor at a time (a shard gathered in its turn)
+            values = harness.whole(p).double()
+            checksum += values.sum().item()
+            abs_checksum += values.abs().sum().item()
     final = dict(rank=rank, checksum=checksum, abs_checksum=abs_checksum, kl_coef=kl_coef)
     harness.write_atomically(final_checksum_path(args, rank), json.dumps(final))
     harness.barrier()
@@ -981,6 +1006,9 @@ def update_policy(
     `update`) before the optimizer applies it.
     """
     stats, extra = {}, {}
+    # the weights the optimizer updates (under --sharding fsdp2 their shards: model.parameters()
+    # lists the gathered weights of a group that is between its forward and its backward)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
     autocast = logprobs.autocast_context(batch["responses"].device, args.precision)
     for _ in range(args.noptepochs):
@@ -1045,7 +1073,7 @@ def update_policy(
                         extra.setdefault(name, []).append(float(value))
             # one check per minibatch (one device sync), before the optimizer applies it
             harness.check_finite("loss", float(minibatch_loss), update)
-            harness.average_gradients(model.parameters(), world_size)
+            harness.average_gradients(params, world_size)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return stats, extra
@@ -1060,7 +1088,7 @@ def train(args: Args):
     # 1. setup: batch sizes (checked before any model loads), processes, seeds, the three models,
     #    the optimizer, a checkpoint to resume from, the logs
     sizes = harness.check_command_line(check_args, args)
-    rank, world_size, device = harness.setup_distributed(args.cuda)
+    rank, world_size, device = harness.setup_distributed(args.cuda, args.sharding)
     local_batch, micro, num_updates = sizes["local_batch"], sizes["micro"], sizes["num_updates"]
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
@@ -1076,10 +1104,10 @@ def train(args: Args):
     harness.seed_everything(seed)
     # the models, and what every log pi of the run shares (logits / T, chunk size, banned pad)
     tokenizer, tokens, log_pi, reward_model, ref_policy, model = load_models(
-        args, rm_path, policy_path, resume, device
+        args, rm_path, policy_path, resume, device, rank, world_size
     )
     adam = AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam  # [adam]: OAI used TF1's
-    optimizer = adam(model.parameters(), lr=args.lr, eps=args.eps)
+    optimizer = adam(harness.parameter_groups(model.parameters()), lr=args.lr, eps=args.eps)
     kl_coef, start_update, global_step = args.kl_coef, 1, 0
     if resume:  # the policy's weights came from the checkpoint; the rest and this rank's RNG here
         kl_coef, start_update, global_step = load_checkpoint(resume, rank, model, optimizer, args)
@@ -1251,7 +1279,7 @@ def train(args: Args):
     # 12. the final policy in HF format, and a checksum per rank (the 2-process test compares them)
     save_final_policy(args, rank, model, tokenizer, kl_coef)
     log.close()
-    harness.end_processes(world_size)
+    harness.end_processes(world_size, args.sharding)
     return args.output_dir
 
 
@@ -1376,6 +1404,30 @@ PRESETS = {
         ),
     ),
 }
+
+# gpt2_tldr's task at 6B with the PPO settings of the N+ paper's 6.9B run ("The N+ Implementation
+# Details of RLHF with PPO", Huang et al. 2024; summarize_from_feedback_details
+# ppo_left_padding6b.sbatch and ppo_left_padding.py): lr 3e-6, 512 rollouts per update (8 GPUs x
+# 64), one minibatch, 4 epochs, a fixed KL coefficient 0.05, rewards whitened. The policy is
+# GPT-J-6B, not Pythia 6.9B: OpenAI's TL;DR labels and queries are GPT-2 token ids, and GPT-J's
+# tokenizer is GPT-2's (Pythia's is not). Its weights, gradients and Adam state (97 GiB) fit 8 GPUs
+# of 80 GiB only sharded (scripts/plan_memory.py).
+PRESETS["gptj6b_tldr"] = (
+    "GPT-J-6B TL;DR summarisation (8 GPUs of 80 GiB, --sharding fsdp2; not run here)",
+    dataclasses.replace(
+        PRESETS["gpt2_tldr"][1],
+        exp_name="ppo_rlhf_gptj6b_tldr",
+        base_model="EleutherAI/gpt-j-6b",
+        reward_preset="gptj6b_tldr",
+        sharding="fsdp2",
+        lr=3e-6,
+        rollout_batch_size=512,
+        local_micro_batch_size=4,
+        kl_coef=0.05,
+        whiten_rewards=True,
+        whiten_group_size=64,
+    ),
+)
 
 
 def main(argv=None):

@@ -37,6 +37,7 @@ import random
 import re
 import time
 import zlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -228,10 +229,10 @@ class RewardModel(nn.Module):
 
     def raw_reward(self, input_ids, attention_mask):
         """(B,) head output at the last position, before gain and bias."""
-        # base_model: the transformer without the LM head (hidden_states[-1], after the final norm),
-        # so no (B, T, V) logits; hidden is (B, T, d)
-        hidden = self.backbone.base_model(
-            **forward_inputs(input_ids, attention_mask)
+        # the backbone's last hidden states (after the final norm), the LM head applied to no
+        # position (no (B, T, V) logits); hidden is (B, T, d)
+        hidden = logprobs.backbone_output(
+            self.backbone, **forward_inputs(input_ids, attention_mask)
         ).last_hidden_state
         # (B,) at the last position ([reward 1]); the head in float32 with autocast off
         # (logprobs.fp32_project)
@@ -254,14 +255,15 @@ class RewardModel(nn.Module):
         # positions count real tokens, pads -> id 0 ([general 3])
         inputs = forward_inputs(rows, rows != pad_token_id)
         # each query's keys and values, once (rows 0, n, 2n, ... hold the b queries)
-        query_out = self.backbone.base_model(
-            **{k: v[::n, :lq] for k, v in inputs.items()}, use_cache=True
+        query_out = logprobs.backbone_output(
+            self.backbone, **{k: v[::n, :lq] for k, v in inputs.items()}, use_cache=True
         )
         cache = query_out.past_key_values
         cache.batch_repeat_interleave(n)  # row i * n + k of the cache: query i, for its sample k
         ids, positions, mask = inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"]
         # the responses' hidden states (b n, Lr, d); the attention mask covers the whole row
-        hidden = self.backbone.base_model(
+        hidden = logprobs.backbone_output(
+            self.backbone,
             input_ids=ids[:, lq:],
             position_ids=positions[:, lq:],
             attention_mask=mask,
@@ -275,31 +277,41 @@ class RewardModel(nn.Module):
         return (self.reward_gain * raw + self.reward_bias).view(b, n)
 
 
-def save_reward_model(model, path, tokenizer):
-    """Save to `path`: the backbone and tokenizer via save_pretrained; head, gain and bias in
+def save_reward_model(model, path, tokenizer, rank=0):
+    """Save to `path` (rank 0 writes; every rank calls it): the backbone and tokenizer via
+    save_pretrained (a sharded backbone gathered whole first); head, gain and bias in
     REWARD_HEAD_FILE. Atomic, as checkpoints (harness.write_folder): a crash or a full disk never
     leaves a half-written reward model for ppo_rlhf.py to load."""
+    weights = harness.full_state_dict(model.backbone)  # None unless sharded: every rank takes part
+    if rank != 0:
+        return
     head = {f"scalar_head.{k}": v.detach().cpu() for k, v in model.scalar_head.state_dict().items()}
     head.update(
         reward_gain=model.reward_gain.detach().cpu(), reward_bias=model.reward_bias.detach().cpu()
     )
 
     def write_files(folder):
-        model.backbone.save_pretrained(folder)
+        model.backbone.save_pretrained(folder, state_dict=weights)
         tokenizer.save_pretrained(folder)
         harness.save_plain(head, os.path.join(folder, REWARD_HEAD_FILE))
 
     harness.write_folder(path, write_files)
 
 
-def load_reward_model(path, device="cpu"):
+def load_reward_model(path, device="cpu", sharding="ddp", rank=0, world_size=1):
     """A RewardModel (float32, eval mode, dropout off) from a directory written by
-    save_reward_model."""
+    save_reward_model. --sharding fsdp2: its backbone sharded (harness.build_sharded), the head,
+    gain and bias whole on every rank."""
     from transformers import AutoModelForCausalLM
 
     # a crafted pickle (in the backbone's weights or the head) runs nothing: one line (RunError)
-    backbone = harness.load_model_folder(
-        functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32), path
+    load_backbone = functools.partial(
+        harness.load_model_folder,
+        functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32),
+        path,
+    )
+    backbone = harness.build_sharded(
+        load_backbone, sharding, torch.device(device), rank, world_size
     )
     model = RewardModel(backbone)
     head = harness.load_plain(os.path.join(path, REWARD_HEAD_FILE))
@@ -671,13 +683,20 @@ def best_of_4_logits(reward_model, labels, indices, pad_token_id, device):
 @torch.no_grad()
 def evaluate(reward_model, labels, indices, pad_token_id, device, batch_size, rank, world_size):
     """Held-out 4-way accuracy and loss over `indices` (each rank takes every world_size-th, sums
-    all-reduced)."""
+    all-reduced). A sharded backbone's forward is a collective: then every rank runs as many
+    batches, one with no label left scoring a label it does not count."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, loss sum, count
     local = indices[rank::world_size]
-    for start in range(0, len(local), batch_size):
+    batches = -(-len(local) // batch_size)
+    if harness.is_sharded(reward_model.backbone):
+        batches = -(-len(indices[0::world_size]) // batch_size)  # rank 0 has the most
+    for start in range(0, batches * batch_size, batch_size):
+        chunk = local[start : start + batch_size]
         logits, best = best_of_4_logits(
-            reward_model, labels, local[start : start + batch_size], pad_token_id, device
+            reward_model, labels, chunk or indices[:1], pad_token_id, device
         )
+        if not chunk:
+            continue
         sums[0] += (logits.argmax(1) == best).sum()
         sums[1] += F.cross_entropy(logits, best, reduction="sum")
         sums[2] += len(best)
@@ -802,7 +821,8 @@ def backbone_kl(
 
     # the LM head on the response positions only, chunked: no (B, T, vocab) logits
     def response_logprobs(lm):
-        hidden = lm.base_model(**inputs).last_hidden_state[:, context_length - 1 : -1]
+        hidden = logprobs.backbone_output(lm, **inputs).last_hidden_state
+        hidden = hidden[:, context_length - 1 : -1]
         head = lm.get_output_embeddings()
         # all False when pad is outside the vocab
         banned = torch.arange(head.weight.shape[0], device=device) == pad
@@ -1122,8 +1142,10 @@ def train(args: Args) -> str:
     # 1. Processes: rank, world size and device (harness.py); a process group opened here is closed
     #    here (step 9), one that ppo_rlhf.py opened is left to it.
     harness.check_command_line(check_args, args)
-    owns_process_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
-    rank, world_size, device = harness.setup_distributed(args.cuda)
+    owns_process_group = (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.sharding == "fsdp2"
+    ) and not dist.is_initialized()
+    rank, world_size, device = harness.setup_distributed(args.cuda, args.sharding)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     local_seed = args.seed + rank * 100003  # different sampling noise per rank ([general 6])
@@ -1146,16 +1168,16 @@ def train(args: Args) -> str:
 
     # 4. Models: the frozen policy rho (samples for normalisation, [reward 3]) and the reward model
     # from the same pretrained weights; every rank starts from rank 0's parameters (the head init
-    # used rank seeds).
-    policy = (
-        disable_dropout(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32))
-        .to(device)
-        .eval()
-    )
+    # used rank seeds). --sharding fsdp2: each rank keeps its shard of both LMs
+    # (harness.build_sharded), the head, gain and bias whole.
+    def load_lm():
+        lm = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+        return disable_dropout(lm)
+
+    policy = harness.build_sharded(load_lm, args.sharding, device, rank, world_size).eval()
     policy.requires_grad_(False)
-    reward_model = RewardModel(
-        AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
-    ).to(device)
+    backbone = harness.build_sharded(load_lm, args.sharding, device, rank, world_size)
+    reward_model = RewardModel(backbone).to(device)
     # both sample as ppo_rlhf.py's rollout: through EOS, never stopping (policy: normalisation;
     # the backbone: train/kl), as [repro]'s train_reward_accelerate.py sets them
     rollout.never_stop_at_eos(policy)
@@ -1163,11 +1185,13 @@ def train(args: Args) -> str:
     # reward_gain and reward_bias among them
     params = [p for p in reward_model.parameters() if p.requires_grad]
     if world_size > 1:
-        for tensor in params:
-            dist.broadcast(tensor.data, src=0)
+        # the head, gain and bias (the backbone is loaded, the same on every rank)
+        for name, tensor in reward_model.named_parameters():
+            if not name.startswith("backbone."):
+                dist.broadcast(tensor.data, src=0)
     # TF1 Adam as the original (eps on the un-corrected sqrt(v), [adam]), or PyTorch's
     optimizer = (AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam)(
-        params, lr=args.lr, eps=args.eps
+        harness.parameter_groups(params), lr=args.lr, eps=args.eps
     )
 
     query_iter = query_texts(args.query_dataset, args.seed, local_seed, rank, world_size)
@@ -1295,9 +1319,10 @@ def train(args: Args) -> str:
     # 9. Checkpoint (rank 0): backbone + tokenizer + head/gain/bias, loadable with
     # load_reward_model.
     reward_model_path = os.path.join(args.output_dir, "reward_model")
-    if args.save_model and rank == 0:
-        save_reward_model(reward_model, reward_model_path, tokenizer)
-        print(f"saved {reward_model_path}", flush=True)
+    if args.save_model:
+        save_reward_model(reward_model, reward_model_path, tokenizer, rank)
+        if rank == 0:
+            print(f"saved {reward_model_path}", flush=True)
     harness.barrier()
     run_log.close()
     if owns_process_group:
@@ -1398,6 +1423,23 @@ PRESETS = {
         ),
     ),
 }
+
+# gpt2_tldr's reward model at 6B: GPT-J-6B, whose tokenizer is GPT-2's byte-level BPE, so OpenAI's
+# token-id labels mean the same text (Pythia 6.9B, the N+ paper's policy, tokenizes differently);
+# lr 3e-6, the reward lr of "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024,
+# its summarize_from_feedback_details reward.sbatch) at every size. Its weights, gradients and
+# Adam state (97 GiB) fit 8 GPUs of 80 GiB only sharded (scripts/plan_memory.py).
+PRESETS["gptj6b_tldr"] = (
+    "GPT-J-6B reward model on OpenAI's TL;DR labels (8 GPUs of 80 GiB, --sharding fsdp2)",
+    dataclasses.replace(
+        PRESETS["gpt2_tldr"][1],
+        exp_name="rewards_gptj6b_tldr",
+        output_dir="runs/reward_gptj6b_tldr",
+        base_model="EleutherAI/gpt-j-6b",
+        sharding="fsdp2",
+        lr=3e-6,
+    ),
+)
 
 
 def main(argv=None):

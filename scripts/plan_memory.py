@@ -1,10 +1,11 @@
-"""The per-GPU memory plan of a grpo.py or ppo_rlhf.py preset, from the model's config alone (no
-weights are read).
+"""The per-GPU memory plan of a grpo.py, ppo_rlhf.py or rewards.py preset, from the model's config
+alone (no weights are read), per rank under --sharding ddp or fsdp2.
 
     python scripts/plan_memory.py grpo countdown --gpus 8 --gpu-memory-gib 80
     python scripts/plan_memory.py grpo gsm8k_qwen05b --gpus 8 --ppo-micro-batch-size-per-gpu 8 --backend vllm
     python scripts/plan_memory.py ppo_rlhf gpt2_sentiment --gpus 1
-    python scripts/plan_memory.py --all    # every GPU preset at 1 and 8 GPUs of 80 GiB: the README's table
+    python scripts/plan_memory.py grpo gsm8k_qwen2_7b --gpus 8 --gpu-memory-gib 80 --sharding ddp   # refused: names fsdp2
+    python scripts/plan_memory.py --all    # every GPU preset at 1 and 8 GPUs of 80 GiB, the sharded ones at 8: the README's tables
 
 Any flag after the preset that is not this script's is the trainer's (`python grpo.py PRESET --help`
 lists them) and changes the plan as it would change the run. Exit status 0 if the plan fits (or no
@@ -23,7 +24,11 @@ phase):
                   the weights; adam_tf.AdamTF goes one parameter at a time
   rollout         weights, m and v, frozen models (gradients are freed before it) + the rollout engine: HF generate's
                   KV cache, or vLLM's whole --vllm-gpu-memory-utilization share
-plus 1 GiB for the CUDA context and allocator slack (an estimate) in each.
+plus 1 GiB for the CUDA context and allocator slack (an estimate) in each. Under --sharding fsdp2 the weights,
+gradients, optimizer state and frozen models are 1/N per rank, and what FSDP2 gathers is added (memory.sharded_rows:
+the root group, embeddings + final norm + LM head, and two decoder layers, weights and gradients in fp32; a frozen
+model's root group stays gathered after its forward); autocast's bf16 copies and vLLM's engine stay whole. A plan
+that does not fit under ddp and fits sharded says to use --sharding fsdp2.
 
 Two differences from the trainers' former `--dry-run` (and corrections.memory_plan) it replaces:
 - both trainers average gradients by an in-place all_reduce of each p.grad (no DDP, no bucket), so more GPUs add no
@@ -67,6 +72,7 @@ from memory import (  # noqa: E402  (the byte model the trainer reads too)
     plan_grpo,
 )
 import ppo_rlhf  # noqa: E402
+import rewards  # noqa: E402
 import tasks  # noqa: E402
 
 # hub name -> tests/model_configs folder (values of the published config.json, no weights)
@@ -74,10 +80,13 @@ PUBLISHED_CONFIGS = {
     "Qwen/Qwen2.5-0.5B-Instruct": "Qwen2.5-0.5B-Instruct",
     "Qwen/Qwen2.5-1.5B-Instruct": "Qwen2.5-1.5B-Instruct",
     "Qwen/Qwen2.5-3B": "Qwen2.5-3B",
+    "Qwen/Qwen2-7B-Instruct": "Qwen2-7B-Instruct",
+    "Qwen/Qwen2.5-7B-Instruct": "Qwen2.5-7B-Instruct",
+    "EleutherAI/gpt-j-6b": "gpt-j-6b",
     "gpt2": "gpt2",
     "openai-community/gpt2": "gpt2",
 }
-TRAINERS = {"grpo": grpo, "ppo_rlhf": ppo_rlhf}
+TRAINERS = {"grpo": grpo, "ppo_rlhf": ppo_rlhf, "rewards": rewards}
 # --all: (trainer, preset, trainer flags); the GPU presets as they are, then grpo's with vLLM
 ALL_PLANS = [
     ("grpo", "gsm8k_qwen05b", ()),
@@ -89,6 +98,13 @@ ALL_PLANS = [
     ("ppo_rlhf", "gpt2_sentiment", ()),
     ("ppo_rlhf", "gpt2_descriptiveness", ()),
     ("ppo_rlhf", "gpt2_tldr", ()),
+]
+# --all, second table: the presets that need --sharding fsdp2, at 8 GPUs sharded and not
+SHARDED_PLANS = [
+    ("grpo", "gsm8k_qwen2_7b"),
+    ("grpo", "gsm8k_qwen25_7b"),
+    ("ppo_rlhf", "gptj6b_tldr"),
+    ("rewards", "gptj6b_tldr"),
 ]
 
 
@@ -122,7 +138,7 @@ def load_model_config(trainer, args):
             )[0]
             return f"tiny {args.tiny_arch}", model.config
         return args.model_name_or_path, read_config(args.model_name_or_path)
-    if not args.base_model:
+    if not args.base_model or args.base_model == "tiny":  # ppo_rlhf's "" and rewards.py's "tiny"
         return "tiny gpt2", tasks.build_tiny_model(None, arch="gpt2")[0].config
     return args.base_model, read_config(args.base_model)
 
@@ -133,6 +149,16 @@ def load_model_config(trainer, args):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def three_phase_plan(gpu_bytes, train_rows, step_rows, rollout_rows, n_params):
+    """memory_plan of the three phases, each with the CUDA context row, and the policy's size."""
+    phases = {"train": train_rows, "optimizer step": step_rows, "rollout": rollout_rows}
+    plan = memory_plan(
+        gpu_bytes, {name: {**rows, CONTEXT_ROW: GIB} for name, rows in phases.items()}
+    )
+    plan["n_params"] = n_params
+    return plan
+
+
 def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     """Per-GPU bytes of one PPO rank (ppo_rlhf.train):
     train:   policy + value head (fp32 weights, gradients, Adam m and v), autocast's bf16 weight copies, the frozen
@@ -140,28 +166,41 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
              architecture, as in OpenAI's setup), activations of one micro-batch (no gradient checkpointing; the
              (micro, response, vocab) logits counted 3x in fp32)
     step:    the resident models, gradients and the optimizer's temporaries (--optimizer adam_tf or adam)
-    rollout: the resident models + generate's KV cache and scores for one micro-batch of query + response."""
+    rollout: the resident models + generate's KV cache and scores for one micro-batch of query + response.
+    --sharding fsdp2 (memory.sharded_rows): the three LMs, the gradients and Adam 1/world_size each (the value head
+    whole), the policy's gathered groups, and the reference's and reward model's root groups, which stay gathered
+    after their forward."""
     shape, n_lm = model_shape(config), count_parameters(config)
-    n = n_lm + shape["hidden"] + 1  # + the value head
-    n_rm = n_lm + shape["hidden"] + 1  # backbone + scalar head
+    shards, sharded, gathered, gathered_generate = memory.sharded_rows(
+        shape, n_lm, world_size, args.sharding
+    )
+    n = n_lm / shards + shape["hidden"] + 1  # + the value head (whole)
+    n_rm = n_lm / shards + shape["hidden"] + 1  # backbone + scalar head
     bf16 = args.precision != "fp32"  # ppo_rlhf.py: auto or bf16
     embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
-    ref = 2 * (n_lm - embeddings) + 4 * embeddings if bf16 else 4 * n_lm
+    ref = (2 * (n_lm - embeddings) + 4 * embeddings if bf16 else 4 * n_lm) / shards
     micro = ppo_rlhf.batch_sizes(args, world_size)["micro"]
     seq = args.query_length + args.response_length
     resident = {
-        "policy + value head weights (fp32)": 4 * n,
-        "Adam state (fp32 m and v)": 8 * n,
-        "reference policy (bf16 linears)" if bf16 else "reference policy (fp32)": ref,
-        "reward model (fp32)": 4 * n_rm,
+        f"policy + value head weights (fp32{sharded})": 4 * n,
+        f"Adam state (fp32 m and v{sharded})": 8 * n,
+        f"reference policy (bf16 linears{sharded})"
+        if bf16
+        else f"reference policy (fp32{sharded})": ref,
+        f"reward model (fp32{sharded})": 4 * n_rm,
     }
-    train_rows = {**resident, "gradients (fp32)": 4 * n}
+    if shards > 1:
+        resident["reference + reward model root groups, gathered after their forward (fp32)"] = (
+            8 * (embeddings + shape["hidden"])
+        )
+    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * n}
     step_rows = {
         **train_rows,
         **optimizer_step_rows("adam_tf" if args.optimizer == "adam_tf" else "Adam", n, shape),
     }
+    train_rows.update(gathered)
     if bf16:
-        train_rows["autocast bf16 weight copies"] = 2 * n
+        train_rows["autocast bf16 weight copies"] = 2 * n_lm
     train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
         shape, micro * seq, 0, micro * args.response_length
     )
@@ -170,12 +209,50 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
         micro * seq * kv_cache_bytes_per_token(shape, 2 if bf16 else 4)
         + 2 * micro * args.response_length * shape["vocab"] * 4
     )
-    phases = {"train": train_rows, "optimizer step": step_rows, "rollout": rollout_rows}
-    plan = memory_plan(
-        gpu_bytes, {name: {**rows, CONTEXT_ROW: GIB} for name, rows in phases.items()}
+    rollout_rows.update(gathered_generate)
+    return three_phase_plan(gpu_bytes, train_rows, step_rows, rollout_rows, n_lm)
+
+
+def plan_rewards(args, config, world_size, gpu_bytes):
+    """Per-GPU bytes of one rewards.py rank (rewards.train, float32, no autocast):
+    train:   the reward model (backbone + scalar head: fp32 weights, gradients, Adam m and v), the frozen policy
+             (fp32), the activations of this rank's labels (each: the query once and its 4 samples, under autograd)
+    step:    the resident models, gradients and the optimizer's temporaries
+    rollout: the resident models + generate's KV cache and scores for the normalisation samples
+    --sharding fsdp2: both LMs, the gradients and Adam 1/world_size each (the head whole), the reward model's gathered
+    groups, the frozen policy's root group gathered after its forward."""
+    shape, n_lm = model_shape(config), count_parameters(config)
+    shards, sharded, gathered, gathered_generate = memory.sharded_rows(
+        shape, n_lm, world_size, args.sharding
     )
-    plan["n_params"] = n_lm
-    return plan
+    n = n_lm / shards + shape["hidden"] + 3  # + the scalar head, gain and bias (whole)
+    labels = max(1, args.batch_size // world_size)
+    tokens = labels * (args.query_length + rewards.NUM_SAMPLES * args.response_length)
+    resident = {
+        f"reward model weights (fp32{sharded})": 4 * n,
+        f"Adam state (fp32 m and v{sharded})": 8 * n,
+        f"frozen policy (fp32{sharded})": 4 * n_lm / shards,
+    }
+    if shards > 1:
+        embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
+        resident["frozen policy root group, gathered after its forward (fp32)"] = 4 * (
+            embeddings + shape["hidden"]
+        )
+    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * n}
+    step_rows = {**train_rows, **optimizer_step_rows(args.optimizer, n, shape)}
+    train_rows.update(gathered)
+    # fp32 activations: twice activation_bytes' bf16 estimate of the same tokens, as an upper bound
+    train_rows[f"activations ({labels} labels, {tokens} tokens, fp32 estimate)"] = (
+        2 * activation_bytes(shape, tokens, 0, 0)
+    )
+    samples = max(1, args.rollout_batch_size // world_size)
+    seq = args.query_length + args.response_length
+    rollout_rows = dict(resident)
+    rollout_rows[f"KV cache + scores (generate, {samples} x {seq} tokens)"] = (
+        samples * seq * kv_cache_bytes_per_token(shape, 4) + samples * shape["vocab"] * 4
+    )
+    rollout_rows.update(gathered_generate)
+    return three_phase_plan(gpu_bytes, train_rows, step_rows, rollout_rows, n_lm)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,10 +309,17 @@ def check_plan_args(trainer, args, world_size, shape):
                 f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}"
             )
     else:
-        ppo_rlhf.batch_sizes(args, world_size)
+        if trainer == "ppo_rlhf":
+            ppo_rlhf.batch_sizes(args, world_size)
+        else:
+            for name in ("batch_size", "rollout_batch_size"):
+                if getattr(args, name) % world_size:
+                    raise ValueError(f"--{name.replace('_', '-')} must be divisible by --gpus")
         seq = args.query_length + args.response_length
         if args.optimizer not in ("adam_tf", "adam"):
             raise ValueError(f"unknown --optimizer {args.optimizer!r}; allowed: adam_tf, adam")
+    if args.sharding not in ("ddp", "fsdp2"):
+        raise ValueError(f"unknown --sharding {args.sharding!r}; allowed: ddp, fsdp2")
     if shape["max_positions"] is not None and seq > shape["max_positions"]:
         raise ValueError(
             f"prompt + response = {seq} tokens exceeds the model's context (max_position_embeddings = "
@@ -253,11 +337,13 @@ def plan_preset(trainer, preset, world_size, gpu_bytes, flags=()):
     args = preset_args(trainer, preset, flags)
     model_name, config = load_model_config(trainer, args)
     check_plan_args(trainer, args, world_size, model_shape(config))
-    plan = (plan_grpo if trainer == "grpo" else plan_ppo_rlhf)(args, config, world_size, gpu_bytes)
+    planner = {"grpo": plan_grpo, "ppo_rlhf": plan_ppo_rlhf, "rewards": plan_rewards}[trainer]
+    plan = planner(args, config, world_size, gpu_bytes)
     if trainer == "grpo":
         setting = f"backend {args.backend}{' + sleep mode' if args.vllm_sleep_mode else ''}"
     else:
-        setting = "fp32" if args.precision == "fp32" else "bf16 autocast"
+        setting = "fp32" if trainer == "rewards" or args.precision == "fp32" else "bf16 autocast"
+    setting += f", --sharding {args.sharding}"
     plan["title"] = (
         f"{trainer}.py {preset}{''.join(' ' + f for f in flags)}: {model_name} "
         f"({plan['n_params'] / 1e6:.1f}M parameters), {world_size} GPU(s), {setting}"
@@ -341,6 +427,30 @@ def format_all_plans(gpu_bytes):
             f"| {command} | {plans[0]['model']} ({plans[0]['n_params'] / 1e6:.1f}M) | {cells[0]} | "
             f"{cells[1]} | {recompute} | {fits} |"
         )
+    lines += [
+        "",
+        f"The presets that need `--sharding fsdp2`, on 8 GPUs of {gpu_bytes / GIB:.0f} GiB, GiB per GPU: peak "
+        "(train / optimizer step / rollout)",
+        "",
+        "| preset | model (parameters) | --sharding fsdp2 | --sharding ddp | fits (fsdp2 / ddp) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for trainer, preset in SHARDED_PLANS:
+        plans = [
+            plan_preset(trainer, preset, 8, gpu_bytes, ("--sharding", sharding))
+            for sharding in ("fsdp2", "ddp")
+        ]
+        cells = [
+            f"{p['peak'] / GIB:.2f} ({' / '.join(f'{t / GIB:.2f}' for t in p['totals'].values())})"
+            for p in plans
+        ]
+        fits = " / ".join("yes" if p["fits"] else "NO" for p in plans)
+        if not plans[0]["fits"]:  # under ddp these are meant not to fit
+            refused.append(plans[0]["title"])
+        lines.append(
+            f"| `{trainer} {preset}` | {plans[0]['model']} ({plans[0]['n_params'] / 1e6:.1f}M) | {cells[0]} | "
+            f"{cells[1]} | {fits} |"
+        )
     return "\n".join(lines), refused
 
 
@@ -405,11 +515,21 @@ def main(argv=None):
         fail(e)
     print(format_memory_plan(plan))
     if plan["fits"] is False:
-        hint = (
-            "lower --ppo-micro-batch-size-per-gpu or --generation-batch-size, use --vllm-sleep-mode"
-            if opts.trainer == "grpo"
-            else "lower --local-micro-batch-size"
-        )
+        hint = {
+            "grpo": "lower --ppo-micro-batch-size-per-gpu or --generation-batch-size, use --vllm-sleep-mode",
+            "ppo_rlhf": "lower --local-micro-batch-size",
+            "rewards": "lower --batch-size or --rollout-batch-size",
+        }[opts.trainer]
+        if plan["args"].sharding == "ddp" and opts.gpus > 1:
+            sharded = plan_preset(
+                opts.trainer,
+                opts.preset,
+                opts.gpus,
+                plan["gpu_bytes"],
+                [*flags, "--sharding", "fsdp2"],
+            )
+            if sharded["fits"]:
+                hint = f"use --sharding fsdp2 (its plan: {sharded['peak'] / GIB:.2f} GiB per GPU)"
         fail(
             f"the plan needs {plan['peak'] / GIB:.2f} GiB per GPU, more than {plan['gpu_bytes'] / GIB:.2f} GiB: "
             f"{hint}, or use more/larger GPUs"

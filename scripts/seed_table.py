@@ -6,8 +6,10 @@ one row per seed with the criterion its docs state.
     .venv/bin/python scripts/seed_table.py rewards                   # rewards.py tiny, seeds 1-8
     .venv/bin/python scripts/seed_table.py grpo --seeds 4 5 --name n16 -- --rollout-n 16
     .venv/bin/python scripts/seed_table.py grpo --preset tiny_dapo --seeds 1 2 3 --name dapo
+    .venv/bin/python scripts/seed_table.py grpo --nproc 2 --name fsdp2 -- --sharding fsdp2
 
-(grpo.py flags after "--" change the preset for every run of the table.)
+(grpo.py flags after "--" change the preset for every run of the table; --nproc N starts each run
+under torchrun with N processes.)
 
 The criteria (CRITERIA below) are the ones docs/grpo.md, docs/ppo_rlhf.md and docs/rewards.md state:
 
@@ -96,11 +98,14 @@ def read_rows(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_one(script, preset, backend, seed, extra, out, reuse):
-    """Runs one seed, unless a run of the same command finished there, and returns (rows, seconds
-    the run took)."""
+def run_one(script, preset, backend, seed, extra, out, reuse, nproc=1):
+    """Runs one seed (under torchrun with nproc processes if nproc > 1), unless a run of the same
+    command finished there, and returns (rows, seconds the run took)."""
     file, _, _, has_backend = CRITERIA[script]
-    cmd = [sys.executable, os.path.join(ROOT, file), preset, "--seed", str(seed)]
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += [os.path.join(ROOT, file), preset, "--seed", str(seed)]
     cmd += ["--output-dir", out]
     if has_backend:
         cmd += ["--backend", backend]
@@ -161,6 +166,7 @@ def main():
     parser.add_argument("--name", default="", help="table name (default: <script>)")
     parser.add_argument("--runs-dir", default="runs/seed_table")
     parser.add_argument("--no-reuse", dest="reuse", action="store_false")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")
     # flags for every run come after "--"
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -176,7 +182,9 @@ def main():
         for seed in args.seeds:
             tag = f"{name}_{backend}_s{seed}" if has_backend else f"{name}_s{seed}"
             out = os.path.join(ROOT, args.runs_dir, tag)
-            rows, seconds = run_one(args.script, preset, backend, seed, args.extra, out, args.reuse)
+            rows, seconds = run_one(
+                args.script, preset, backend, seed, args.extra, out, args.reuse, args.nproc
+            )
             result = result_of(rows)
             result["seconds"] = seconds
             results[backend][seed] = result

@@ -32,7 +32,8 @@ class GradientRecorder:
     """Stands in for the optimizer: step() records the gradient instead of changing the weights."""
 
     def __init__(self, params):
-        self.params, self.param_groups, self.gradient = list(params), [{"lr": 0.0}], None
+        self.params = list(params)
+        self.param_groups, self.gradient = [{"params": self.params, "lr": 0.0}], None
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:

@@ -79,11 +79,24 @@ def run_cli(capsys, *argv):
             + 2 * 768,
             124_439_808,
         ),
+        # untied: the LM head is another V*h
+        (
+            "Qwen2-7B-Instruct",
+            qwen2_params_by_hand(152064, 3584, 18944, 28, 512) + 152064 * 3584,
+            7_615_616_512,
+        ),
+        # gpt-j: wte V*h; per layer one LayerNorm (2h), q/k/v/out without bias (4h*h), fc_in
+        # (h*4h + 4h), fc_out (4h*h + h); ln_f 2h; an untied LM head with a bias (V*h + V)
+        (
+            "gpt-j-6b",
+            50400 * 4096 * 2 + 50400 + 28 * (12 * 4096**2 + 7 * 4096) + 2 * 4096,
+            6_050_882_784,
+        ),
     ],
 )
 def test_parameter_counts_from_the_config_alone_are_exact(name, by_hand, published):
     """Meta-device count == the hand formula == the published total (494M / 1.54B / 3.09B /
-    124M)."""
+    124M / 7.62B; GPT-J-6B: 6.05B in transformers' GPTJForCausalLM)."""
     assert by_hand == published
     assert plan_memory.count_parameters(config_of(name)) == published
 
@@ -330,7 +343,57 @@ def test_all_prints_every_gpu_preset_without_vllm():
         "| `grpo countdown` | Qwen/Qwen2.5-3B (3085.9M) | 67.01 (67.01 / 64.81 / 53.21) |"
         in out.stdout
     )
-    assert len(rows) == len(plan_memory.ALL_PLANS)
+    assert len(rows) == len(plan_memory.ALL_PLANS) + len(plan_memory.SHARDED_PLANS)
+    for trainer, preset in plan_memory.SHARDED_PLANS:  # the second table: fsdp2 fits, ddp does not
+        row = next(r for r in rows if r.startswith(f"| `{trainer} {preset}`"))
+        assert row.endswith("| yes / NO |")
+
+
+@pytest.mark.parametrize(
+    "trainer, preset",
+    [
+        ("grpo", "gsm8k_qwen2_7b"),
+        ("grpo", "gsm8k_qwen25_7b"),
+        ("ppo_rlhf", "gptj6b_tldr"),
+        ("rewards", "gptj6b_tldr"),
+    ],
+)
+def test_the_6b_and_7b_presets_fit_8_gpus_sharded_and_are_refused_under_ddp(
+    trainer, preset, capsys
+):
+    """Sharded, the weights, gradients and Adam state are 1/8 per rank (the rows by hand), the root
+    group and two layers gathered beside them, and the plan fits 8 x 80 GiB; under ddp it does not,
+    and the refusal is one line naming --sharding fsdp2 with the sharded plan's peak."""
+    sharded = plan_memory.plan_preset(trainer, preset, 8, 80 * GIB)
+    whole = plan_memory.plan_preset(trainer, preset, 8, 80 * GIB, ("--sharding", "ddp"))
+    assert sharded["fits"] and not whole["fits"]
+    n = sharded["n_params"]
+    weights = next(v for k, v in sharded["phases"]["train"].items() if "weights (fp32, 1/8" in k)
+    assert weights == pytest.approx(4 * n / 8, rel=1e-3)  # (+ a head kept whole)
+    assert any(k.startswith("gathered: the root group") for k in sharded["phases"]["train"])
+    status, out, err = run_cli(
+        capsys, trainer, preset, "--gpus", "8", "--gpu-memory-gib", "80", "--sharding", "ddp"
+    )
+    assert status == 2 and err.count("\n") == 1
+    assert f"use --sharding fsdp2 (its plan: {sharded['peak'] / GIB:.2f} GiB per GPU)" in err
+
+
+def test_a_model_whose_training_state_overflows_a_gpu_is_refused_under_ddp():
+    """grpo.py on CUDA (memory.resident_problem): 16 bytes per parameter against the GPU, before any
+    weight loads; nothing to say under fsdp2, without a GPU size, or when it fits."""
+    import memory
+
+    args = plan_memory.preset_args("grpo", "gsm8k_qwen2_7b", ("--sharding", "ddp"))
+    n = 7_615_616_512
+    problem = memory.resident_problem(n, args, 80 * GIB, 8)
+    assert problem.startswith(
+        "--sharding ddp: the fp32 weights, gradients and Adam state alone need 113.5 GiB"
+    )
+    assert "use --sharding fsdp2 (14.2 GiB of them per GPU on 8" in problem
+    assert memory.resident_problem(n, args, None, 8) is None
+    assert memory.resident_problem(494_032_768, args, 80 * GIB, 8) is None
+    sharded = plan_memory.preset_args("grpo", "gsm8k_qwen2_7b")
+    assert memory.resident_problem(n, sharded, 80 * GIB, 8) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
