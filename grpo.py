@@ -62,6 +62,7 @@ import torch
 import corrections
 import harness
 import logprobs
+import lora
 import memory
 import objectives
 import rollout
@@ -228,6 +229,17 @@ class Args(harness.CheckpointedRunArgs):
     tiny_arch: str = "qwen2"
     """Architecture of the "tiny" model: qwen2 (RoPE positions, as the Qwen2.5 presets) or gpt2
     (learned absolute positions: the tiny preset's, docs/grpo.md "Does the first run learn")."""
+    lora_rank: int = 0
+    """LoRA's rank r (lora.py): train only (alpha / r) B A beside each frozen linear weight; 0 = off
+    (every weight trained). The reference policy is then the base with the adapter off (no second
+    model), and the base is frozen in bf16 under bf16 autocast (verl actor_rollout_ref.model
+    .lora_rank)."""
+    lora_alpha: float = 16.0
+    """LoRA's alpha: the update is scaled by alpha / r (verl's default 16; its GSM8K LoRA recipe
+    uses alpha = r = 32)."""
+    lora_target_modules: str = "all-linear"
+    """The linear layers LoRA adapts: all-linear (every linear layer of the decoder, attention and
+    MLP; not the LM head) or comma-separated module names (q_proj,v_proj)."""
     task: str = "copy"
     """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
     (Countdown-Tasks-3to4)."""
@@ -521,6 +533,16 @@ def compute_pi_old(model, batch, args, log_pi, correction, world_size=1):
 # --------------------------------------------------------------------------------------------------
 # Step 4: advantages, from the corrected mask
 # --------------------------------------------------------------------------------------------------
+
+
+def reference_logprobs(model, ref_model, batch, args, log_pi):
+    """Step 3's pi_ref, the KL loss's anchor: log pi_ref (B, R) of the initial policy, no gradient.
+    The frozen reference model, or with --lora-rank the policy itself with its adapter switched off
+    (the base is the initial policy: one model in memory, verl's ref_in_actor)."""
+    if ref_model is not None:
+        return batch_logprobs(ref_model, batch, args, log_pi)["logprobs"]
+    with lora.adapter_disabled(model):
+        return batch_logprobs(model, batch, args, log_pi)["logprobs"]
 
 
 def greedy_baselines(backend, task, tokenizer, indices, step, args, rank):
@@ -922,8 +944,8 @@ def train(args, backend=None):
         batch["loss_mask"] = loss_mask
         if is_weights is not None:
             batch["is_weights"] = is_weights
-        if ref_model is not None:  # pi_ref, for the KL loss
-            batch["ref_logprobs"] = batch_logprobs(ref_model, batch, args, log_pi)["logprobs"]
+        if args.kl_loss_coef > 0:  # pi_ref, for the KL loss
+            batch["ref_logprobs"] = reference_logprobs(model, ref_model, batch, args, log_pi)
         timing["timing/logprobs"] = time.time() - t0
 
         # 4. Advantages from the corrected mask: one per response (GRPO: normalised within its
@@ -1062,11 +1084,11 @@ def check_args(args, world_size=1):
         "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
         "train_size copy_length arith_max_steps vllm_max_num_seqs",
         ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
-        "top_k dro_beta "
+        "top_k dro_beta lora_rank "
         "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
         "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
         "overlong_penalty_factor",
-        "> 0": "lr temperature max_grad_norm num_cycles off_policy_mask_threshold",
+        "> 0": "lora_alpha lr temperature max_grad_norm num_cycles off_policy_mask_threshold",
         "in [0, 1]": "min_lr_ratio lr_warmup_steps_ratio",
         "in [0, 1)": "clip_ratio_low min_p",
         "in (0, 1]": "vllm_gpu_memory_utilization top_p",
@@ -1107,6 +1129,10 @@ def check_args(args, world_size=1):
     if args.model_name_or_path != TINY_MODEL:
         config = harness.model_config("--model-name-or-path", args.model_name_or_path)
         max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+        if args.lora_rank:  # the adapter's modules exist (on the meta device: no weights)
+            memory.count_adapter_parameters(
+                config, args.lora_rank, args.lora_alpha, args.lora_target_modules
+            )
     needed = args.max_prompt_length + args.max_response_length
     if max_positions is not None and needed > max_positions:
         raise ValueError(
@@ -1183,11 +1209,22 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
             raise harness.RunError(problem)
 
     def build_policy():
-        # fp32 masters; a crafted pickle or diverged weights in the folder end the run in one line
+        # fp32 masters; a crafted pickle or diverged weights in the folder end the run in one line.
+        # LoRA: the base from model_path, the adapter (and only the adapter) from the checkpoint
         model = harness.load_model_folder(
             functools.partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32),
-            checkpoint or model_path,
+            model_path if args.lora_rank else checkpoint or model_path,
         )
+        if args.lora_rank:
+            model = lora.add_adapter(
+                model, args.lora_rank, args.lora_alpha, args.lora_target_modules, args.seed
+            )
+            if checkpoint:
+                lora.load_adapter(model, checkpoint)
+            # the frozen base's linears in bf16 under bf16 autocast (the same forward, half the
+            # bytes); the adapter, embeddings and norms stay fp32
+            if logprobs.resolve_precision(args.precision, device) == "bf16":
+                logprobs.bf16_frozen_linears_(model)
         if args.gradient_checkpointing:
             memory.recompute_layers(model, args, device, rank, world_size)
         if args.compile_layers:
@@ -1206,10 +1243,13 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
 
     model = harness.build_sharded(build_policy, args.sharding, device, rank, world_size)
     ref_model = None
-    if args.kl_loss_coef > 0:  # pi_ref = the initial policy, frozen; beta = 0 never loads it
+    # pi_ref = the initial policy, frozen; beta = 0 never loads it; LoRA: the adapter switched off
+    if args.kl_loss_coef > 0 and not args.lora_rank:
         ref_model = harness.build_sharded(build_reference, args.sharding, device, rank, world_size)
+    # the weights it trains: all of them, or with LoRA the adapter's A and B only
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
+        trained, lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay
     )
     scaler = None
     if logprobs.resolve_precision(args.precision, device) == "fp16":
@@ -1381,11 +1421,19 @@ def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs):
     """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
     and the step (harness.py adds every rank's RNG and the pinned inputs, and swaps it in
     atomically). --sharding fsdp2: the weights gathered whole onto rank 0 for the HF files, the
-    optimizer state saved by each rank, its own shard."""
-    weights = harness.full_state_dict(model)  # None unless sharded: every rank takes part
+    optimizer state saved by each rank, its own shard. --lora-rank: the adapter alone, in peft's
+    format (its base is pinned), and after the last step the merged policy
+    as an HF model in <output_dir>/merged_model too."""
+    if args.lora_rank:
+        weights = lora.adapter_weights(model)  # gathered under FSDP2: every rank takes part
+    else:
+        weights = harness.full_state_dict(model)  # None unless sharded: every rank takes part
 
     def write_files(folder):
-        model.save_pretrained(folder, state_dict=weights)
+        if args.lora_rank:
+            lora.save_adapter(folder, model, weights)
+        else:
+            model.save_pretrained(folder, state_dict=weights)
         tokenizer.save_pretrained(folder)
 
     state = {"step": step, "args": asdict(args)}
@@ -1397,6 +1445,25 @@ def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs):
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs, shard)
+    if args.lora_rank and step == args.total_steps:
+        save_merged_model(args, rank, model, tokenizer)
+
+
+def save_merged_model(args, rank, model, tokenizer):
+    """<output_dir>/merged_model: the LoRA policy as one HF model, W + (alpha / r) B A in each
+    adapted layer (lora.merged_named_weights, float32; gathered one weight at a time under FSDP2,
+    rank 0 keeping them), written atomically; the trainer's weights are not touched."""
+    merged = {}
+    for name, tensor in lora.merged_named_weights(model):
+        if rank == 0:
+            merged[name] = tensor.cpu()
+    if rank == 0:
+
+        def write_files(folder):
+            model.save_pretrained(folder, state_dict=merged)
+            tokenizer.save_pretrained(folder)
+
+        harness.write_folder(os.path.join(args.output_dir, "merged_model"), write_files)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1590,6 +1657,42 @@ PRESETS["gsm8k_qwen25_7b"] = (
         PRESETS["gsm8k_qwen2_7b"][1],
         exp_name="grpo_gsm8k_qwen25_7b",
         model_name_or_path="Qwen/Qwen2.5-7B-Instruct",
+    ),
+)
+
+# LoRA (lora.py). The tiny preset with rank 8: the adapter's lr 10x the full model's (Schulman et
+# al. 2025, "LoRA Without Regret": RL with LoRA matches full fine-tuning at about 10x its lr) and
+# alpha 32 at every rank, as theirs. The seed table (docs/grpo.md, LoRA) compares ranks 1, 8 and 32
+# at this lr with full fine-tuning.
+PRESETS["tiny_lora"] = (
+    "Offline CPU run: the tiny copy task with LoRA rank 8 (every linear layer; the lr 10x tiny's).",
+    replace(PRESETS["tiny"][1], exp_name="grpo_tiny_lora", lora_rank=8, lora_alpha=32.0, lr=1e-2),
+)
+# verl's GSM8K GRPO-LoRA run for Qwen2.5-0.5B-Instruct (docs/algo/baseline.md: 54.3): the GRPO
+# example's settings with rank 32, alpha 32, all-linear and lr 3e-5 (docs/advance/ppo_lora.rst's
+# reference configuration: an order of magnitude above full fine-tuning's).
+PRESETS["gsm8k_qwen05b_lora"] = (
+    "verl's GSM8K GRPO-LoRA run with Qwen2.5-0.5B-Instruct, rank 32 (GPU).",
+    replace(
+        PRESETS["gsm8k_qwen05b"][1],
+        exp_name="grpo_gsm8k_qwen05b_lora",
+        lora_rank=32,
+        lora_alpha=32.0,
+        lr=3e-5,
+    ),
+)
+# A 7B policy on one GPU: the 0.5B LoRA run's settings with Qwen2.5-7B-Instruct (verl's
+# baseline.md lists 93.4 for its GRPO-LoRA at rank 32), the frozen base in bf16 beside a colocated
+# vLLM engine that sleeps while the trainer runs (scripts/plan_memory.py: one GPU of 80 GiB).
+PRESETS["gsm8k_qwen25_7b_lora"] = (
+    "GSM8K GRPO-LoRA with Qwen2.5-7B-Instruct, rank 32, on one GPU of 80 GiB.",
+    replace(
+        PRESETS["gsm8k_qwen05b_lora"][1],
+        exp_name="grpo_gsm8k_qwen25_7b_lora",
+        model_name_or_path="Qwen/Qwen2.5-7B-Instruct",
+        backend="vllm",
+        vllm_gpu_memory_utilization=0.5,
+        vllm_sleep_mode=True,
     ),
 )
 

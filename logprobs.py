@@ -286,7 +286,7 @@ def autocast_context(device, precision="auto"):
 
 
 def bf16_frozen_linears_(model):
-    """Store a frozen model's nn.Linear weights (and biases) in bf16, in place, except the output
+    """Store a model's frozen nn.Linear weights (and biases) in bf16, in place, except the output
     embedding (the LM head; with tied embeddings it is the embedding matrix) and everything that is
     not a Linear (embeddings, norms). Under bf16 autocast a Linear casts its fp32 weight to bf16
     before the matmul anyway, so the forward is bit-for-bit the one of the fp32 model
@@ -304,7 +304,8 @@ def bf16_frozen_linears_(model):
         if is_linear and module is not output_embedding:
             for name in ("weight", "bias"):
                 p = getattr(module, name)
-                if p is not None and p.dtype == torch.float32:
+                # a trained weight (a LoRA adapter's A and B) keeps its float32 master
+                if p is not None and p.dtype == torch.float32 and not p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
                     n += p.numel()
     return n

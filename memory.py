@@ -71,6 +71,19 @@ def count_parameters(config):
     return sum(p.numel() for p in model.parameters())
 
 
+def count_adapter_parameters(config, rank, alpha, target_modules):
+    """Exact number of LoRA parameters (A and B of every adapted layer) lora.add_adapter gives
+    AutoModelForCausalLM.from_config(config) at this rank, on the meta device (no memory)."""
+    import lora
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = lora.add_adapter(
+            AutoModelForCausalLM.from_config(config), rank, alpha, target_modules
+        )
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def gpu_memory_bytes(gpu_memory_gib=0.0):
     """A plan's GPU size: --gpu-memory-gib if given, else the total memory of the GPU torch sees,
     else None."""
@@ -190,9 +203,18 @@ def plan_grpo(args, config, world_size, gpu_bytes):
     --sharding fsdp2 (sharded_rows): weights, gradients, AdamW and the reference are 1/world_size
     each, the gathered groups are added, and the reference's root group stays gathered after its
     forward (no backward reshards it); autocast's bf16 copies stay whole (autocast keeps the cast
-    of every layer's gathered weights until the forward ends), and so does vLLM's engine."""
+    of every layer's gathered weights until the forward ends), and so does vLLM's engine.
+    --lora-rank (lora.py): the frozen base (bf16 linears under bf16 autocast, as the reference's),
+    and gradients, AdamW state, temporaries and autocast copies of the adapter alone; no reference
+    model (the adapter switched off)."""
     shape, n = model_shape(config), count_parameters(config)
     shards, sharded, gathered, gathered_generate = sharded_rows(shape, n, world_size, args.sharding)
+    # --lora-rank: the optimizer's weights are the adapter's (`trained`), the base is frozen
+    trained = n
+    if args.lora_rank:
+        trained = count_adapter_parameters(
+            config, args.lora_rank, args.lora_alpha, args.lora_target_modules
+        )
     bf16 = args.precision != "fp32"  # fp16 autocast holds the same 2-byte copies
     # bf16_frozen_linears_ (only under bf16: under fp16 the reference stays fp32)
     ref_bf16 = args.precision in ("auto", "bf16")
@@ -209,10 +231,17 @@ def plan_grpo(args, config, world_size, gpu_bytes):
         if args.backend == "vllm"
         else 0
     )
-    resident = {
-        f"policy weights (fp32{sharded})": 4 * n / shards,
-        f"AdamW state (fp32 m and v{sharded})": 8 * n / shards,
-    }
+    if args.lora_rank:
+        # no reference model (the adapter switched off); bf16_frozen_linears_ under bf16
+        base = 2 * (n - embeddings) + 4 * embeddings if ref_bf16 else 4 * n
+        ref = 0
+        resident = {
+            f"frozen base ({'bf16 linears' if ref_bf16 else 'fp32'}{sharded})": base / shards,
+            f"LoRA adapter (fp32 A and B, r = {args.lora_rank}{sharded})": 4 * trained / shards,
+        }
+    else:
+        resident = {f"policy weights (fp32{sharded})": 4 * n / shards}
+    resident[f"AdamW state (fp32 m and v{sharded})"] = 8 * trained / shards
     if ref:
         name = "reference model (bf16 linears" if ref_bf16 else "reference model (fp32"
         resident[f"{name}{sharded})"] = ref / shards
@@ -228,11 +257,13 @@ def plan_grpo(args, config, world_size, gpu_bytes):
     # (rollout.VLLMBackend passes sleep_mode_offload_cudagraph) offloads its CUDA-graph pool too,
     # which vLLM otherwise keeps on the GPU
     awake = {"vLLM share, awake": share} if share and not args.vllm_sleep_mode else {}
-    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * n / shards}
-    step_rows = {**train_rows, **optimizer_step_rows("AdamW", n / shards, shape), **awake}
+    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * trained / shards}
+    step_rows = {**train_rows, **optimizer_step_rows("AdamW", trained / shards, shape), **awake}
     train_rows.update(gathered)
     if bf16:
-        train_rows["autocast bf16 weight copies"] = 2 * n
+        # LoRA under bf16: the base is bf16 already, autocast copies the adapter alone
+        copied = trained if args.lora_rank and ref_bf16 else n
+        train_rows["autocast bf16 weight copies"] = 2 * copied
     micro = args.ppo_micro_batch_size_per_gpu
     train_rows.update(awake)
     recompute = recompute_choice(args, shape, micro * seq, gpu_bytes, train_rows)
@@ -269,8 +300,9 @@ def plan_grpo(args, config, world_size, gpu_bytes):
 def resident_problem(n, args, gpu_bytes, world_size):
     """A one-line refusal, naming --sharding fsdp2, when the weights, gradients and Adam state of
     the trained model (16 bytes per parameter, n) cannot fit one GPU under --sharding ddp, whatever
-    the batch; None when they fit, under fsdp2, or without a GPU size."""
-    if gpu_bytes is None or args.sharding != "ddp" or 16 * n <= gpu_bytes:
+    the batch; None when they fit, under fsdp2 or LoRA (the plan counts them), or without a GPU
+    size."""
+    if gpu_bytes is None or args.sharding != "ddp" or args.lora_rank or 16 * n <= gpu_bytes:
         return None
     return (
         f"--sharding ddp: the fp32 weights, gradients and Adam state alone need {16 * n / GIB:.1f} "

@@ -64,6 +64,7 @@ import torch.nn as nn
 import corrections
 import harness
 import logprobs
+import lora
 import objectives
 import rewards
 import rollout
@@ -94,6 +95,15 @@ class Args(harness.CheckpointedRunArgs):
     reward_preset: str = "gpt2_sentiment"
     """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path
     is None"""
+    lora_rank: int = 0
+    """LoRA's rank r for the policy (lora.py): train (alpha / r) B A beside each frozen linear
+    weight, the value head whole; 0 = off. The reference policy is then the base with the adapter
+    off (no second model)."""
+    lora_alpha: float = 16.0
+    """LoRA's alpha: the update is scaled by alpha / r."""
+    lora_target_modules: str = "all-linear"
+    """The linear layers LoRA adapts: all-linear (every linear layer of the decoder; not the LM
+    head) or comma-separated module names (c_attn,c_proj)."""
 
     # ---- task ([repro] TaskHParams; OpenAI launch.py stylistic tasks) ----
     query_dataset: str = "books"
@@ -263,8 +273,8 @@ def check_args(args, world_size):
     ranges = {
         ">= 1": "query_length response_length noptepochs kl_horizon logprob_chunk_rows",
         ">= 0": "torch_threads log_samples_every num_log_samples save_every truncate_after kl_coef "
-        "vf_coef cliprange_value",
-        "> 0": "lr eps temperature kl_target",
+        "vf_coef cliprange_value lora_rank",
+        "> 0": "lr eps temperature kl_target lora_alpha",
         "in [0, 1]": "gamma lam",
         "in [0, 1)": "cliprange",
     }
@@ -502,8 +512,11 @@ def forward_and_score(
         hidden, value = model(query_response, context_length, tokens.pad)
         policy_logprobs.append(logprobs_from_hidden(model.lm, hidden, response, log_pi)[0])
         values.append(value)
-        ref_hidden = response_hidden(ref_policy, query_response, context_length, tokens.pad)
-        ref_logprobs.append(logprobs_from_hidden(ref_policy, ref_hidden, response, log_pi)[0])
+        # (LoRA: the reference is the policy's LM with its adapter switched off)
+        reference = ref_policy or model.lm
+        with lora.adapter_disabled(reference):
+            ref_hidden = response_hidden(reference, query_response, context_length, tokens.pad)
+            ref_logprobs.append(logprobs_from_hidden(reference, ref_hidden, response, log_pi)[0])
         del hidden, ref_hidden
         # 3c. truncate at the first "." at or after position truncate_after, pad the tail
         #     ([policy 5])
@@ -656,11 +669,18 @@ def save(args, rank, model, tokenizer, optimizer, update, global_step, kl_coef, 
     """Step 11: <output_dir>/checkpoint with the HF policy + tokenizer, value_head.pt, and the
     update, episodes, beta and optimizer (harness.py adds every rank's RNG and the pinned inputs,
     and swaps it in atomically). --sharding fsdp2: the policy gathered whole onto rank 0 for the HF
-    files, the optimizer state saved by each rank, its own shard."""
-    weights = harness.full_state_dict(model.lm)  # None unless sharded: every rank takes part
+    files, the optimizer state saved by each rank, its own shard. --lora-rank: the adapter in
+    peft's format instead of the policy (its base is pinned)."""
+    if args.lora_rank:  # the adapter alone, in peft's format (the base is pinned)
+        weights = lora.adapter_weights(model.lm)  # gathered under FSDP2: every rank takes part
+    else:
+        weights = harness.full_state_dict(model.lm)  # None unless sharded: every rank takes part
 
     def write_files(folder):
-        model.lm.save_pretrained(folder, state_dict=weights)
+        if args.lora_rank:
+            lora.save_adapter(folder, model.lm, weights)
+        else:
+            model.lm.save_pretrained(folder, state_dict=weights)
         tokenizer.save_pretrained(folder)
         harness.save_plain(model.value_head.state_dict(), os.path.join(folder, "value_head.pt"))
 
@@ -810,10 +830,30 @@ def load_models(args, rm_path, policy_path, resume, device, rank, world_size):
             logprobs.bf16_frozen_linears_(ref_policy)
         return ref_policy
 
+    def build_policy():
+        if not args.lora_rank:
+            return load_policy(resume or policy_path)
+        # LoRA: the base from policy_path, the adapter (and only the adapter) from the checkpoint;
+        # under bf16 autocast the frozen base's linears in bf16 (the same forward, half the bytes)
+        lm = lora.add_adapter(
+            load_policy(policy_path),
+            args.lora_rank,
+            args.lora_alpha,
+            args.lora_target_modules,
+            args.seed,
+        )
+        if resume:
+            lora.load_adapter(lm, resume)
+        if logprobs.resolve_precision(args.precision, device) == "bf16":
+            logprobs.bf16_frozen_linears_(lm)
+        return lm
+
     # --sharding fsdp2: each rank keeps its shard of the three LMs (harness.build_sharded); the
-    # value head and the reward model's head stay whole on every rank
-    ref_policy = harness.build_sharded(build_reference, *shards)
-    lm = harness.build_sharded(functools.partial(load_policy, resume or policy_path), *shards)
+    # value head and the reward model's head stay whole on every rank. LoRA: no reference model
+    ref_policy = None
+    if not args.lora_rank:
+        ref_policy = harness.build_sharded(build_reference, *shards)
+    lm = harness.build_sharded(build_policy, *shards)
     model = PolicyAndValue(lm).to(device).eval()
     reward_model.requires_grad_(False)
 
@@ -890,10 +930,16 @@ def print_update(metrics, update, num_updates, start_update, args, start_time):
 
 
 def save_final_policy(args, rank, model, tokenizer, kl_coef):
-    """Step 12: the final policy in HF format (<output_dir>/policy, with value_head.pt), and a
-    checksum of the parameters per rank (final_rank<r>.json: the 2-process test compares them;
-    sharded weights gathered whole first)."""
-    weights = harness.full_state_dict(model.lm)  # None unless sharded: every rank takes part
+    """Step 12: the final policy in HF format (<output_dir>/policy, with value_head.pt; LoRA: the
+    merged policy, the adapter being in the checkpoint), and a checksum of the parameters per rank
+    (final_rank<r>.json: the 2-process test compares them; sharded weights gathered whole
+    first)."""
+    if args.lora_rank:
+        # LoRA: W + (alpha / r) B A per adapted layer, out of place (gathered one weight at a time)
+        merged = lora.merged_named_weights(model.lm)
+        weights = {name: t.cpu() for name, t in merged if rank == 0}
+    else:
+        weights = harness.full_state_dict(model.lm)  # None unless sharded: every rank takes part
     if rank == 0:
 
         def write_files(folder):
@@ -1107,7 +1153,9 @@ def train(args: Args):
         args, rm_path, policy_path, resume, device, rank, world_size
     )
     adam = AdamTF if args.optimizer == "adam_tf" else torch.optim.Adam  # [adam]: OAI used TF1's
-    optimizer = adam(harness.parameter_groups(model.parameters()), lr=args.lr, eps=args.eps)
+    # the weights it trains: all of them, or with LoRA the adapter's A and B and the value head
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adam(harness.parameter_groups(trained), lr=args.lr, eps=args.eps)
     kl_coef, start_update, global_step = args.kl_coef, 1, 0
     if resume:  # the policy's weights came from the checkpoint; the rest and this rank's RNG here
         kl_coef, start_update, global_step = load_checkpoint(resume, rank, model, optimizer, args)
@@ -1426,6 +1474,14 @@ PRESETS["gptj6b_tldr"] = (
         kl_coef=0.05,
         whiten_rewards=True,
         whiten_group_size=64,
+    ),
+)
+# LoRA (lora.py): the tiny preset's policy trained as a rank-8 adapter (every linear layer), the
+# value head whole; the lr 10x tiny's (Schulman et al. 2025, "LoRA Without Regret") with alpha 32.
+PRESETS["tiny_lora"] = (
+    "offline CPU run: the tiny task with a LoRA policy (rank 8, the lr 10x tiny's)",
+    dataclasses.replace(
+        PRESETS["tiny"][1], exp_name="ppo_rlhf_tiny_lora", lora_rank=8, lora_alpha=32.0, lr=3e-3
     ),
 )
 

@@ -36,6 +36,7 @@ import torch
 
 import harness
 import logprobs
+import lora
 
 BACKENDS = ("hf", "vllm")
 # what both engines say when the weights they sample with are no longer finite
@@ -325,6 +326,8 @@ class HFBackend:
         self.model = model
         if mismatch != "none":
             self.model = copy.deepcopy(model).requires_grad_(False)
+            if lora.has_adapter(model):  # the engine's copy computes with merged weights
+                self.model = lora.without_adapter(self.model)
             self.sync_weights(model)
 
     @torch.no_grad()
@@ -332,7 +335,12 @@ class HFBackend:
         if self.mismatch == "none":
             return  # generating with the trainer's model: nothing to copy
         rollout_params = dict(self.model.named_parameters())
-        for name, tensor in apply_mismatch(model.named_parameters(), self.mismatch):
+        # LoRA: the copy is the plain HF model, and gets the merged weights (as vLLM does)
+        if lora.has_adapter(model):
+            named = lora.merged_named_weights(model)
+        else:
+            named = model.named_parameters()
+        for name, tensor in apply_mismatch(named, self.mismatch):
             rollout_params[name].copy_(tensor)
 
     @torch.no_grad()
@@ -427,6 +435,11 @@ def _trainer_named_weights(model):
     gather is a collective). A tied lm_head.weight is left out (it is the embedding matrix, and
     vLLM ties the two modules itself and skips lm_head.* when tied)."""
     model = getattr(model, "module", model)
+    if lora.has_adapter(model):
+        # LoRA: W + (alpha / r) B A per adapted layer, made out of place in float32 (the engine
+        # casts it to its dtype); the trainer's base is never written (lora.py)
+        yield from lora.merged_named_weights(model)
+        return
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, t in model.state_dict().items():
         if not (tied and name == "lm_head.weight"):

@@ -25,6 +25,9 @@ Qwen2.5-0.5B-Instruct at micro-batch 16 and Qwen2.5-1.5B-Instruct at micro-batch
               tokens/s, MFU = (6 x parameters + PaLM's 12 x layers x attention width x sequence) x tokens / seconds
               / 989 TFLOP/s (H100 SXM dense bf16), peak memory above the weights, and each as a multiple of the
               plain loss's.
+  lora update one micro-batch (forward, backward, AdamW step) of a random-init Qwen2.5-7B with a frozen bf16 base and a
+              rank-32 adapter (grpo.py gsm8k_qwen25_7b_lora), next to full fine-tuning of Qwen2.5-1.5B on the same
+              16 x 1536 tokens, every layer recomputed: seconds, absolute peak, and the plan's train phase.
   rollout     HF generate (rollout.HFBackend) tokens/s: 64 prompts of 512 tokens, 256 new tokens, bf16 autocast.
   grpo vs TRL the GRPO step of bench/bench_smollm2.py (SmolLM2-135M-Instruct) against TRL's GRPOTrainer on the
               same work, when trl is importable (GPU only).
@@ -56,6 +59,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import plan_memory  # noqa: E402  (scripts/plan_memory.py: the published configs, offline)
 
 import logprobs  # noqa: E402
+import lora  # noqa: E402
 import memory  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
@@ -265,6 +269,88 @@ def update_rows(name, config, micro, prompt, response, device, preset):
     return model
 
 
+def lora_rows(device, tiny):
+    """The LoRA update (grpo.py gsm8k_qwen25_7b_lora, issue 63): one micro-batch forward + backward
+    + AdamW step of a random-init Qwen2.5-7B-Instruct with a frozen bf16 base and a rank-32
+    adapter on every linear layer (16 x (512 + 1024) tokens, every layer recomputed, eager
+    layers), against the same update with full fine-tuning of Qwen2.5-1.5B-Instruct (fp32
+    masters, AdamW over every weight). Peak memory is absolute (weights included) and stands next
+    to the train phase memory.plan_grpo plans for the preset (without vLLM's share, asleep while
+    the trainer runs)."""
+    micro, prompt, response = (4, 32, 64) if tiny else (16, 512, 1024)
+    if tiny:
+        config_7b = config_15b = sizes(tiny)[0][1]
+    else:
+        config_7b = plan_memory.read_config("Qwen/Qwen2.5-7B-Instruct")
+        config_15b = plan_memory.read_config("Qwen/Qwen2.5-1.5B-Instruct")
+    preset = plan_memory.preset_args("grpo", "gsm8k_qwen25_7b_lora")
+    rank = 4 if tiny else preset.lora_rank
+    shape = (micro, prompt, response)
+    full_label = "full fine-tuning, Qwen2.5-1.5B-Instruct size"
+    full = lora_update_row(full_label, config_15b, 0, preset, shape, device, None)
+    label = f"LoRA r = {rank}, bf16 base, Qwen2.5-7B-Instruct size"
+    plan = None
+    if not tiny:
+        train = memory.plan_grpo(preset, config_7b, 1, None)["phases"]["train"]
+        plan = sum(v for k, v in train.items() if "vLLM" not in k)
+    lora_update_row(label, config_7b, rank, preset, shape, device, full, plan)
+
+
+def lora_update_row(label, config, rank, preset, shape, device, baseline_seconds, plan=None):
+    """One row of lora_rows: the update's median seconds (returned) and absolute peak memory."""
+    from transformers import AutoModelForCausalLM
+
+    micro, prompt, response = shape
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if rank:
+        model = lora.add_adapter(model, rank, preset.lora_alpha, "all-linear")
+        logprobs.bf16_frozen_linears_(model)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    batch = random_batch(config.vocab_size, micro, prompt, response, device)
+    # bf16 autocast (grpo.py's on CUDA; on a CPU too here: the bf16 base needs it)
+    settings = logprobs.LogprobSettings(temperature=1.0, chunk_size=512, precision="bf16")
+
+    def update():
+        lp, _ = logprobs.response_logprobs(model, batch, settings)
+        (-lp.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    setting = f"{label}, {micro} x ({prompt} + {response})"
+    try:
+        update()  # the warm-up allocates AdamW's state: resident from here on
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds, _ = measure(update, device)
+    except torch.OutOfMemoryError:
+        row("lora update", setting, "out of memory", "-", "-", "-", "-")
+        return None
+    peak = torch.cuda.max_memory_allocated() - start if device.type == "cuda" else 0
+    versus = "1.00x (the baseline)"
+    if baseline_seconds:
+        versus = f"{baseline_seconds / seconds:.2f}x the full 1.5B update's tokens/s"
+    if plan:
+        versus += f"; the plan's train phase {plan / GIB:.2f} GiB"
+    row(
+        "lora update",
+        setting,
+        f"{seconds:.3f}",
+        f"{micro * (prompt + response) / seconds:,.0f}",
+        "-",
+        f"{peak / GIB:.2f}" if peak else "-",
+        versus,
+    )
+    return seconds
+
+
 def rollout_row(name, model, prompt, device, tiny):
     rows, new = (4, 16) if tiny else (64, 256)
     # no EOS: every row samples `new`
@@ -457,6 +543,7 @@ def main():
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    lora_rows(device, tiny)
     if not opts.update_only:
         trl_rows(device, tiny)
         ppo_rows(device, tiny)

@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
+import lora  # noqa: E402
 import memory  # noqa: E402
 import ppo_rlhf  # noqa: E402
 import rewards  # noqa: E402
@@ -175,22 +176,31 @@ def train_peak(grpo_args):
 
     config = plan_memory.read_config(grpo_args.model_name_or_path)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         ref = (
             AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            if grpo_args.kl_loss_coef > 0
+            if grpo_args.kl_loss_coef > 0 and not grpo_args.lora_rank
             else None
         )
     if ref is not None:
         ref.requires_grad_(False)
         logprobs.bf16_frozen_linears_(ref)
+    if grpo_args.lora_rank:
+        # grpo.py's LoRA policy: the adapter, the base's linears in bf16 (the reference is the
+        # adapter switched off)
+        model = lora.add_adapter(
+            model, grpo_args.lora_rank, grpo_args.lora_alpha, grpo_args.lora_target_modules
+        )
+        logprobs.bf16_frozen_linears_(model)
     if grpo_args.gradient_checkpointing:
         # the layers the plan chooses for this GPU (grpo.py's own call)
         memory.recompute_layers(model, grpo_args, torch.device("cuda"), 0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    # the peak from here (the fp32 linears a LoRA base was built with are freed by now)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     micro, P, R = (
         grpo_args.ppo_micro_batch_size_per_gpu,
         grpo_args.max_prompt_length,
@@ -205,6 +215,9 @@ def train_peak(grpo_args):
         if ref is not None:
             with torch.no_grad():
                 logprobs.response_logprobs(ref.eval(), batch, settings)
+        if grpo_args.lora_rank and grpo_args.kl_loss_coef > 0:
+            with torch.no_grad(), lora.adapter_disabled(model):
+                logprobs.response_logprobs(model.eval(), batch, settings)
         model.train()
         lp, _ = logprobs.response_logprobs(model, batch, settings)
         loss = -(lp * batch["response_mask"]).sum() / batch["response_mask"].sum()

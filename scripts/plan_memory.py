@@ -95,6 +95,9 @@ ALL_PLANS = [
     ("grpo", "gsm8k_qwen05b", ("--backend", "vllm")),
     ("grpo", "gsm8k_qwen15b", ("--backend", "vllm")),
     ("grpo", "countdown", ("--backend", "vllm", "--vllm-sleep-mode")),
+    # LoRA (--lora-rank): the 0.5B run at verl's GRPO-LoRA settings, and a 7B policy on one GPU
+    ("grpo", "gsm8k_qwen05b_lora", ()),
+    ("grpo", "gsm8k_qwen25_7b_lora", ()),
     ("ppo_rlhf", "gpt2_sentiment", ()),
     ("ppo_rlhf", "gpt2_descriptiveness", ()),
     ("ppo_rlhf", "gpt2_tldr", ()),

@@ -47,8 +47,10 @@ def test_bench_gpu_tiny_prints_sane_rows_and_writes_nothing():
         and kinds.count("grpo vs TRL") == 1
     )
     assert kinds.count("ppo update") == 2
+    # the LoRA update (a frozen bf16 base, the adapter trained) and its full fine-tuning peer
+    assert kinds.count("lora update") == 2
     for r in rows:
-        if r[0] in ("update", "rollout", "ppo update"):
+        if r[0] in ("update", "rollout", "ppo update", "lora update"):
             assert number(r[2]) > 0 and number(r[3]) > 0, r  # seconds, tokens/s (episodes/s)
     updates = {r[1].split(", ", 2)[-1]: r for r in rows if r[0] == "update"}
     assert updates["plain HF loss"][6].startswith("1.00x")

@@ -220,7 +220,7 @@ def test_bf16_reference_linears_give_bit_identical_logits_under_autocast(arch):
 
     # fp32 (this file's default: fp64)
     model = tasks.build_tiny_model(None, arch=arch, seed=3)[0].float().eval()
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).requires_grad_(False)  # frozen, as the trainers' references
     n_bf16 = logprobs.bf16_frozen_linears_(ref)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()

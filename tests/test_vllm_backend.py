@@ -463,6 +463,39 @@ def test_engines_sample_the_same_statistics_from_identical_weights(setup, tmp_pa
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_a_lora_policy_is_synced_merged_and_the_engine_scores_as_the_merged_model(setup):
+    """A LoRA policy (rank 4, B random: the adapter changes the model) synced into the engine:
+    rollout._trainer_named_weights sends W + (alpha / r) B A, and the engine's logprobs equal both
+    the merged model's and the trainer's own unmerged forward within the sync bound (TOL); the
+    plain model's differ (the adapter reached the engine). The engine gets the plain model back."""
+    import copy
+
+    import lora
+
+    backend, model, tokenizer = setup
+    adapted = lora.add_adapter(copy.deepcopy(model), 4, 8.0, "all-linear", seed=0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in lora.adapter_layers(adapted).values():
+            b = layer.lora_B[lora.ADAPTER].weight
+            b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
+    merged = copy.deepcopy(model)
+    merged.load_state_dict(dict(lora.merged_named_weights(adapted)), strict=False)
+    prompts, n = _prompts(tokenizer)[:4], 4
+    backend.sync_weights(adapted)
+    responses, logprobs, _ = backend.generate(
+        prompts, n=n, max_new_tokens=8, temperature=1.0, seed=7
+    )
+    backend.sync_weights(model)
+    of_merged = max_logprob_diff(merged, prompts, n, responses, logprobs, 1.0)
+    of_trainer = max_logprob_diff(adapted, prompts, n, responses, logprobs, 1.0)
+    of_plain = max_logprob_diff(model, prompts, n, responses, logprobs, 1.0)
+    print(
+        f"LoRA sync: merged {of_merged:.1e}, unmerged trainer {of_trainer:.1e}, plain {of_plain:.2f}"
+    )
+    assert of_merged < TOL and of_trainer < TOL and of_plain > 1e-2
+
+
 def _train(backend, tmp_path, **overrides):
     import grpo
 

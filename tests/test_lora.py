@@ -1,0 +1,400 @@
+"""LoRA (lora.py, grpo.py --lora-rank): the gradient identity at peft's initialisation, a weight
+sync that never writes the base (and the in-place merge cycle that would), the reference policy as
+the disabled adapter, the files (peft's adapter, the merged HF model), a SIGKILLed run that resumes
+exactly, LoRA under FSDP2 at 2 ranks equal to unsharded LoRA, the memory plan of a 7B policy on one
+GPU, and the refusals. The vLLM engine's logprobs after a merged sync: tests/test_vllm_backend.py.
+Budget: ~60 s."""
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpo  # noqa: E402
+import harness  # noqa: E402
+import logprobs  # noqa: E402
+import lora  # noqa: E402
+import memory  # noqa: E402
+import rollout  # noqa: E402
+import tasks  # noqa: E402
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+# grpo.py tiny with LoRA, small: 8 prompts x 8 samples per step, two optimizer steps of 4 prompts
+LORA_SMALL = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--val-every", "0"]
+LORA_SMALL += ["--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "8"]
+LORA_SMALL += ["--train-size", "64", "--log-samples-every", "0"]
+
+
+def adapted_tiny(arch, seed=0, rank=4, alpha=8.0):
+    """(the tiny model, a copy with LoRA added, its tokenizer)."""
+    model, tokenizer = tasks.build_tiny_model(arch=arch, seed=seed)
+    return model, lora.add_adapter(copy.deepcopy(model), rank, alpha, "all-linear"), tokenizer
+
+
+def randomise_b(model, scale=0.05, seed=0):
+    """Give every B a random value (peft starts it at 0), so that the adapter changes the model."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora.adapter_layers(model).values():
+            b = layer.lora_B[lora.ADAPTER].weight
+            b.copy_(torch.randn(b.shape, generator=generator) * scale)
+
+
+def sequence_loss(model, ids):
+    """The mean log-likelihood of ids[:, 1:] (any differentiable function of the logits would do)."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    return -torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).mean()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_the_first_backward_gives_dl_da_zero_and_dl_db_s_g_a_transposed(arch):
+    """At peft's initialisation (B = 0) one backward gives dL/dA = 0 exactly and dL/dB = (alpha /
+    r) G A^T, G being the full model's gradient of that layer's weight (gpt2's Conv1D stores W
+    transposed: G^T), within 1e-6 relative, in every adapted layer."""
+    full, adapted, _ = adapted_tiny(arch, seed=3)
+    ids = torch.randint(
+        0, full.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)
+    )
+    sequence_loss(full, ids).backward()
+    sequence_loss(adapted, ids).backward()
+    layers = lora.adapter_layers(adapted)
+    assert len(layers) == 2 * (4 if arch == "gpt2" else 7)  # every linear layer of 2 decoder layers
+    worst = 0.0
+    for name, layer in layers.items():
+        g = full.get_submodule(name).weight.grad
+        g = g.T if layer.fan_in_fan_out else g  # (out, in)
+        a, b = layer.lora_A[lora.ADAPTER].weight, layer.lora_B[lora.ADAPTER].weight
+        assert torch.equal(a.grad, torch.zeros_like(a))
+        expected = layer.scaling[lora.ADAPTER] * g @ a.detach().T
+        worst = max(worst, ((b.grad - expected).norm() / expected.norm()).item())
+    print(f"{arch}: largest relative difference of dL/dB from s G A^T: {worst:.1e}")
+    assert worst <= 1e-6
+    # only the adapter is trained
+    trained = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+
+
+def test_a_hundred_merged_syncs_leave_the_base_bitwise_unchanged_and_in_place_cycles_do_not():
+    """A bf16 base (as under bf16 autocast) with a trained adapter: 100 syncs of each engine's
+    kind (vLLM's named weights, HF's own copy rounded to bf16) leave every trainer weight bitwise
+    as it was, and the copy computes what the merged model does. Merging into the base in place
+    and unmerging after (peft's merge / unmerge, as TRL's sync does) changes it."""
+    _, model, tokenizer = adapted_tiny("qwen2", seed=2)
+    logprobs.bf16_frozen_linears_(model)
+    # the frozen base's linears in bf16, the adapter's float32 masters kept
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert all(dtypes[n] == torch.bfloat16 for n in dtypes if ".base_layer.weight" in n)
+    assert all(dtypes[n] == torch.float32 for n in dtypes if ".lora_" in n)
+    randomise_b(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = rollout.HFBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "bf16")
+    assert not lora.has_adapter(engine.model)  # the engine's copy is the plain HF model
+    adapted = {f"{name}.weight" for name in lora.adapter_layers(model)}
+    for _ in range(100):
+        engine.sync_weights(model)
+        for name, tensor in rollout._trainer_named_weights(model):
+            if name in adapted:  # merged in float32; the engine casts it
+                assert tensor.dtype == torch.float32
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    # the engine's copy holds the merged weights rounded to bf16
+    merged = dict(lora.merged_named_weights(model))
+    copy_params = dict(engine.model.named_parameters())
+    assert set(copy_params) == set(merged)
+    for name, tensor in merged.items():
+        assert torch.equal(copy_params[name], tensor.to(torch.bfloat16).float()), name
+    # the in-place cycle, 100 times
+    layers = lora.adapter_layers(model).values()
+    for _ in range(100):
+        for layer in layers:
+            layer.merge()
+            layer.unmerge()
+    base_names = [n for n in before if ".base_layer.weight" in n]
+    changed = sum((dict(model.named_parameters())[n] != before[n]).sum().item() for n in base_names)
+    total = sum(before[n].numel() for n in base_names)
+    print(f"100 in-place merge/unmerge cycles changed {changed} of {total} base entries")
+    assert changed > 0
+
+
+def test_the_reference_is_the_base_with_the_adapter_off_and_no_second_model(tmp_path):
+    """With --kl-loss-coef > 0 and --lora-rank, load_models builds no reference model, and
+    grpo.reference_logprobs (the policy with its adapter switched off) equals the base model's
+    logprobs exactly while the adapted policy's differ; the adapter is on again afterwards."""
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny_lora"][1], cuda=False, kl_loss_coef=0.01, output_dir=str(tmp_path)
+    )
+    model_path = grpo.policy_path(args, 0, 1)
+    tokenizer, model, ref_model, optimizer, _, _ = grpo.load_models(
+        args, model_path, None, torch.device("cpu"), 0, 1
+    )
+    assert ref_model is None
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(trained) == 2 * len(lora.adapter_layers(model))
+    randomise_b(model)
+    base, _ = tasks.build_tiny_model(arch=args.tiny_arch, seed=args.seed)
+    prompts = [tokenizer("abc=")["input_ids"], tokenizer("dab=")["input_ids"]]
+    responses = [tokenizer("abc")["input_ids"], tokenizer("dd")["input_ids"]]
+    batch = rollout.make_batch(prompts, responses, [[0.0] * 3, [0.0] * 2], 0, 4, "cpu")
+    log_pi = grpo.logprob_settings(args)
+    reference = grpo.reference_logprobs(model, None, batch, args, log_pi)
+    of_base = grpo.batch_logprobs(base, batch, args, log_pi)["logprobs"]
+    of_policy = grpo.batch_logprobs(model, batch, args, log_pi)["logprobs"]
+    assert torch.equal(reference, of_base)
+    assert (of_policy - of_base).abs().max() > 1e-3
+
+
+def run_grpo(out, *extra, steps=3):
+    """grpo.py tiny with LoRA, small, as a user starts it; returns the output folder."""
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), "--total-steps", str(steps)]
+    done = subprocess.run(
+        [sys.executable, *argv, *LORA_SMALL, *extra],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def rows(out):
+    with open(out / "metrics.jsonl") as f:
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(("timing/", "time/"))}
+            for line in f
+        ]
+
+
+def adapter(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / lora.ADAPTER_FILE)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """grpo.py tiny --lora-rank 4, 3 steps, saving every step."""
+    return run_grpo(tmp_path_factory.mktemp("lora") / "run", "--save-every", "1")
+
+
+def test_the_run_writes_the_adapter_in_peft_format_and_the_merged_model(lora_run):
+    """The checkpoint holds the adapter alone (no base weights), which peft.PeftModel loads onto
+    the base; <output_dir>/merged_model is an HF model; both compute the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = lora_run / "checkpoint"
+    assert not (checkpoint / "model.safetensors").exists()
+    assert lora.adapter_settings(checkpoint) == (4, 8.0)
+    base = AutoModelForCausalLM.from_pretrained(lora_run / "tiny_model")
+    base_logits_ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    base_logits = base(input_ids=base_logits_ids).logits
+    with_adapter = PeftModel.from_pretrained(base, checkpoint)
+    merged = AutoModelForCausalLM.from_pretrained(lora_run / "merged_model")
+    logits_adapter = with_adapter(input_ids=base_logits_ids).logits
+    logits_merged = merged(input_ids=base_logits_ids).logits
+    assert (logits_adapter - logits_merged).abs().max() < 1e-5
+    assert (logits_adapter - base_logits).abs().max() > 1e-4  # the adapter was trained
+
+
+def test_a_lora_run_killed_with_sigkill_resumes_exactly(lora_run, tmp_path):
+    """The same run, its process killed with SIGKILL after step 2's row, then rerun: every logged
+    number and the adapter equal the uninterrupted run's."""
+    out = tmp_path / "killed"
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), "--total-steps", "3"]
+    argv += [*LORA_SMALL, "--save-every", "1"]
+    process = subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(metrics.read_text().splitlines()) < 3  # killed before the last step
+    run_grpo(out, "--save-every", "1")
+    assert rows(out) == rows(lora_run)
+    ours, theirs = adapter(out / "checkpoint"), adapter(lora_run / "checkpoint")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_lora_under_fsdp2_equals_unsharded_lora_at_two_ranks(tmp_path):
+    """2 processes, 3 steps with a KL loss, one micro-batch per rank per optimizer step and no
+    clipping (FSDP2 then reduces in DDP's order, docs/sharding.md): the adapters and the merged
+    models end equal bit for bit; the logged numbers within sharding's bound (1e-5 over max(1,
+    size)): the rollout_corr diagnostics, differences of float32 logprobs, differ in their last
+    bits."""
+    runs = {}
+    for sharding in ("ddp", "fsdp2"):
+        out = tmp_path / sharding
+        argv = ["tiny", "--output-dir", str(out), "--total-steps", "3", *LORA_SMALL]
+        argv += ["--sharding", sharding, "--ppo-micro-batch-size-per-gpu", "16"]
+        # with a KL loss: pi_ref is the sharded policy with its adapter switched off
+        argv += ["--max-grad-norm", "1e9", "--kl-loss-coef", "0.01"]
+        cmd = [*TORCHRUN, "2", str(ROOT / "grpo.py"), *argv]
+        done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs[sharding] = out
+    ddp, fsdp2 = adapter(runs["ddp"] / "checkpoint"), adapter(runs["fsdp2"] / "checkpoint")
+    assert sorted(ddp) == sorted(fsdp2) and all(torch.equal(ddp[k], fsdp2[k]) for k in ddp)
+    worst = 0.0
+    for row_ddp, row_fsdp2 in zip(rows(runs["ddp"]), rows(runs["fsdp2"]), strict=True):
+        assert sorted(row_ddp) == sorted(row_fsdp2)
+        for name, value in row_ddp.items():
+            scale = max(abs(value), abs(row_fsdp2[name]), 1.0)
+            worst = max(worst, abs(value - row_fsdp2[name]) / scale)
+    print(f"largest difference of a logged number over max(1, its size): {worst:.1e}")
+    assert worst <= 1e-5
+    merged_ddp = lora.adapter_settings(runs["ddp"] / "checkpoint")
+    assert merged_ddp == (4, 8.0)
+    from safetensors.torch import load_file
+
+    whole_ddp = load_file(runs["ddp"] / "merged_model" / "model.safetensors")
+    whole_fsdp2 = load_file(runs["fsdp2"] / "merged_model" / "model.safetensors")
+    assert all(torch.equal(whole_ddp[k], whole_fsdp2[k]) for k in whole_ddp)
+
+
+def test_the_plan_fits_a_7b_lora_policy_on_one_80_gib_gpu_and_counts_the_adapter():
+    """plan_grpo for the gsm8k_qwen25_7b_lora preset on one GPU of 80 GiB fits; the same preset
+    without LoRA does not (fp32 weights, gradients and AdamW alone are 16 bytes per parameter);
+    the adapter's count is the model's own."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(ROOT / "tests" / "model_configs" / "Qwen2.5-7B-Instruct")
+    args = grpo.PRESETS["gsm8k_qwen25_7b_lora"][1]
+    plan = memory.plan_grpo(args, config, 1, 80 * memory.GIB)
+    assert plan["fits"], plan["totals"]
+    full = memory.plan_grpo(dataclasses.replace(args, lora_rank=0), config, 1, 80 * memory.GIB)
+    assert not full["fits"]
+    model, _ = tasks.build_tiny_model(arch="qwen2")
+    counted = memory.count_adapter_parameters(model.config, 8, 16.0, "all-linear")
+    adapted = lora.add_adapter(model, 8, 16.0, "all-linear")
+    assert counted == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lora-rank", "-1"], "--lora-rank"),
+        (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha"),
+        (["--lora-rank", "4", "--lora-target-modules", "nothing_here"], "--lora-target-modules"),
+    ],
+)
+def test_bad_lora_flags_end_in_one_line(flags, message, tmp_path):
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(tmp_path), *flags]
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode in (1, 2)
+    last = done.stderr.strip().splitlines()[-1]
+    assert message in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_adapter_of_other_settings_is_refused_in_one_line(tmp_path):
+    """load_adapter: a file whose weights are not this model's adapter's (another rank) ends in a
+    RunError naming the file."""
+    _, model, _ = adapted_tiny("qwen2", rank=4)
+    lora.save_adapter(tmp_path, model, lora.adapter_weights(model))
+    _, other, _ = adapted_tiny("qwen2", rank=2)
+    with pytest.raises(harness.RunError, match="adapter"):
+        lora.load_adapter(other, tmp_path)
+
+
+def ppo_lora_command(out):
+    argv = [sys.executable, str(ROOT / "ppo_rlhf.py"), "tiny_lora", "--output-dir", str(out)]
+    return argv + ["--lora-rank", "8", "--total-episodes", "192", "--save-every", "1"]
+
+
+def test_ppo_rlhf_trains_a_lora_policy_and_a_whole_value_head_and_resumes_exactly(tmp_path):
+    """ppo_rlhf.py tiny_lora (rank 8), 3 updates: the first update's KL to the reference is exactly
+    0 (the reference is the policy with its adapter off, and B starts at 0), the value head is
+    trained whole beside the adapter, the checkpoint holds the adapter in peft's format with
+    value_head.pt, and <output_dir>/policy is the merged HF model, which PeftModel on the base
+    matches. The same run killed with SIGKILL after update 2 and rerun logs the same numbers and
+    ends with the same adapter and value head."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ppo"
+    done = subprocess.run(
+        ppo_lora_command(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    updates = [row for row in rows(out) if "objective/kl" in row]
+    assert len(updates) == 3 and updates[0]["objective/kl"] == 0.0
+    assert updates[-1]["objective/kl"] > 0
+    value_head = torch.load(out / "checkpoint" / "value_head.pt", weights_only=True)
+    assert value_head["weight"].abs().max() > 0  # [policy 2] starts it at exactly 0
+    assert lora.adapter_settings(out / "checkpoint") == (8, 32.0)
+    base = AutoModelForCausalLM.from_pretrained(out / "reward_model_run" / "tiny_policy")
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with_adapter = PeftModel.from_pretrained(base, out / "checkpoint")(input_ids=ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(out / "policy")(input_ids=ids).logits
+    assert (with_adapter - merged).abs().max() < 1e-5
+
+    killed = tmp_path / "killed"
+    # the reward model is built once per folder (its mark and hashes): the same one, copied
+    shutil.copytree(out / "reward_model_run", killed / "reward_model_run", symlinks=False)
+    process = subprocess.Popen(
+        ppo_lora_command(killed), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL
+    )
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(metrics.read_text().splitlines()) < 3  # killed before the last update
+    done = subprocess.run(
+        ppo_lora_command(killed), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert rows(killed) == rows(out)
+    ours, theirs = adapter(killed / "checkpoint"), adapter(out / "checkpoint")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    resumed_head = torch.load(killed / "checkpoint" / "value_head.pt", weights_only=True)
+    assert all(torch.equal(resumed_head[k], value_head[k]) for k in value_head)
+
+
+def test_recomputed_layers_give_a_lora_run_the_same_numbers(tmp_path):
+    """--gradient-checkpointing with a frozen base: the recomputed layers' inputs need no gradient
+    of their own, and the adapter inside them still gets its gradient (non-reentrant
+    checkpointing), so 2 steps log the same numbers as without it."""
+    base = dataclasses.replace(
+        grpo.PRESETS["tiny_lora"][1],
+        cuda=False,
+        total_steps=2,
+        val_every=0,
+        train_batch_size=8,
+        ppo_mini_batch_size=4,
+        rollout_n=8,
+        train_size=64,
+        log_samples_every=0,
+    )
+    logged = []
+    for recompute in (False, True):
+        out = tmp_path / f"recompute_{recompute}"
+        args = dataclasses.replace(base, gradient_checkpointing=recompute, output_dir=str(out))
+        grpo.train(args)
+        logged.append(rows(out))
+    assert logged[0] == logged[1]
+    assert all(row["actor/grad_norm"] > 0 for row in logged[0])
