@@ -155,17 +155,16 @@ def merged_named_weights(model):
     model = getattr(model, "module", model)
     layers = adapter_layers(model)
     for name, p in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
         if ".lora_A." in name or ".lora_B." in name:
-            continue
-        if owner.endswith(".base_layer") and owner.removesuffix(".base_layer") in layers:
-            layer_name = owner.removesuffix(".base_layer")
-            if leaf == "weight":
-                yield f"{layer_name}.weight", merged_weight(layers[layer_name])
-            else:  # the bias, unchanged
-                yield f"{layer_name}.{leaf}", harness.whole(p.detach())
-        else:
-            yield name, harness.whole(p.detach())
+            continue  # inside its layer's merged weight
+        owner, _, leaf = name.rpartition(".")
+        layer_name = owner.removesuffix(".base_layer")
+        if owner == layer_name or layer_name not in layers:
+            yield name, harness.whole(p.detach())  # not an adapted layer's
+        elif leaf == "weight":
+            yield f"{layer_name}.weight", merged_weight(layers[layer_name])
+        else:  # an adapted layer's bias, unchanged
+            yield f"{layer_name}.{leaf}", harness.whole(p.detach())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -513,7 +513,7 @@ def forward_and_score(
         policy_logprobs.append(logprobs_from_hidden(model.lm, hidden, response, log_pi)[0])
         values.append(value)
         # (LoRA: the reference is the policy's LM with its adapter switched off)
-        reference = ref_policy or model.lm
+        reference = ref_policy if ref_policy is not None else model.lm
         with lora.adapter_disabled(reference):
             ref_hidden = response_hidden(reference, query_response, context_length, tokens.pad)
             ref_logprobs.append(logprobs_from_hidden(reference, ref_hidden, response, log_pi)[0])

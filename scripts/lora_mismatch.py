@@ -16,6 +16,7 @@ numbers for the plain model (no adapter) between a bf16 engine and the bf16-auto
 """
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -30,11 +31,14 @@ import tasks  # noqa: E402
 
 
 def token_logprobs(model, ids, prompt_length, bf16):
-    """log p of ids[:, prompt_length:] under model (fp32 logits from the forward's last hidden)."""
-    context = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.no_grad()
-    with torch.no_grad(), context:
-        logits = model(input_ids=ids).logits[:, prompt_length - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_length:, None])[..., 0]
+    """log p of ids[:, prompt_length:] under model (B, R): logprobs.py's definition on the
+    forward's logits, under bf16 autocast if bf16."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
+        logits = model(input_ids=ids).logits[:, prompt_length - 1 : -1]
+    tokens = ids[:, prompt_length:]
+    lp, _ = logprobs.reference_logprobs_and_entropy(logits.flatten(0, 1), tokens.flatten())
+    return lp.view(tokens.shape)
 
 
 def differences(engine, trainer):

@@ -185,6 +185,20 @@ def adapter(folder):
     return load_file(folder / lora.ADAPTER_FILE)
 
 
+def kill_after_two_rows(command, metrics, timeout=300):
+    """Start `command`, SIGKILL it once `metrics` (its metrics.jsonl) holds two rows; returns how
+    many rows it held then."""
+    process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return len(metrics.read_text().splitlines())
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """grpo.py tiny --lora-rank 4, 3 steps, saving every step."""
@@ -217,18 +231,8 @@ def test_a_lora_run_killed_with_sigkill_resumes_exactly(lora_run, tmp_path):
     out = tmp_path / "killed"
     argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), "--total-steps", "3"]
     argv += [*LORA_SMALL, "--save-every", "1"]
-    process = subprocess.Popen(
-        [sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL
-    )
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert len(metrics.read_text().splitlines()) < 3  # killed before the last step
+    logged = kill_after_two_rows([sys.executable, *argv], out / "metrics.jsonl")
+    assert logged < 3  # killed before the last step
     run_grpo(out, "--save-every", "1")
     assert rows(out) == rows(lora_run)
     ours, theirs = adapter(out / "checkpoint"), adapter(lora_run / "checkpoint")
@@ -352,18 +356,8 @@ def test_ppo_rlhf_trains_a_lora_policy_and_a_whole_value_head_and_resumes_exactl
     killed = tmp_path / "killed"
     # the reward model is built once per folder (its mark and hashes): the same one, copied
     shutil.copytree(out / "reward_model_run", killed / "reward_model_run", symlinks=False)
-    process = subprocess.Popen(
-        ppo_lora_command(killed), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL
-    )
-    metrics = killed / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert len(metrics.read_text().splitlines()) < 3  # killed before the last update
+    logged = kill_after_two_rows(ppo_lora_command(killed), killed / "metrics.jsonl")
+    assert logged < 3  # killed before the last update
     done = subprocess.run(
         ppo_lora_command(killed), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
     )
