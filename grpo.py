@@ -229,6 +229,9 @@ class Args(harness.CheckpointedRunArgs):
     tiny_arch: str = "qwen2"
     """Architecture of the "tiny" model: qwen2 (RoPE positions, as the Qwen2.5 presets) or gpt2
     (learned absolute positions: the tiny preset's, docs/grpo.md "Does the first run learn")."""
+    tiny_tied_embeddings: bool = True
+    """The "tiny" model's LM head shares the input embedding matrix (as gpt2 and the small Qwen2.5
+    models); False gives it its own, which LoRA may then adapt (tiny_lora)."""
     lora_rank: int = 0
     """LoRA's rank r (lora.py): train only (alpha / r) B A beside each frozen linear weight; 0 = off
     (every weight trained). The reference policy is then the base with the adapter off (no second
@@ -239,7 +242,8 @@ class Args(harness.CheckpointedRunArgs):
     uses alpha = r = 32)."""
     lora_target_modules: str = "all-linear"
     """The linear layers LoRA adapts: all-linear (every linear layer of the decoder, attention and
-    MLP; not the LM head) or comma-separated module names (q_proj,v_proj)."""
+    MLP; not the LM head) or comma-separated module names (q_proj,v_proj; lm_head only in a model
+    with untied embeddings)."""
     task: str = "copy"
     """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
     (Countdown-Tasks-3to4)."""
@@ -289,8 +293,20 @@ class Args(harness.CheckpointedRunArgs):
     """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to
     correct."""
     rollout_staleness: int = 0
-    """K: step t samples with the weights after update t - K (an async rollout worker's lag;
-    rollout.LaggedWeights)."""
+    """K: step t samples with the weights after update t - K (an async rollout worker's lag,
+    simulated one step after another; rollout.LaggedWeights)."""
+    async_rollouts: bool = False
+    """A producer thread samples the coming steps while the trainer trains (rollout.AsyncRollouts):
+    step t with the weights after update t - K exactly (K = --max-staleness), so the run equals
+    --rollout-staleness K bit for bit, only faster."""
+    max_staleness: int = 1
+    """K of --async-rollouts: how many updates older than the trainer's the sampling weights are."""
+    in_flight_updates: bool = False
+    """--async-rollouts with K = 1: the producer takes the new weights inside a batch, between
+    chunks of --in-flight-chunk-tokens new tokens (PipelineRL); each token's logprob is its own
+    version's, which the corrections read (rollout.VersionedEngine)."""
+    in_flight_chunk_tokens: int = 2
+    """New tokens per chunk with --in-flight-updates (the weights may change between chunks)."""
     correction: str = "disabled"
     """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the
     recomputed pi_old."""
@@ -439,6 +455,16 @@ def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
         torch.tensor([score for group in mine for score in group["scores"]]),
     )
     return [group["prompt"] for group in mine], rollout_batch, metrics
+
+
+def sample_step(step, backend, task, tokenizer, args, rank, world_size):
+    """Steps 1-2 of training step `step` with `backend`: (prompt indices, roll_out's result for
+    them, the filter's metrics). With --dynamic-sampling, DAPO's batch; else the step's prompts."""
+    if args.dynamic_sampling:
+        return dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size)
+    indices = step_prompt_indices(step, len(task.train), args, rank, world_size)
+    seed = sampling_seed(args, step, rank)
+    return indices, roll_out(backend, task, tokenizer, indices, seed, args), {}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -849,7 +875,7 @@ def train(args, backend=None):
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
     inputs = pinned_inputs(args, model_path, checkpoint)
-    tokenizer, model, ref_model, optimizer, scaler, start_step = load_models(
+    tokenizer, model, ref_model, optimizer, scaler, start_step, queued = load_models(
         args, model_path, checkpoint, device, rank, world_size
     )
     # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts)
@@ -863,12 +889,16 @@ def train(args, backend=None):
     own_backend = backend is None
     if own_backend:
         backend = make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
-    elif lag and getattr(backend, "model", None) is model:
-        raise ValueError(
-            "rollout_staleness: the backend passed to train() samples with the trainer's own "
-            "model, so it cannot lag; let train() build it"
-        )
+    if lag:  # (a backend a test passes in must not sample with the trainer's own model)
+        lag.check_engine(backend, model)
     backend.sync_weights(rollout_model)
+    # --async-rollouts: a producer thread with its own copy and engine samples step t with the
+    # weights after update t - K while the trainer trains (a resume's queued batches first)
+    producer = None
+    if args.async_rollouts:
+        producer = start_producer(
+            args, model, model_path, tokenizer, task, start_step, queued, rank, world_size
+        )
     resume_step = start_step if checkpoint else None
     log = harness.start_logs(args, "grpo", rank, world_size, resume_step, inputs)
 
@@ -888,16 +918,14 @@ def train(args, backend=None):
         # 1-2. Rollout and rewards (roll_out): this rank's prompts, n samples each with pi_rollout's
         #      logprobs, and each response's score. With --dynamic-sampling (DAPO) both repeat on
         #      fresh prompts until train_batch_size groups whose rewards differ are in hand.
+        #      --async-rollouts: the producer sampled them while the trainer was busy.
         t0 = time.time()
-        filter_metrics = {}
-        if args.dynamic_sampling:
-            indices, rollout_batch, filter_metrics = dynamic_sampling(
+        if producer:
+            _, (indices, rollout_batch, filter_metrics) = producer.take(step)
+        else:
+            indices, rollout_batch, filter_metrics = sample_step(
                 step, backend, task, tokenizer, args, rank, world_size
             )
-        else:
-            indices = step_prompt_indices(step, len(task.train), args, rank, world_size)
-            seed = sampling_seed(args, step, rank)
-            rollout_batch = roll_out(backend, task, tokenizer, indices, seed, args)
         timing = {"timing/generate": time.time() - t0}
         if rollout_batch is None:
             # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
@@ -990,6 +1018,8 @@ def train(args, backend=None):
         t0 = time.time()
         if lag:
             lag.push(model)
+        if producer:
+            producer.publish(model, step + 1)
         backend.sync_weights(rollout_model)
         timing["timing/sync_weights"] = time.time() - t0
 
@@ -1009,16 +1039,12 @@ def train(args, backend=None):
             metrics.update(validate(backend, lag, tokenizer, task, args, step, rank, world_size))
         metrics["timing/step"] = time.time() - t_step
         log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
-        if args.log_samples_every and args.num_log_samples:
-            # what the policy writes
-            if (step + 1) % args.log_samples_every == 0 or step == 0:
-                rows = sample_rows(
-                    step + 1, args, tokenizer, prompt_ids, response_ids, scores, batch["advantages"]
-                )
-                log.samples(rows)
+        # what the policy writes (after the first step and every --log-samples-every steps)
+        samples = sample_rows(step + 1, args, tokenizer, prompt_ids, response_ids, scores, batch)
+        log.samples(samples)
         stop_signal = harness.stop_signal(world_size)  # SIGTERM or SIGINT on any rank
         if (args.save_every and (step + 1) % args.save_every == 0) or last or stop_signal:
-            save(args, rank, model, tokenizer, optimizer, scaler, step + 1, inputs)
+            save(args, rank, model, tokenizer, optimizer, scaler, step + 1, inputs, producer)
         if stop_signal and not last:
             raise harness.stopped(stop_signal, step + 1, args.output_dir)
 
@@ -1082,8 +1108,9 @@ def check_args(args, world_size=1):
     ranges = {
         ">= 1": "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
         "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
-        "train_size copy_length arith_max_steps vllm_max_num_seqs",
-        ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness val_size "
+        "train_size copy_length arith_max_steps vllm_max_num_seqs in_flight_chunk_tokens",
+        ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness "
+        "max_staleness val_size "
         "top_k dro_beta lora_rank "
         "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
         "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
@@ -1110,6 +1137,10 @@ def check_args(args, world_size=1):
     objectives.check_objective(args, corrections.RolloutCorrection.from_name(args.correction))
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
+    if args.async_rollouts:
+        check_async_rollouts(args, world_size)
+    elif args.in_flight_updates:
+        harness.refuse(args, "in_flight_updates", "off without --async-rollouts")
     if args.sharding == "fsdp2":
         # what keeps a whole copy of the model beside the shards, or scales sharded gradients
         if args.precision == "fp16":
@@ -1142,6 +1173,29 @@ def check_args(args, world_size=1):
     harness.check_paths(args)
 
 
+def check_async_rollouts(args, world_size):
+    """What --async-rollouts cannot run with, each refused in one line: what its producer thread
+    cannot share with the trainer's (the global RNG, collectives, an engine), or a second lag."""
+    if args.rollout_staleness:
+        harness.refuse(args, "rollout_staleness", "0 with --async-rollouts (--max-staleness is K)")
+    if args.policy_loss == "clip_cov":
+        # its token draw (torch.randperm) would take from the producer's sampling RNG
+        harness.refuse(args, "policy_loss", "not clip_cov with --async-rollouts")
+    if args.adv_estimator == "remax":
+        harness.refuse(args, "adv_estimator", "not remax with --async-rollouts (a greedy rollout)")
+    if args.backend != "hf":
+        harness.refuse(args, "backend", "hf with --async-rollouts (vLLM's engine: not yet)")
+    if args.sharding == "fsdp2":
+        harness.refuse(args, "sharding", "ddp with --async-rollouts (a whole copy)")
+    if args.dynamic_sampling:
+        # its group counts are collectives, which would interleave with the trainer's
+        harness.refuse(args, "dynamic_sampling", "off with --async-rollouts")
+    if args.in_flight_updates and args.max_staleness != 1:
+        # a checkpoint after step s could not finish batch s + 2, whose last chunks need version
+        # s + 2 (rollout.AsyncRollouts.pending)
+        harness.refuse(args, "max_staleness", "1 with --in-flight-updates")
+
+
 def changeable_settings(args):
     """The settings a resume may change (harness.checkpoint_to_resume): the number of steps where
     the learning-rate schedule does not depend on it, dynamic sampling's cap (a run stopped by it
@@ -1162,10 +1216,16 @@ def policy_path(args, rank, world_size):
         return args.model_name_or_path
     path = os.path.join(args.output_dir, "tiny_model")
     settings = {"tiny_arch": args.tiny_arch, "max_positions": TINY_MAX_POSITIONS, "seed": args.seed}
+    if not args.tiny_tied_embeddings:  # (the key only when set: older runs' marks stay valid)
+        settings["tied_embeddings"] = False
 
     def build(folder):
         tasks.build_tiny_model(
-            folder, arch=args.tiny_arch, max_positions=TINY_MAX_POSITIONS, seed=args.seed
+            folder,
+            arch=args.tiny_arch,
+            max_positions=TINY_MAX_POSITIONS,
+            seed=args.seed,
+            tied_embeddings=args.tiny_tied_embeddings,
         )
 
     # a tiny model an earlier run built with other settings (another --tiny-arch or --seed), or
@@ -1191,7 +1251,8 @@ def pinned_inputs(args, model_path, checkpoint):
 
 
 def load_models(args, model_path, checkpoint, device, rank, world_size):
-    """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step):
+    """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step,
+    --async-rollouts' queued batches or None):
     fp32 master weights (autocast to --precision's dtype for the forward), from the checkpoint when
     resuming, with the optimizer and scaler state and this rank's RNG state. --sharding fsdp2:
     each rank keeps its shard of both models (harness.build_sharded: the ranks load in turns)."""
@@ -1255,9 +1316,10 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
     if logprobs.resolve_precision(args.precision, device) == "fp16":
         # torch's defaults: S starts at 2^16
         scaler = torch.amp.GradScaler(device.type)
-    start_step = 0
+    start_step, queued = 0, None
     if checkpoint:
         state = harness.load_checkpoint(checkpoint, rank)
+        queued = state.get("rollout_queue")
         if "shard" in state:  # FSDP2: this rank's shard of the optimizer state
             harness.load_local_optimizer_state(optimizer, state["shard"])
         else:
@@ -1272,7 +1334,7 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
             )
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
-    return tokenizer, model, ref_model, optimizer, scaler, start_step
+    return tokenizer, model, ref_model, optimizer, scaler, start_step, queued
 
 
 def prompts_that_fit(task, tokenizer, args):
@@ -1298,6 +1360,33 @@ def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
     max_model_len = min(args.max_prompt_length + args.max_response_length, context)
     return rollout.make_backend(
         args.backend, model_path, rollout_model, args, tokenizer, max_model_len, world_size
+    )
+
+
+def start_producer(args, model, model_path, tokenizer, task, start_step, queued, rank, world_size):
+    """--async-rollouts' producer (rollout.AsyncRollouts): steps 1-2 (sample_step) for the steps
+    from start_step on, with its own copy of `model` and its own engine, after a resume the
+    checkpoint's queued batches first."""
+
+    def make_engine(copy):
+        return make_rollout_backend(args, model_path, copy, tokenizer, world_size)
+
+    def sample(step, engine):
+        indices, rollout_batch, metrics = sample_step(
+            step, engine, task, tokenizer, args, rank, world_size
+        )
+        # the versions its tokens came from: async/oldest_version_age, async/versions_per_sequence
+        return indices, rollout_batch, {**metrics, **engine.version_metrics(rollout_batch[0])}
+
+    return rollout.AsyncRollouts(
+        model,
+        make_engine,
+        sample,
+        start_step,
+        args.total_steps,
+        args.max_staleness,
+        queued,
+        token_chunk=args.in_flight_chunk_tokens if args.in_flight_updates else 0,
     )
 
 
@@ -1400,8 +1489,14 @@ def log_step(log, metrics, total_steps, rank):
     print(" | ".join(line), flush=True)
 
 
-def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, advantages):
-    """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl)."""
+def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, batch):
+    """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl),
+    after step 1 and every --log-samples-every steps; [] after the others."""
+    if not (args.log_samples_every and args.num_log_samples):
+        return []
+    if step % args.log_samples_every and step != 1:
+        return []
+    advantages = batch["advantages"]
     return [
         {
             "step": step,
@@ -1417,13 +1512,15 @@ def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, advanta
     ]
 
 
-def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs):
+def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, producer=None):
     """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
     and the step (harness.py adds every rank's RNG and the pinned inputs, and swaps it in
     atomically). --sharding fsdp2: the weights gathered whole onto rank 0 for the HF files, the
     optimizer state saved by each rank, its own shard. --lora-rank: the adapter alone, in peft's
     format (its base is pinned), and after the last step the merged policy
-    as an HF model in <output_dir>/merged_model too."""
+    as an HF model in <output_dir>/merged_model too. --async-rollouts: the batches already sampled
+    with older weights than these (rollout.AsyncRollouts.pending), handed over first on a
+    resume."""
     if args.lora_rank:
         weights = lora.adapter_weights(model)  # gathered under FSDP2: every rank takes part
     else:
@@ -1444,6 +1541,8 @@ def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs):
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
+    if producer is not None:
+        state["rollout_queue"] = producer.pending(step)
     harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs, shard)
     if args.lora_rank and step == args.total_steps:
         save_merged_model(args, rank, model, tokenizer)
@@ -1660,13 +1759,24 @@ PRESETS["gsm8k_qwen25_7b"] = (
     ),
 )
 
-# LoRA (lora.py). The tiny preset with rank 8: the adapter's lr 10x the full model's (Schulman et
-# al. 2025, "LoRA Without Regret": RL with LoRA matches full fine-tuning at about 10x its lr) and
-# alpha 32 at every rank, as theirs. The seed table (docs/grpo.md, LoRA) compares ranks 1, 8 and 32
-# at this lr with full fine-tuning.
+# LoRA (lora.py). The tiny preset with rank 8, alpha 32 at every rank (Schulman et al. 2025, "LoRA
+# Without Regret"), on every linear layer and the LM head: the tiny model is random-init, and with
+# its head frozen (std 0.02) and the final norm in front of it no adapter can make the logits
+# peaked enough to emit a copy reliably (scripts/lora_capacity.py); a pretrained base's head
+# already does. So the tiny model gets its own head matrix (a tied head cannot hold a merged
+# adapter). lr 2e-3: twice the full model's, from two pilot runs (docs/lora.md); the seed table
+# (docs/grpo.md, LoRA) compares ranks 1, 8 and 32 at this lr with full fine-tuning.
 PRESETS["tiny_lora"] = (
-    "Offline CPU run: the tiny copy task with LoRA rank 8 (every linear layer; the lr 10x tiny's).",
-    replace(PRESETS["tiny"][1], exp_name="grpo_tiny_lora", lora_rank=8, lora_alpha=32.0, lr=1e-2),
+    "Offline CPU run: the tiny copy task with LoRA rank 8 (every linear layer and the LM head).",
+    replace(
+        PRESETS["tiny"][1],
+        exp_name="grpo_tiny_lora",
+        tiny_tied_embeddings=False,
+        lora_rank=8,
+        lora_alpha=32.0,
+        lora_target_modules="c_attn,c_proj,c_fc,lm_head",
+        lr=2e-3,
+    ),
 )
 # verl's GSM8K GRPO-LoRA run for Qwen2.5-0.5B-Instruct (docs/algo/baseline.md: 54.3): the GRPO
 # example's settings with rank 32, alpha 32, all-linear and lr 3e-5 (docs/advance/ppo_lora.rst's

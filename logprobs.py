@@ -165,6 +165,22 @@ def backbone_output(model, **inputs):
     return captured["output"]
 
 
+def head_weight(head):
+    """W (V, H) of an LM head: a bias-free nn.Linear's weight, or for a head LoRA adapts
+    (--lora-target-modules with lm_head) W + (alpha / r) B A with its gradient (lora.head_weight);
+    None for None (the hidden states are the logits)."""
+    if head is None:
+        return None
+    if isinstance(head, torch.nn.Linear) and head.bias is None:
+        return head.weight
+    base = getattr(head, "base_layer", None)
+    if isinstance(base, torch.nn.Linear) and base.bias is None:
+        import lora
+
+        return lora.head_weight(head)
+    raise ValueError("head must be None or a bias-free nn.Linear (an LM head), LoRA's or not")
+
+
 def _no_logits(hidden):
     """backbone_output's LM head: an empty (..., 0) tensor, nothing computed."""
     return hidden.new_empty(*hidden.shape[:-1], 0)
@@ -180,7 +196,8 @@ def token_logprobs_and_entropy(
     left_out_of_kept_set=False,
 ):
     """The definition (reference_logprobs_and_entropy) for N positions, from their hidden states
-    (N, H) and the LM head W (`head`: a bias-free nn.Linear; None: `hidden` are the logits):
+    (N, H) and the LM head W (`head`: a bias-free nn.Linear, LoRA-adapted or not, head_weight;
+    None: `hidden` are the logits):
 
         z_t       = W hidden_t / T
         logprob_t = log_softmax(z_t)[token_t]
@@ -204,13 +221,11 @@ def token_logprobs_and_entropy(
     truncation). left_out_of_kept_set (no gradient, with a truncation): a last output (N,), 1.0
     where the kept set recomputed from these logits leaves out the sampled token (it is scored over
     K + the token: the sampler's set and this one differ there)."""
-    if head is not None and not (isinstance(head, torch.nn.Linear) and head.bias is None):
-        raise ValueError("head must be None or an nn.Linear without bias (an LM head)")
+    weight = head_weight(head)
     temperature = settings.temperature
     chunk_size = settings.chunk_size
     banned = settings.banned
     truncation = settings.truncation
-    weight = head.weight if head is not None else None
     precision = head_precision(settings.head_precision, hidden) if weight is not None else "fp32"
     # float32 (float64 stays float64), autocast off: the softmax never sees bf16 logits
     dtype = torch.promote_types(hidden.dtype, torch.float32)

@@ -32,7 +32,8 @@ measured.)
                          name, decoder layer and helper of the model stays as it was),
                          adapter_layers, adapter_disabled (the reference policy),
                          without_adapter (an engine's plain copy)
-    2. merged weights    merged_weight, merged_named_weights (the engine's sync, the export)
+    2. merged weights    merged_weight, merged_named_weights (the engine's sync, the export),
+                         head_weight (an adapted LM head's, with its gradient: logprobs.py)
     3. files             adapter_weights, save_adapter / load_adapter (peft's format:
                          adapter_config.json + adapter_model.safetensors, which
                          peft.PeftModel.from_pretrained reads), save_merged (an HF model folder)
@@ -92,6 +93,17 @@ def add_adapter(model, rank, alpha, target_modules, seed=0):
             raise harness.RunError(
                 f"--lora-target-modules {target_modules}: {harness.first_line(error)}"
             ) from None
+    head = model.get_output_embeddings()
+    if (
+        head in adapter_layers(model).values()
+        and model.config.get_text_config().tie_word_embeddings
+    ):
+        # the head's weight is the embedding matrix: the merged head would be a second matrix that
+        # a tied engine (vLLM skips lm_head.* when tied) and a tied saved model cannot hold
+        raise harness.RunError(
+            f"--lora-target-modules {target_modules}: the LM head is tied to the input "
+            "embeddings in this model; adapt it only in a model with untied embeddings"
+        )
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
     return model
@@ -145,6 +157,18 @@ def merged_weight(layer):
     b = harness.whole(layer.lora_B[ADAPTER].weight.detach()).float()
     delta = layer.scaling[ADAPTER] * (b @ a)
     return base + (delta.T if layer.fan_in_fan_out else delta)
+
+
+def head_weight(layer):
+    """The weight an adapted LM head computes with, for logprobs.py's chunked head (which multiplies
+    hidden states by one (V, H) matrix): W + (alpha / r) B A built with autograd, so the gradient
+    reaches A and B (W stays frozen); W alone while the adapter is switched off (the reference)."""
+    base = layer.get_base_layer().weight
+    if layer.disable_adapters:
+        return base
+    a = layer.lora_A[ADAPTER].weight
+    b = layer.lora_B[ADAPTER].weight
+    return base + layer.scaling[ADAPTER] * (b @ a).to(base.dtype)
 
 
 def merged_named_weights(model):

@@ -12,7 +12,9 @@ differs from the trainer's policy.
     apply_mismatch       a controlled rollout/trainer mismatch: the engine's copy of the weights
                          rounded (bf16 .. int4)
     LaggedWeights        a controlled staleness: the engine samples with the weights K updates old
-                         (an async worker)
+                         (an async worker, simulated one step after another)
+    AsyncRollouts        a real one: a producer thread samples the coming steps while the trainer
+                         trains, each batch with the weights K updates old
     make_batch           GRPO's rollout as training tensors: [left-padded prompt | right-padded
                          response], masks
     sample_fixed_length  OpenAI's sampling for ppo_rlhf.py and rewards.py: exactly R tokens, EOS
@@ -358,9 +360,12 @@ class HFBackend:
         self.model.eval()
         responses, response_logprobs, finish = [], [], []
         # Sample under our own seed without touching the global RNG: the run stays reproducible
-        # across resume.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
+        # across resume. Greedy draws nothing and seeds nothing (a producer thread may sample from
+        # the global RNG meanwhile, AsyncRollouts).
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=temperature > 0):
+            if temperature > 0:
+                torch.manual_seed(seed)
             for start in range(0, len(rows), chunk):
                 input_ids, attention_mask = pad_left(rows[start : start + chunk], self.pad_token_id)
                 new_tokens, new_logprobs = hf_generate(
@@ -380,6 +385,63 @@ class HFBackend:
                     response_logprobs.append(lps[:end])
                     finish.append("stop" if self.eos_token_id in ids else "length")
         self.model.train(was_training)
+        return responses, response_logprobs, finish
+
+    @torch.no_grad()
+    def generate_in_flight(
+        self, prompt_token_ids, n, max_new_tokens, temperature, seed, token_chunk, before_chunk
+    ):
+        """generate() with the weights swapped inside the batch (in-flight weight updates,
+        PipelineRL, arXiv 2509.19128): the new tokens come in chunks of token_chunk, and before
+        chunk c, before_chunk(c) may load other weights (AsyncRollouts). Each chunk starts with a
+        fresh prefill of prompt + the tokens so far under the chunk's weights (no key or value of
+        older weights is reused, unlike PipelineRL's engine), so every token's logprob is
+        log_softmax(logits / T) of the weights that sampled it, given its prefix: a teacher-forced
+        recompute with those weights gives it back. One RNG stream under `seed` for the whole
+        batch; all rows at once. Returns what generate() returns."""
+        rows = [list(p) for p in prompt_token_ids for _ in range(n)]
+        device = next(self.model.parameters()).device
+        responses = [[] for _ in rows]
+        response_logprobs = [[] for _ in rows]
+        finished = [False] * len(rows)
+        was_training = self.model.training
+        self.model.eval()
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=temperature > 0):
+            if temperature > 0:
+                torch.manual_seed(seed)
+            for c, first in enumerate(range(0, max_new_tokens, token_chunk)):
+                active = [i for i in range(len(rows)) if not finished[i]]
+                if not active:
+                    break
+                before_chunk(c)
+                config = generation_config(
+                    min(token_chunk, max_new_tokens - first),
+                    temperature,
+                    self.eos_token_id,
+                    self.pad_token_id,
+                )
+                input_ids, attention_mask = pad_left(
+                    [rows[i] + responses[i] for i in active], self.pad_token_id
+                )
+                new_tokens, new_logprobs = hf_generate(
+                    self.model,
+                    input_ids.to(device),
+                    attention_mask.to(device),
+                    config,
+                    temperature,
+                    self.precision,
+                    self.truncation,
+                )
+                for i, ids, lps in zip(
+                    active, new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()
+                ):
+                    end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
+                    responses[i] += ids[:end]
+                    response_logprobs[i] += lps[:end]
+                    finished[i] = self.eos_token_id in ids or len(responses[i]) >= max_new_tokens
+        self.model.train(was_training)
+        finish = ["stop" if self.eos_token_id in r else "length" for r in responses]
         return responses, response_logprobs, finish
 
 
@@ -824,6 +886,14 @@ class LaggedWeights:
         self.history.append(self._snapshot(model))
         self._load(self.history[0])
 
+    def check_engine(self, backend, trainer_model):
+        """A ValueError if `backend` samples with the trainer's own model: it could not lag."""
+        if getattr(backend, "model", None) is trainer_model:
+            raise ValueError(
+                "rollout_staleness: the backend passed to train() samples with the trainer's own "
+                "model, so it cannot lag; let train() build it"
+            )
+
     @contextlib.contextmanager
     def current(self, backend):
         """Inside this block the engine samples with the trainer's newest weights (validation), then
@@ -833,3 +903,196 @@ class LaggedWeights:
         yield
         self._load(self.history[0])
         backend.sync_weights(self.model)
+
+
+class AsyncRollouts:
+    """--async-rollouts: a producer thread samples the coming steps' rollout batches while the
+    trainer trains (verl's one-step-off-policy and fully-async trainers, PRIME-RL's async level,
+    AReaL), handing them over one step at a time, each tagged with the weight versions that sampled
+    it (version v = the weights after v updates).
+
+    Exact by default: batch t is sampled with version max(0, t - K) exactly (K = --max-staleness;
+    the producer waits for it), from its own seed, so a run logs what `--rollout-staleness K` logs
+    and ends with the same weights, bit for bit; only the timing changes. Version t - K is published
+    when step t - K - 1 ends, so up to K + 1 batches wait while the trainer is busy. The producer
+    has its own copy of the policy and its own engine (make_engine(copy)); it draws from torch's
+    global CPU RNG under each batch's seed (HFBackend.generate), so the trainer's thread must draw
+    nothing from it meanwhile (grpo.py refuses the one loss that does, Clip-Cov).
+
+    In-flight updates (token_chunk > 0, K = 1): the weights change inside a batch, between chunks
+    of token_chunk new tokens (PipelineRL): chunk c of batch t is sampled with version
+    min(t - K + c, t), so its first chunk is one update old and the rest is the weights the trainer
+    will hold when it takes the batch (VersionedEngine, HFBackend.generate_in_flight).
+
+    A checkpoint after step s holds the batches s + 1 .. s + K (pending: sampled with versions
+    older than the saved weights); a resume hands them over first and samples the rest from the
+    saved weights on, so a stopped or killed run ends as an uninterrupted one. An error in the
+    producer reaches the trainer as a RunError at its next take()."""
+
+    def __init__(
+        self, model, make_engine, sample, first_step, total_steps, k, pending=None, token_chunk=0
+    ):
+        import atexit
+        import threading
+
+        self.sample = sample  # sample(step, engine) -> the step's rollout (grpo.py)
+        self.k = k
+        self.token_chunk = token_chunk
+        self.total_steps = total_steps
+        self.model = copy.deepcopy(model).requires_grad_(False)
+        self.engine = make_engine(self.model)
+        self.trained = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.versions = {first_step: self._snapshot(model)}  # version -> trained weights
+        # step -> (the versions that sampled it, one per chunk, rollout); a resume's pending first
+        self.ready = dict(pending or {})
+        self.error = None
+        self.closed = False
+        self.next_step = first_step + len(self.ready)
+        if self.next_step < total_steps and self.version_for(self.next_step) < first_step:
+            # the batches sampled with versions before the saved weights are gone
+            raise harness.RunError(
+                f"the checkpoint at step {first_step} holds {len(self.ready)} rollout batches, not "
+                f"the {k} sampled with older weights that --max-staleness {k} needs"
+            )
+        self.condition = threading.Condition()
+        self.thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+        self.thread.start()
+        # however the run ends (a stop signal, an error): a thread still inside a torch op when the
+        # interpreter finalizes aborts the process ("terminate called without an active exception")
+        atexit.register(self.close)
+
+    @torch.no_grad()
+    def _snapshot(self, model):
+        params = dict(model.named_parameters())
+        return {name: params[name].detach().clone() for name in self.trained}
+
+    def version_for(self, step):
+        """The version batch `step` starts with."""
+        return max(0, step - self.k)
+
+    @torch.no_grad()
+    def load(self, version):
+        """Wait for `version` to be published, then give the producer's engine its weights."""
+        with self.condition:
+            # published when the trainer's step `version - 1` ends
+            self.condition.wait_for(lambda: version in self.versions or self.closed)
+            if self.closed:
+                raise _ProducerClosed
+            weights = self.versions[version]
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+        self.engine.sync_weights(self.model)
+
+    def _produce(self):
+        try:
+            while self.next_step < self.total_steps:
+                step = self.next_step
+                engine = VersionedEngine(self, step)
+                result = self.sample(step, engine)
+                with self.condition:
+                    self.ready[step] = (engine.versions, result)
+                    self.next_step = step + 1
+                    # the versions no later batch is sampled with
+                    for old in [v for v in self.versions if v < self.version_for(step + 1)]:
+                        del self.versions[old]
+                    self.condition.notify_all()
+        except _ProducerClosed:
+            return
+        except BaseException as error:  # reaches the trainer at its next take()
+            with self.condition:
+                self.error = error
+                self.condition.notify_all()
+
+    def _wait_for(self, step):
+        with self.condition:
+            self.condition.wait_for(lambda: step in self.ready or self.error is not None)
+            if step not in self.ready:
+                raise harness.RunError(
+                    f"the rollout producer failed before step {step + 1}: "
+                    f"{type(self.error).__name__}: {harness.first_line(self.error)}"
+                ) from self.error
+
+    def take(self, step):
+        """(the versions that sampled it, one per chunk of new tokens, rollout) of `step`, waiting
+        for the producer if it is not ready."""
+        self._wait_for(step)
+        with self.condition:
+            return self.ready.pop(step)
+
+    def publish(self, model, version):
+        """After an update: the trainer's weights are version `version` (a copy is kept until the
+        batches sampled with it are done)."""
+        snapshot = self._snapshot(model)
+        with self.condition:
+            self.versions[version] = snapshot
+            self.condition.notify_all()
+
+    def close(self):
+        """Stop the producer at its next wait or batch, and wait for it."""
+        with self.condition:
+            self.closed = True
+            self.condition.notify_all()
+        self.thread.join()
+
+    def pending(self, next_step):
+        """The batches a checkpoint after step next_step - 1 must hold: next_step .. next_step +
+        K - 1, sampled with versions older than next_step (the producer finishes them first)."""
+        steps = range(next_step, min(next_step + self.k, self.total_steps))
+        for step in steps:
+            self._wait_for(step)
+        with self.condition:
+            return {step: self.ready[step] for step in steps}
+
+
+class _ProducerClosed(Exception):
+    """AsyncRollouts.close() while the producer waits for a version."""
+
+
+class VersionedEngine:
+    """The producer's engine as grpo.py's roll_out sees it for one batch (step t): generate()
+    samples with version max(0, t - K), or with in-flight updates moves to the next version between
+    chunks of new tokens (chunk c: min(t - K + c, t)); `versions` records the version of each
+    chunk, so token j of a response was sampled with versions[j // token_chunk] (versions[0]
+    without in-flight updates)."""
+
+    def __init__(self, producer, step):
+        self.producer = producer
+        self.step = step
+        self.versions = []
+
+    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
+        producer = self.producer
+        first = producer.version_for(self.step)
+        self.versions = [first]
+        producer.load(first)
+        if not producer.token_chunk:
+            return producer.engine.generate(prompt_token_ids, n, max_new_tokens, temperature, seed)
+
+        def before_chunk(c):
+            version = min(first + c, self.step)
+            if version != self.versions[-1]:
+                producer.load(version)
+            if c > 0:
+                self.versions.append(version)
+
+        return producer.engine.generate_in_flight(
+            prompt_token_ids,
+            n,
+            max_new_tokens,
+            temperature,
+            seed,
+            producer.token_chunk,
+            before_chunk,
+        )
+
+    def version_metrics(self, response_ids):
+        """async/oldest_version_age (the trainer's version when it takes the batch minus the oldest
+        that sampled any of its tokens: PRIME-RL's staleness) and async/versions_per_sequence (the
+        distinct versions among each response's tokens, averaged)."""
+        chunk = self.producer.token_chunk or math.inf
+        spans = [len(set(self.versions[: max(1, math.ceil(len(r) / chunk))])) for r in response_ids]
+        return {
+            "async/oldest_version_age": self.step - self.versions[0],
+            "async/versions_per_sequence": sum(spans) / max(len(spans), 1),
+        }

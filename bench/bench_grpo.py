@@ -3,6 +3,7 @@ logprob routine.
 
     .venv/bin/python bench/bench_grpo.py            # prints a markdown section; --write appends it to bench/RESULTS.md
     .venv/bin/python bench/bench_grpo.py --backends # only section 3 ("grpo vLLM vs HF"); --write appends it
+    .venv/bin/python bench/bench_grpo.py --async    # only section 4 ("grpo async rollouts"); --write appends it
 
 1. Time per step on the `tiny` preset, split into generate / logprobs (pi_old recompute) / update (forward +
    backward + optimizer), read from the run's own metrics.jsonl (steps 3..N, after warm-up).
@@ -14,6 +15,10 @@ logprob routine.
    HF backend (baseline) and the vLLM backend, each without and with --mismatch int8 (HF without mismatch samples
    with the trainer's model, so its sync is a no-op; with int8 it copies through apply_mismatch). `import vllm` and
    engine creation are one-off costs, reported separately; the engine is created once and shared by the vLLM runs.
+4. Asynchronous rollouts on the `tiny` preset, in one process: the wall time per step (timing/step) of
+   --async-rollouts --max-staleness K (a producer thread samples while the trainer trains) against the same run
+   with --rollout-staleness K (the same numbers, one step after another), K = 1 and 2, and what the trainer waited
+   for its batch (timing/generate).
 """
 
 import argparse
@@ -224,6 +229,58 @@ def bench_backends(steps=12):
     return results, one_off
 
 
+def bench_async(steps=12, ks=(1, 2)):
+    """{(mode, K): mean timing/step and timing/generate of steps 3..steps}, mode "lagged"
+    (--rollout-staleness K) or "async" (--async-rollouts --max-staleness K)."""
+    results = {}
+    for k in ks:
+        for mode in ("lagged", "async"):
+            with tempfile.TemporaryDirectory() as tmp:
+                args = dataclasses.replace(
+                    grpo.PRESETS["tiny"][1],
+                    output_dir=tmp,
+                    total_steps=steps,
+                    val_every=0,
+                    save_every=0,
+                    rollout_staleness=k if mode == "lagged" else 0,
+                    async_rollouts=mode == "async",
+                    max_staleness=k,
+                )
+                with open(grpo.train(args)) as f:
+                    rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
+            results[(mode, k)] = {
+                key: sum(r[key] for r in rows) / len(rows)
+                for key in ("timing/step", "timing/generate", "reward/mean")
+            }
+    return results
+
+
+def async_section(results, steps):
+    args = grpo.PRESETS["tiny"][1]
+    lines = [
+        "## grpo async rollouts",
+        "",
+        f"Measured by `bench/bench_grpo.py --async` (torch {torch.__version__}, CPU, 1 torch thread "
+        f"per thread, 2 cores, one process). `tiny` preset: {args.train_batch_size} prompts x "
+        f"rollout_n={args.rollout_n}; mean of steps 3..{steps}. The lagged run samples step t with "
+        "the weights after update t - K one step after another; the async run samples the same "
+        "batches in a producer thread while the trainer trains (the logged numbers are the same, "
+        "tests/test_async.py). Generate = what the trainer waited for its batch.",
+        "",
+        "| K | lagged step (s) | lagged generate (s) | async step (s) | async generate (s) | "
+        "async / lagged |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for k in sorted({k for _, k in results}):
+        lagged, asynchronous = results[("lagged", k)], results[("async", k)]
+        lines.append(
+            f"| {k} | {lagged['timing/step']:.3f} | {lagged['timing/generate']:.3f} | "
+            f"{asynchronous['timing/step']:.3f} | {asynchronous['timing/generate']:.4f} | "
+            f"{asynchronous['timing/step'] / lagged['timing/step']:.2f} |"
+        )
+    return "\n".join(lines + [""])
+
+
 def backends_section(results, one_off, steps):
     args = grpo.PRESETS["tiny"][1]
     lines = [
@@ -269,8 +326,18 @@ def main():
     parser.add_argument(
         "--backends", action="store_true", help="only the vLLM vs HF rollout-backend section"
     )
+    parser.add_argument(
+        "--async", dest="async_rollouts", action="store_true", help="only the async section"
+    )
     cli = parser.parse_args()
     torch.set_num_threads(1)
+    if cli.async_rollouts:
+        text = async_section(bench_async(cli.steps), cli.steps)
+        print(text)
+        if cli.write:
+            with open(os.path.join(ROOT, "bench", "RESULTS.md"), "a") as f:
+                f.write("\n" + text)
+        return
     if cli.backends:
         results, one_off = bench_backends(cli.steps)
         text = backends_section(results, one_off, cli.steps)

@@ -34,13 +34,14 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--also-train", default="", help="also train parameters with this in name")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--target", default="all-linear", help="--lora-target-modules")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
     model, tokenizer = tasks.build_tiny_model(arch="gpt2", seed=args.seed, max_positions=64)
     if args.rank:
-        model = lora.add_adapter(model, args.rank, args.alpha, "all-linear", seed=args.seed)
+        model = lora.add_adapter(model, args.rank, args.alpha, args.target, seed=args.seed)
         for name, p in model.named_parameters():
             if args.also_train and args.also_train in name:
                 p.requires_grad_(True)

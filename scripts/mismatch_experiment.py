@@ -4,11 +4,16 @@ mismatch source, trained naively and with each remedy, 8 seeds per arm.
     .venv/bin/python scripts/mismatch_experiment.py                       # the default arms
     .venv/bin/python scripts/mismatch_experiment.py --arms lag4/naive lag4/bypass --seeds 1 2
     .venv/bin/python scripts/mismatch_experiment.py --summarise-only      # table and figure again
+    .venv/bin/python scripts/mismatch_experiment.py --arms lora --json docs/mismatch_lab_lora.json \
+        --plot docs/img/mismatch_lab_lora.png       # LoRA's arms (LORA_ARMS, grpo.py tiny_lora)
+    .venv/bin/python scripts/mismatch_experiment.py --arms async --json docs/mismatch_lab_async.json \
+        --plot docs/img/mismatch_lab_async.png      # real asynchrony (ASYNC_ARMS)
 
 An arm is "source/remedy". A source makes pi_rollout differ from pi_train (SOURCES); a remedy
 either removes the difference or corrects the update for it (REMEDIES, labelled as which). The
 cells of "none" are the reference (no mismatch at all), and two of the removals are that same
-reference: fp32 rollouts remove int8 rounding, K = 0 removes a lag.
+reference: fp32 rollouts remove int8 rounding, K = 0 removes a lag. The LoRA sources run
+`grpo.py tiny_lora` and are held against "lora/naive", the adapter without a mismatch.
 
 The criterion was fixed before the runs and is the seed tables' (scripts/seed_table.py,
 docs/grpo.md): a run learns if its mean reward/mean over the last 10 steps is >= 0.8 and its final
@@ -45,8 +50,28 @@ SOURCES = {
     "top_k": ["--top-k", "5", "--no-replay-sampling-mask"],
     # W8A16 rollouts: the engine samples from an int8 fake-quantised copy of the weights
     "int8": ["--mismatch", "int8"],
+    # LoRA (grpo.py tiny_lora): the trainer computes W x + s B A x in fp32, the engine samples with
+    # the merged W + s B A rounded to bf16; "lora" alone is its reference (no mismatch)
+    "lora": [],
+    "lora_bf16": ["--mismatch", "bf16"],
+    # real asynchrony (rollout.AsyncRollouts): a producer thread samples step t with the weights
+    # after update t - K while the trainer trains (exact: the same numbers as lagK, bit for bit)
+    "async1": ["--async-rollouts", "--max-staleness", "1"],
+    "async4": ["--async-rollouts", "--max-staleness", "4"],
+    # in-flight updates: step t's first 2 tokens from version t - 1, the rest from version t
+    "inflight": ["--async-rollouts", "--max-staleness", "1", "--in-flight-updates"],
 }
 TRUNCATION_SOURCES = ("top_p", "top_k")
+# the preset a source runs (tiny otherwise), and the reference its arms are held against
+LORA_SOURCES = ("lora", "lora_bf16")
+LORA_ARMS = ["lora/naive", "lora_bf16/naive", "lora_bf16/token_tis", "lora_bf16/seq_mis"]
+ASYNC_SOURCES = ("async1", "async4", "inflight")
+ASYNC_ARMS = ["async4/naive", "async4/seq_mis", "inflight/naive", "inflight/token_tis"]
+
+
+def preset_and_reference(source):
+    return ("tiny_lora", "lora/naive") if source in LORA_SOURCES else ("tiny", "none/naive")
+
 
 # remedy -> (what it is, grpo.py flags)
 REMEDIES = {
@@ -64,12 +89,16 @@ REMEDIES = {
 
 DEFAULT_ARMS = (
     ["none/naive"]
-    + [f"{source}/naive" for source in SOURCES if source != "none"]
+    + [
+        f"{source}/naive"
+        for source in SOURCES
+        if source not in ("none",) + LORA_SOURCES + ASYNC_SOURCES
+    ]
     + [f"{source}/replay" for source in TRUNCATION_SOURCES]
     + [
         f"{source}/{remedy}"
         for source in SOURCES
-        if source != "none"
+        if source != "none" and source not in LORA_SOURCES + ASYNC_SOURCES
         for remedy, (kind, _) in REMEDIES.items()
         if kind == "corrects"
     ]
@@ -106,7 +135,8 @@ def command(arm, seed, out):
         # the source's --no-replay-sampling-mask is overridden by the later flag
         flags = [flag for flag in flags if flag != "--no-replay-sampling-mask"]
     return (
-        [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--seed", str(seed)]
+        [sys.executable, os.path.join(ROOT, "grpo.py"), preset_and_reference(source)[0]]
+        + ["--seed", str(seed)]
         + flags
         + [
             "--output-dir",
@@ -231,7 +261,7 @@ def markdown(table):
     ]
     for arm, t in table.items():
         source, remedy = parse_arm(arm)
-        kind = REMEDIES[remedy][0] if source != "none" else "reference"
+        kind = REMEDIES[remedy][0] if arm != preset_and_reference(source)[1] else "reference"
         failed = [s for s in t["seeds"] if s not in t["learned"]]
         lines.append(
             f"| {source} | {remedy} | {kind} | {len(t['learned'])} of {len(t['seeds'])} | "
@@ -281,10 +311,10 @@ def plot(args, arms, path):
         sharex=True,
         squeeze=False,
     )
-    reference = "none/naive"
     for column, source in enumerate(sources):
+        reference = preset_and_reference(source)[1]
         shown = [a for a in arms if a.startswith(source + "/")]
-        if source != "none" and reference in arms:
+        if not shown[0] == reference and reference in arms:
             shown = [reference] + shown
         for arm in shown:
             runs = []
@@ -334,7 +364,8 @@ def main():
     parser.add_argument("--plot", default="docs/img/mismatch_lab.png")
     parser.add_argument("--summarise-only", action="store_true", help="run nothing new")
     args = parser.parse_args()
-    arms = list(args.arms)
+    groups = {"lora": LORA_ARMS, "async": ASYNC_ARMS}
+    arms = groups[args.arms[0]] if args.arms in (["lora"], ["async"]) else list(args.arms)
     for arm in arms:
         parse_arm(arm)
     if not args.summarise_only:

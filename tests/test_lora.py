@@ -137,7 +137,7 @@ def test_the_reference_is_the_base_with_the_adapter_off_and_no_second_model(tmp_
         grpo.PRESETS["tiny_lora"][1], cuda=False, kl_loss_coef=0.01, output_dir=str(tmp_path)
     )
     model_path = grpo.policy_path(args, 0, 1)
-    tokenizer, model, ref_model, optimizer, _, _ = grpo.load_models(
+    tokenizer, model, ref_model, optimizer, _, _, _ = grpo.load_models(
         args, model_path, None, torch.device("cpu"), 0, 1
     )
     assert ref_model is None
@@ -291,6 +291,45 @@ def test_the_plan_fits_a_7b_lora_policy_on_one_80_gib_gpu_and_counts_the_adapter
     counted = memory.count_adapter_parameters(model.config, 8, 16.0, "all-linear")
     adapted = lora.add_adapter(model, 8, 16.0, "all-linear")
     assert counted == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
+def test_an_adapted_lm_head_scores_tokens_as_the_model_s_own_forward_and_trains_its_b():
+    """LoRA on the LM head of a model with untied embeddings (tiny_lora's): logprobs.py's chunked
+    head multiplies by W + s B A (logprobs.head_weight), which equals the HF forward's own logits
+    (1e-5), the gradient reaches the head's B, and with the adapter off it is the base's head."""
+    model, _ = tasks.build_tiny_model(arch="gpt2", tied_embeddings=False, max_positions=64)
+    adapted = lora.add_adapter(copy.deepcopy(model), 4, 8.0, "c_attn,c_proj,c_fc,lm_head")
+    randomise_b(adapted)
+    head = adapted.get_output_embeddings()
+    assert head in lora.adapter_layers(adapted).values()
+    ids = torch.randint(3, 40, (2, 10), generator=torch.Generator().manual_seed(0))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(10).expand(2, -1),
+        "responses": ids[:, 4:],
+        "response_mask": torch.ones(2, 6),
+    }
+    settings = logprobs.LogprobSettings(temperature=1.0, chunk_size=4)
+    ours, _ = logprobs.response_logprobs(adapted, batch, settings)
+    logits = adapted(input_ids=ids).logits[:, 3:-1]
+    reference = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None])[..., 0]
+    assert (ours - reference).abs().max() < 1e-5
+    ours.sum().backward()
+    assert head.lora_B[lora.ADAPTER].weight.grad.abs().max() > 0
+    with lora.adapter_disabled(adapted), torch.no_grad():
+        off, _ = logprobs.response_logprobs(adapted, batch, settings)
+        base, _ = logprobs.response_logprobs(model, batch, settings)
+    assert torch.equal(off, base)
+
+
+def test_a_tied_lm_head_is_not_adapted():
+    """A tied head is the embedding matrix: its merged weight would need a second matrix that a
+    tied engine or a tied saved model cannot hold, so add_adapter refuses it in one line."""
+    model, _ = tasks.build_tiny_model(arch="gpt2", max_positions=64)
+    with pytest.raises(harness.RunError, match="tied") as caught:
+        lora.add_adapter(model, 4, 8.0, "c_attn,lm_head")
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -18,17 +18,23 @@ import mismatch_experiment as lab  # noqa: E402
 def parsed(arm, tmp_path):
     """The grpo Args of the arm's command, as grpo.py's main() would build them."""
     command = lab.command(arm, 3, str(tmp_path / "run"))
-    preset_at = command.index("tiny")
-    return harness.parse_args("grpo.py", grpo.PRESETS, grpo.check_args, command[preset_at:])
+    assert command[1].endswith("grpo.py")
+    return harness.parse_args("grpo.py", grpo.PRESETS, grpo.check_args, command[2:])
 
 
-@pytest.mark.parametrize("arm", lab.DEFAULT_ARMS)
+@pytest.mark.parametrize("arm", lab.DEFAULT_ARMS + lab.LORA_ARMS + lab.ASYNC_ARMS)
 def test_every_arm_is_the_grpo_run_its_name_says(arm, tmp_path):
     args = parsed(arm, tmp_path)
     source, remedy = lab.parse_arm(arm)
     assert args.seed == 3 and args.output_dir == str(tmp_path / "run")
     assert args.rollout_staleness == {"lag1": 1, "lag2": 2, "lag4": 4}.get(source, 0)
-    assert args.mismatch == ("int8" if source == "int8" else "none")
+    assert args.async_rollouts == (source in lab.ASYNC_SOURCES)
+    assert args.in_flight_updates == (source == "inflight")
+    if args.async_rollouts:
+        assert args.max_staleness == (4 if source == "async4" else 1)
+    assert args.lora_rank == (8 if source in lab.LORA_SOURCES else 0)
+    mismatch = {"int8": "int8", "lora_bf16": "bf16"}
+    assert args.mismatch == mismatch.get(source, "none")
     assert args.top_p == (0.8 if source == "top_p" else 1.0)
     assert args.top_k == (5 if source == "top_k" else 0)
     if source in lab.TRUNCATION_SOURCES:
@@ -43,7 +49,7 @@ def test_every_arm_is_the_grpo_run_its_name_says(arm, tmp_path):
     assert args.correction == corrections.get(remedy, "disabled")
     assert args.off_policy_mask_threshold == (0.5 if remedy == "offpolicy_mask" else None)
     # everything else is the preset's
-    preset = grpo.PRESETS["tiny"][1]
+    preset = grpo.PRESETS["tiny_lora" if source in lab.LORA_SOURCES else "tiny"][1]
     for field in ("total_steps", "rollout_n", "train_batch_size", "lr", "tiny_arch", "backend"):
         assert getattr(args, field) == getattr(preset, field), field
 

@@ -1,0 +1,365 @@
+"""Asynchronous rollouts (grpo.py --async-rollouts, rollout.AsyncRollouts): a producer thread that
+samples step t with the weights after update t - K while the trainer trains. Asynchrony changes the
+timing, never the numbers: K = 1 and 2 equal the simulated lag (--rollout-staleness K) bit for bit,
+rows and weights; the producer samples each batch with the version it is owed (a hand-built model
+whose weight counts its updates); a SIGKILLed or SIGTERMed run resumes to the uninterrupted end; a
+producer that fails ends the run in one line; what the producer cannot share is refused. Budget:
+~70 s."""
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpo  # noqa: E402
+import harness  # noqa: E402
+import logprobs  # noqa: E402
+import rollout  # noqa: E402
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+# grpo.py tiny, small: 8 prompts x 8 samples per step, two optimizer steps of 4 prompts, 10 steps
+SMALL = ["--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "8"]
+SMALL += ["--train-size", "64", "--log-samples-every", "0", "--val-every", "5"]
+SMALL += ["--total-steps", "10"]
+
+
+def run_grpo(out, *extra):
+    """grpo.py tiny, small, as a user starts it (its own process: the producer is a thread)."""
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL, *extra]
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def rows(out, keep_async=False):
+    """The logged rows without their timings (what asynchrony may change) and, unless keep_async,
+    the producer's own async/ metrics (which a run without one does not log)."""
+    dropped = ("timing/",) if keep_async else ("timing/", "async/")
+    with open(out / "metrics.jsonl") as f:
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(dropped)} for line in f
+        ]
+
+
+def weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoint" / "model.safetensors")
+
+
+def same_weights(a, b):
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def async_k2(tmp_path_factory):
+    """--async-rollouts --max-staleness 2, uninterrupted (saving every 3 steps)."""
+    out = tmp_path_factory.mktemp("async") / "k2"
+    return run_grpo(out, "--async-rollouts", "--max-staleness", "2", "--save-every", "3")
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_async_rollouts_equal_the_simulated_lag_bit_for_bit(k, async_k2, tmp_path):
+    """10 steps: every logged number but the timings and every final weight are the ones of
+    --rollout-staleness K, which samples step t with the weights after update t - K too, one step
+    after another."""
+    if k == 2:
+        asynchronous = async_k2
+    else:
+        asynchronous = run_grpo(tmp_path / "async", "--async-rollouts", "--max-staleness", "1")
+    lagged = run_grpo(tmp_path / "lag", "--rollout-staleness", str(k))
+    assert len(rows(lagged)) == 11  # step 0's validation and 10 steps
+    assert rows(asynchronous) == rows(lagged)
+    assert same_weights(weights(asynchronous), weights(lagged))
+    # every batch was sampled K updates behind the trainer (fewer while t < K)
+    ages = [row["async/oldest_version_age"] for row in rows(asynchronous, True) if row["step"]]
+    assert ages == [min(step, k) for step in range(10)]
+    # and the lag is real: the on-policy run differs
+    on_policy = run_grpo(tmp_path / "sync") if k == 1 else None
+    if on_policy is not None:
+        assert rows(on_policy)[2] != rows(lagged)[2]
+
+
+def test_async_rollouts_under_two_processes_equal_the_simulated_lag(tmp_path):
+    """torchrun, 2 processes (each rank its own producer), K = 1, 6 steps: the rows and the final
+    weights of --rollout-staleness 1."""
+    runs = {}
+    for name, flags in (
+        ("async", ["--async-rollouts", "--max-staleness", "1"]),
+        ("lag", ["--rollout-staleness", "1"]),
+    ):
+        out = tmp_path / name
+        argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL, *flags]
+        argv += ["--total-steps", "6", "--ppo-micro-batch-size-per-gpu", "8"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        done = subprocess.run(
+            [*torchrun, "--nproc_per_node", "2", *argv],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs[name] = out
+    assert len(rows(runs["lag"])) == 7
+    assert rows(runs["async"]) == rows(runs["lag"])
+    assert same_weights(weights(runs["async"]), weights(runs["lag"]))
+
+
+@pytest.mark.parametrize("mode", ["k2", "in_flight"])
+def test_a_sigkilled_async_run_resumes_to_the_uninterrupted_end(mode, async_k2, tmp_path):
+    """Killed with SIGKILL after its 5th row, then rerun: every row and the final weights equal the
+    uninterrupted run's. K = 2: the checkpoint at step 3 holds the batches of steps 4 and 5,
+    sampled with versions 2 and 3, older than its weights; in-flight updates (K = 1): step 4's
+    batch, whose first tokens came from version 3."""
+    k = 2 if mode == "k2" else 1
+    flags = ["--async-rollouts", "--max-staleness", str(k), "--save-every", "3"]
+    if mode == "in_flight":
+        flags.append("--in-flight-updates")
+        uninterrupted = run_grpo(tmp_path / "uninterrupted", *flags)
+    else:
+        uninterrupted = async_k2
+    out = tmp_path / "killed"
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL, *flags]
+    process = subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(metrics.read_text().splitlines()) < 11  # killed before the end
+    state = harness.load_checkpoint(out / "checkpoint", 0)
+    queued = sorted(state["rollout_queue"])
+    assert state["step"] >= 3 and queued == list(range(state["step"], state["step"] + k))
+    run_grpo(out, *flags)
+    assert rows(out, keep_async=True) == rows(uninterrupted, keep_async=True)
+    assert same_weights(weights(out), weights(uninterrupted))
+
+
+def test_sigterm_with_the_producer_running_saves_and_the_rerun_ends_as_uninterrupted(
+    async_k2, tmp_path
+):
+    """SIGTERM while the producer samples ahead: the step in progress ends, the checkpoint holds the
+    batches sampled ahead, one line says so and the exit code is 143; the rerun then ends with the
+    uninterrupted run's rows and weights."""
+    out = tmp_path / "stopped"
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL]
+    argv += ["--async-rollouts", "--max-staleness", "2", "--save-every", "3"]
+    process = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=300)[1].decode()
+    assert process.returncode == 143, stderr[-2000:]
+    stopped = [line for line in stderr.splitlines() if line.startswith("grpo.py: stopped by")]
+    assert len(stopped) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(metrics.read_text().splitlines()) < 11
+    run_grpo(out, "--async-rollouts", "--max-staleness", "2", "--save-every", "3")
+    assert rows(out) == rows(async_k2)
+    assert same_weights(weights(out), weights(async_k2))
+
+
+class CountingEngine:
+    """A stand-in engine for a model whose one weight counts the updates done: generate returns the
+    weight it samples with, and generate_in_flight the weight of every chunk (each after
+    before_chunk(c), which may load another version)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def sync_weights(self, model):
+        self.weight = model.weight.item()
+
+    def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed):
+        return self.weight
+
+    def generate_in_flight(self, prompts, n, max_new_tokens, temperature, seed, chunk, before):
+        weights = []
+        for c in range(0, max_new_tokens, chunk):
+            before(c // chunk)
+            weights.append(self.weight)
+        return weights
+
+
+def counting_model():
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    return model
+
+
+def sample_with(record):
+    """A producer's sample(step, engine) that records the step and calls the engine once."""
+
+    def sample(step, engine):
+        record.append(step)
+        return engine.generate([[0]], 1, 3, 1.0, step)
+
+    return sample
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_the_producer_samples_each_step_with_the_version_it_is_owed(k):
+    """A model whose weight is the number of updates done: step t is sampled with weight max(0, t -
+    K), and the producer runs ahead of the trainer by at most K + 1 batches."""
+    model = counting_model()
+    ahead = []
+    producer = rollout.AsyncRollouts(model, CountingEngine, sample_with(ahead), 0, 8, k)
+    for step in range(8):
+        versions, sampled_with = producer.take(step)
+        assert versions == [sampled_with] == [max(0, step - k)]
+        # batch t waits for version t - K, and version step + 1 is not out yet: batch step + K + 1
+        # may have begun (it waits in its sample), none after it
+        assert max(ahead) <= step + k + 1
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the update of this step
+        producer.publish(model, step + 1)
+    producer.thread.join(timeout=10)
+    assert not producer.thread.is_alive() and ahead == list(range(8))
+
+
+def test_in_flight_updates_move_to_the_next_version_between_chunks():
+    """--in-flight-updates, K = 1, one token per chunk, 3 tokens: step t's first token is sampled
+    with version t - 1 and the others with version t (what the trainer holds when it takes the
+    batch); a response of 3 tokens spans 2 versions, the oldest one update old."""
+    model = counting_model()
+    producer = rollout.AsyncRollouts(model, CountingEngine, sample_with([]), 0, 5, 1, token_chunk=1)
+    for step in range(5):
+        versions, per_chunk = producer.take(step)
+        assert versions == per_chunk == [max(0, step - 1), step, step]
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        producer.publish(model, step + 1)
+    engine = rollout.VersionedEngine(producer, 4)
+    engine.versions = [3, 4, 4]
+    metrics = engine.version_metrics([[5, 6, 7], [5]])
+    assert metrics == {"async/oldest_version_age": 1, "async/versions_per_sequence": 1.5}
+
+
+def test_in_flight_logprobs_are_each_token_s_own_version_s_and_the_is_weights_use_it():
+    """A hand-built swap after token 2: HFBackend.generate_in_flight samples tokens 0-1 with weights
+    W0 and the rest with W1 (chunks of 2 tokens). Every recorded logprob equals a teacher-forced
+    recompute with its own version's weights (fp32, 1e-6); decoupled token IS against pi_old = W1
+    then weights tokens 0-1 by pi_W1 / pi_W0 and the later tokens by 1."""
+    import corrections
+    import tasks
+
+    w0, tokenizer = tasks.build_tiny_model(arch="gpt2", seed=0, max_positions=64)
+    w1, _ = tasks.build_tiny_model(arch="gpt2", seed=1, max_positions=64)
+    engine = rollout.HFBackend(copy.deepcopy(w0), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    loaded = []
+
+    def before_chunk(c):  # the swap: version 1 from the second chunk on
+        if c == 1:
+            engine.model.load_state_dict(w1.state_dict())
+        loaded.append(0 if c == 0 else 1)
+
+    prompts = [tokenizer("abc=")["input_ids"], tokenizer("dd=")["input_ids"]]
+    responses, recorded, _ = engine.generate_in_flight(prompts, 4, 6, 1.0, 7, 2, before_chunk)
+    assert loaded[:2] == [0, 1] and max(len(r) for r in responses) > 2
+    prompt_rows = [p for p in prompts for _ in range(4)]
+    batch = rollout.make_batch(prompt_rows, responses, recorded, tokenizer.pad_token_id, 6, "cpu")
+    settings = logprobs.LogprobSettings(temperature=1.0)
+    under = {v: logprobs.response_logprobs(m, batch, settings)[0] for v, m in ((0, w0), (1, w1))}
+    mask = batch["response_mask"]
+    version = (torch.arange(6) >= 2).long().expand_as(mask)  # token j: chunk j // 2's version
+    own = torch.where(version == 0, under[0], under[1])
+    assert ((own - batch["rollout_logprobs"]) * mask).abs().max() < 1e-6
+    # the recompute with one version alone would not give them back
+    assert ((under[1] - batch["rollout_logprobs"]) * mask)[:, :2].abs().max() > 1e-2
+    config = corrections.RolloutCorrection.from_name("decoupled_token_is")
+    is_weights, _, _ = corrections.apply_rollout_correction(
+        under[1], batch["rollout_logprobs"], mask, config
+    )
+    expected = torch.where(version == 0, (under[1] - under[0]).exp().clamp(max=2.0), 1.0)
+    assert ((is_weights - expected) * mask).abs().max() < 1e-5
+
+
+def test_a_resumed_producer_hands_over_its_queued_batches_first():
+    """Resumed at step 4 with K = 2: steps 4 and 5 come from the checkpoint's queue (sampled with
+    versions 2 and 3), step 6 is the first the producer samples, with the saved weights (version
+    4)."""
+    model = counting_model()
+    with torch.no_grad():
+        model.weight.fill_(4.0)
+    sampled = []
+    queue = {4: ([2], 2.0), 5: ([3], 3.0)}
+    producer = rollout.AsyncRollouts(model, CountingEngine, sample_with(sampled), 4, 7, 2, queue)
+    assert producer.take(4) == ([2], 2.0) and producer.take(5) == ([3], 3.0)
+    assert producer.take(6) == ([4], 4.0)
+    assert sampled == [6]
+
+
+def test_a_failing_producer_ends_the_run_in_one_line():
+    """An error inside the producer thread reaches the trainer at its next take(): a RunError naming
+    the step and the error's first line."""
+
+    def sample(step, engine):
+        if step == 1:
+            raise RuntimeError("probability tensor contains inf\nmore detail")
+        return engine.generate([[0]], 1, 1, 1.0, step)
+
+    producer = rollout.AsyncRollouts(counting_model(), CountingEngine, sample, 0, 4, 1)
+    assert producer.take(0) == ([0], 0.0)
+    with pytest.raises(harness.RunError) as caught:
+        producer.take(1)
+    assert str(caught.value) == (
+        "the rollout producer failed before step 2: RuntimeError: probability tensor contains inf"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--rollout-staleness", "1"], "--rollout-staleness"),
+        (["--policy-loss", "clip_cov"], "--policy-loss"),
+        (["--adv-estimator", "remax"], "--adv-estimator"),
+        (["--backend", "vllm"], "--backend"),
+        (["--max-staleness", "-1"], "--max-staleness"),
+    ],
+)
+def test_what_the_producer_cannot_share_is_refused_in_one_line(
+    flags, named, capsys, monkeypatch, tmp_path
+):
+    """Each ends in `grpo.py: error: --flag ...` and exit status 2, before any model loads."""
+    import transformers
+
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: pytest.fail("a model was loaded before the bad flag was refused"),
+    )
+    argv = ["tiny", "--async-rollouts", "--output-dir", str(tmp_path / "run"), *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert err[0].startswith("grpo.py: error: " + named), err
