@@ -301,6 +301,11 @@ class Args(harness.CheckpointedRunArgs):
     --rollout-staleness K bit for bit, only faster."""
     max_staleness: int = 1
     """K of --async-rollouts: how many updates older than the trainer's the sampling weights are."""
+    async_free_running: bool = False
+    """--async-rollouts without waiting: each batch starts with the newest weights (in-flight: the
+    newest between chunks) once the trainer has taken the batch K steps before it, and a batch
+    older than K updates when the trainer takes it is dropped and sampled again. Not reproducible
+    (timing decides which version samples what)."""
     in_flight_updates: bool = False
     """--async-rollouts with K = 1: the producer takes the new weights inside a batch, between
     chunks of --in-flight-chunk-tokens new tokens (PipelineRL); each token's logprob is its own
@@ -1139,8 +1144,9 @@ def check_args(args, world_size=1):
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
     if args.async_rollouts:
         check_async_rollouts(args, world_size)
-    elif args.in_flight_updates:
-        harness.refuse(args, "in_flight_updates", "off without --async-rollouts")
+    elif args.in_flight_updates or args.async_free_running:
+        flag = "in_flight_updates" if args.in_flight_updates else "async_free_running"
+        harness.refuse(args, flag, "off without --async-rollouts")
     if args.sharding == "fsdp2":
         # what keeps a whole copy of the model beside the shards, or scales sharded gradients
         if args.precision == "fp16":
@@ -1190,7 +1196,16 @@ def check_async_rollouts(args, world_size):
     if args.dynamic_sampling:
         # its group counts are collectives, which would interleave with the trainer's
         harness.refuse(args, "dynamic_sampling", "off with --async-rollouts")
-    if args.in_flight_updates and args.max_staleness != 1:
+    # what makes the trainer's thread reseed, rewind or draw from the global RNG mid-batch: the
+    # recompute of a checkpointed layer (it restores the forward's RNG state), a compile (dynamo
+    # saves and restores the RNG state), sampled validation (it seeds)
+    if args.gradient_checkpointing:
+        harness.refuse(args, "gradient_checkpointing", "off with --async-rollouts")
+    if args.compile_layers:
+        harness.refuse(args, "compile_layers", "off with --async-rollouts")
+    if args.val_temperature > 0:
+        harness.refuse(args, "val_temperature", "0 with --async-rollouts (greedy draws nothing)")
+    if args.in_flight_updates and args.max_staleness != 1 and not args.async_free_running:
         # a checkpoint after step s could not finish batch s + 2, whose last chunks need version
         # s + 2 (rollout.AsyncRollouts.pending)
         harness.refuse(args, "max_staleness", "1 with --in-flight-updates")
@@ -1200,12 +1215,15 @@ def changeable_settings(args):
     """The settings a resume may change (harness.checkpoint_to_resume): the number of steps where
     the learning-rate schedule does not depend on it, dynamic sampling's cap (a run stopped by it
     resumes with a larger one), the layers recomputed (memory, not the numbers) and compiled (the
-    same arithmetic, rounded as fused kernels round it)."""
+    same arithmetic, rounded as fused kernels round it). Not the steps of an --async-rollouts run:
+    its checkpoint holds no batch sampled ahead past its last step."""
     schedule_uses_total = args.lr_scheduler_type != "constant" or (
         args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
     )
     changeable = ("max_num_gen_batches", "recompute_num_layers", "compile_layers")
-    return changeable + (() if schedule_uses_total else ("total_steps",))
+    # --async-rollouts: a checkpoint holds the batches sampled ahead up to the last step only
+    fixed_total = schedule_uses_total or args.async_rollouts
+    return changeable + (() if fixed_total else ("total_steps",))
 
 
 def policy_path(args, rank, world_size):
@@ -1319,7 +1337,7 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
     start_step, queued = 0, None
     if checkpoint:
         state = harness.load_checkpoint(checkpoint, rank)
-        queued = state.get("rollout_queue")
+        queued = state["rollout_queue"][rank] if "rollout_queue" in state else None
         if "shard" in state:  # FSDP2: this rank's shard of the optimizer state
             harness.load_local_optimizer_state(optimizer, state["shard"])
         else:
@@ -1366,7 +1384,15 @@ def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
 def start_producer(args, model, model_path, tokenizer, task, start_step, queued, rank, world_size):
     """--async-rollouts' producer (rollout.AsyncRollouts): steps 1-2 (sample_step) for the steps
     from start_step on, with its own copy of `model` and its own engine, after a resume the
-    checkpoint's queued batches first."""
+    checkpoint's queued batches first. A model with dropout is refused: its draws would take from
+    the producer's sampling RNG."""
+    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    rates += [getattr(m, "attention_dropout", 0.0) for m in model.modules()]
+    if any(isinstance(rate, float) and rate > 0 for rate in rates):
+        raise harness.RunError(
+            "--async-rollouts: the model has dropout (its draws would take from the producer's "
+            "sampling RNG)"
+        )
 
     def make_engine(copy):
         return make_rollout_backend(args, model_path, copy, tokenizer, world_size)
@@ -1387,6 +1413,7 @@ def start_producer(args, model, model_path, tokenizer, task, start_step, queued,
         args.max_staleness,
         queued,
         token_chunk=args.in_flight_chunk_tokens if args.in_flight_updates else 0,
+        free_running=args.async_free_running,
     )
 
 
@@ -1542,7 +1569,8 @@ def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, producer
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     if producer is not None:
-        state["rollout_queue"] = producer.pending(step)
+        # every rank's batches sampled ahead, rank r's at index r (a collective)
+        state["rollout_queue"] = harness.all_gather_objects(producer.pending(step))
     harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs, shard)
     if args.lora_rank and step == args.total_steps:
         save_merged_model(args, rank, model, tokenizer)

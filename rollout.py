@@ -924,13 +924,29 @@ class AsyncRollouts:
     min(t - K + c, t), so its first chunk is one update old and the rest is the weights the trainer
     will hold when it takes the batch (VersionedEngine, HFBackend.generate_in_flight).
 
+    Free-running (free_running=True; not reproducible): each batch starts with the newest version
+    published (and with in-flight updates moves to the newest between chunks), and batch t starts
+    once the trainer has taken batch t - K, so it starts within the bound. The trainer drops a
+    batch whose oldest version is more than K updates behind its own when it takes it (PRIME-RL's
+    staleness: a sequence is as old as its oldest token) and waits for the producer to sample it
+    again with the newest version.
+
     A checkpoint after step s holds the batches s + 1 .. s + K (pending: sampled with versions
     older than the saved weights); a resume hands them over first and samples the rest from the
     saved weights on, so a stopped or killed run ends as an uninterrupted one. An error in the
     producer reaches the trainer as a RunError at its next take()."""
 
     def __init__(
-        self, model, make_engine, sample, first_step, total_steps, k, pending=None, token_chunk=0
+        self,
+        model,
+        make_engine,
+        sample,
+        first_step,
+        total_steps,
+        k,
+        pending=None,
+        token_chunk=0,
+        free_running=False,
     ):
         import atexit
         import threading
@@ -938,6 +954,10 @@ class AsyncRollouts:
         self.sample = sample  # sample(step, engine) -> the step's rollout (grpo.py)
         self.k = k
         self.token_chunk = token_chunk
+        self.free_running = free_running
+        self.next_take = first_step  # the step the trainer takes next
+        self.redo = None  # a step whose batch the trainer dropped, to sample again
+        self.dropped = 0
         self.total_steps = total_steps
         self.model = copy.deepcopy(model).requires_grad_(False)
         self.engine = make_engine(self.model)
@@ -948,7 +968,8 @@ class AsyncRollouts:
         self.error = None
         self.closed = False
         self.next_step = first_step + len(self.ready)
-        if self.next_step < total_steps and self.version_for(self.next_step) < first_step:
+        exact = not free_running
+        if exact and self.next_step < total_steps and self.version_for(self.next_step) < first_step:
             # the batches sampled with versions before the saved weights are gone
             raise harness.RunError(
                 f"the checkpoint at step {first_step} holds {len(self.ready)} rollout batches, not "
@@ -967,7 +988,10 @@ class AsyncRollouts:
         return {name: params[name].detach().clone() for name in self.trained}
 
     def version_for(self, step):
-        """The version batch `step` starts with."""
+        """The version batch `step` starts with: t - K (exact), the newest one (free-running)."""
+        if self.free_running:
+            with self.condition:
+                return max(self.versions)
         return max(0, step - self.k)
 
     @torch.no_grad()
@@ -986,15 +1010,24 @@ class AsyncRollouts:
 
     def _produce(self):
         try:
-            while self.next_step < self.total_steps:
-                step = self.next_step
+            while True:
+                with self.condition:
+                    self.condition.wait_for(self._has_work)
+                    if self.closed or self._finished():
+                        return
+                    # a batch the trainer dropped first
+                    step = self.next_step if self.redo is None else self.redo
                 engine = VersionedEngine(self, step)
                 result = self.sample(step, engine)
                 with self.condition:
                     self.ready[step] = (engine.versions, result)
-                    self.next_step = step + 1
+                    if step == self.redo:
+                        self.redo = None
+                    else:
+                        self.next_step = step + 1
                     # the versions no later batch is sampled with
-                    for old in [v for v in self.versions if v < self.version_for(step + 1)]:
+                    oldest = max(self.versions) if self.free_running else step + 1 - self.k
+                    for old in [v for v in self.versions if v < oldest]:
                         del self.versions[old]
                     self.condition.notify_all()
         except _ProducerClosed:
@@ -1003,6 +1036,25 @@ class AsyncRollouts:
             with self.condition:
                 self.error = error
                 self.condition.notify_all()
+
+    def _finished(self):
+        """Nothing left to sample: every step sampled and, free-running, every batch taken (a
+        dropped one is sampled again)."""
+        if self.redo is not None:
+            return False
+        taken = not self.free_running or self.next_take >= self.total_steps
+        return self.next_step >= self.total_steps and taken
+
+    def _has_work(self):
+        """Whether the producer may go on: a batch to sample (free-running: at most K - 1 batches
+        past the one the trainer takes next), a dropped one, the end, or close()."""
+        if self.closed or self.redo is not None or self._finished():
+            return True
+        if self.next_step >= self.total_steps:
+            return False  # free-running: the last batches may still be dropped
+        # batch t may start once the trainer has taken t - K: the newest version is then at least
+        # t - K (the trainer's, published before it took that batch), so t is within the bound
+        return not self.free_running or self.next_step < self.next_take + self.k
 
     def _wait_for(self, step):
         with self.condition:
@@ -1015,10 +1067,19 @@ class AsyncRollouts:
 
     def take(self, step):
         """(the versions that sampled it, one per chunk of new tokens, rollout) of `step`, waiting
-        for the producer if it is not ready."""
-        self._wait_for(step)
-        with self.condition:
-            return self.ready.pop(step)
+        for the producer if it is not ready. A batch whose oldest version is more than K updates
+        behind the trainer's (version `step`) is dropped and sampled again."""
+        while True:
+            self._wait_for(step)
+            with self.condition:
+                versions, result = self.ready.pop(step)
+                if step - versions[0] <= self.k:
+                    self.next_take = step + 1
+                    self.condition.notify_all()
+                    return versions, result
+                self.dropped += 1
+                self.redo = step
+                self.condition.notify_all()
 
     def publish(self, model, version):
         """After an update: the trainer's weights are version `version` (a copy is kept until the
@@ -1070,7 +1131,10 @@ class VersionedEngine:
             return producer.engine.generate(prompt_token_ids, n, max_new_tokens, temperature, seed)
 
         def before_chunk(c):
-            version = min(first + c, self.step)
+            if producer.free_running:
+                version = producer.version_for(self.step)  # the newest
+            else:
+                version = min(first + c, self.step)
             if version != self.versions[-1]:
                 producer.load(version)
             if c > 0:
@@ -1089,10 +1153,12 @@ class VersionedEngine:
     def version_metrics(self, response_ids):
         """async/oldest_version_age (the trainer's version when it takes the batch minus the oldest
         that sampled any of its tokens: PRIME-RL's staleness) and async/versions_per_sequence (the
-        distinct versions among each response's tokens, averaged)."""
+        distinct versions among each response's tokens, averaged) and async/dropped_batches (how
+        many the trainer dropped so far for being too stale)."""
         chunk = self.producer.token_chunk or math.inf
         spans = [len(set(self.versions[: max(1, math.ceil(len(r) / chunk))])) for r in response_ids]
         return {
             "async/oldest_version_age": self.step - self.versions[0],
             "async/versions_per_sequence": sum(spans) / max(len(spans), 1),
+            "async/dropped_batches": self.producer.dropped,
         }

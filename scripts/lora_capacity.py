@@ -7,6 +7,8 @@ docs/lora.md.
     .venv/bin/python scripts/lora_capacity.py                      # full fine-tuning, lr 1e-3
     .venv/bin/python scripts/lora_capacity.py --rank 8 --lr 1e-2
     .venv/bin/python scripts/lora_capacity.py --rank 8 --lr 1e-2 --also-train ln_f   # + the final norm
+    .venv/bin/python scripts/lora_capacity.py --rank 8 --lr 3e-3 --untied \
+        --target c_attn,c_proj,c_fc,lm_head                       # + the LM head (tiny_lora's)
 
 The loss is the mean negative log-likelihood of the answer tokens, the accuracy the share of answer
 tokens the argmax gets right; both on the step's own batch.
@@ -35,11 +37,14 @@ def main():
     parser.add_argument("--also-train", default="", help="also train parameters with this in name")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target", default="all-linear", help="--lora-target-modules")
+    parser.add_argument("--untied", action="store_true", help="the LM head its own matrix")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
-    model, tokenizer = tasks.build_tiny_model(arch="gpt2", seed=args.seed, max_positions=64)
+    model, tokenizer = tasks.build_tiny_model(
+        arch="gpt2", seed=args.seed, max_positions=64, tied_embeddings=not args.untied
+    )
     if args.rank:
         model = lora.add_adapter(model, args.rank, args.alpha, args.target, seed=args.seed)
         for name, p in model.named_parameters():

@@ -9,6 +9,7 @@ producer that fails ends the run in one line; what the producer cannot share is 
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,20 +93,26 @@ def test_async_rollouts_equal_the_simulated_lag_bit_for_bit(k, async_k2, tmp_pat
         assert rows(on_policy)[2] != rows(lagged)[2]
 
 
-def test_async_rollouts_under_two_processes_equal_the_simulated_lag(tmp_path):
+def torchrun_grpo(out, *flags, check=True):
+    """grpo.py tiny, small, 6 steps, under torchrun with 2 processes."""
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL, *flags]
+    argv += ["--total-steps", "6", "--ppo-micro-batch-size-per-gpu", "8"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    return [*torchrun, "2", *argv]
+
+
+def test_async_rollouts_under_two_processes_equal_the_lag_and_resume_per_rank(tmp_path):
     """torchrun, 2 processes (each rank its own producer), K = 1, 6 steps: the rows and the final
-    weights of --rollout-staleness 1."""
+    weights of --rollout-staleness 1; the same async run killed with SIGKILL after its 4th row and
+    rerun ends there too (each rank resumes with its own batches sampled ahead)."""
     runs = {}
     for name, flags in (
         ("async", ["--async-rollouts", "--max-staleness", "1"]),
         ("lag", ["--rollout-staleness", "1"]),
     ):
-        out = tmp_path / name
-        argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL, *flags]
-        argv += ["--total-steps", "6", "--ppo-micro-batch-size-per-gpu", "8"]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        runs[name] = tmp_path / name
         done = subprocess.run(
-            [*torchrun, "--nproc_per_node", "2", *argv],
+            torchrun_grpo(runs[name], *flags),
             cwd=ROOT,
             env=ENV,
             capture_output=True,
@@ -113,10 +120,48 @@ def test_async_rollouts_under_two_processes_equal_the_simulated_lag(tmp_path):
             timeout=300,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        runs[name] = out
     assert len(rows(runs["lag"])) == 7
     assert rows(runs["async"]) == rows(runs["lag"])
     assert same_weights(weights(runs["async"]), weights(runs["lag"]))
+    out = tmp_path / "killed"
+    flags = ["--async-rollouts", "--max-staleness", "1", "--save-every", "2"]
+    process = subprocess.Popen(
+        torchrun_grpo(out, *flags),
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)  # the launcher: its ranks stop within a second
+    process.wait()
+    time.sleep(2)
+    assert len(metrics.read_text().splitlines()) < 7
+    done = subprocess.run(
+        torchrun_grpo(out, *flags), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert rows(out) == rows(runs["async"])
+    assert same_weights(weights(out), weights(runs["async"]))
+
+
+def test_an_async_run_is_not_extended_past_its_last_step(async_k2, tmp_path):
+    """Its last checkpoint holds no batch sampled ahead, so a rerun with more steps is refused in
+    one line (before any model loads)."""
+    out = tmp_path / "extended"
+    shutil.copytree(async_k2, out)
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL]
+    argv += ["--async-rollouts", "--max-staleness", "2", "--save-every", "3", "--total-steps", "12"]
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "total_steps" in last.replace("-", "_"), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["k2", "in_flight"])
@@ -147,7 +192,7 @@ def test_a_sigkilled_async_run_resumes_to_the_uninterrupted_end(mode, async_k2, 
     process.wait()
     assert len(metrics.read_text().splitlines()) < 11  # killed before the end
     state = harness.load_checkpoint(out / "checkpoint", 0)
-    queued = sorted(state["rollout_queue"])
+    queued = sorted(state["rollout_queue"][0])  # rank 0's
     assert state["step"] >= 3 and queued == list(range(state["step"], state["step"] + k))
     run_grpo(out, *flags)
     assert rows(out, keep_async=True) == rows(uninterrupted, keep_async=True)
@@ -261,7 +306,49 @@ def test_in_flight_updates_move_to_the_next_version_between_chunks():
     engine = rollout.VersionedEngine(producer, 4)
     engine.versions = [3, 4, 4]
     metrics = engine.version_metrics([[5, 6, 7], [5]])
-    assert metrics == {"async/oldest_version_age": 1, "async/versions_per_sequence": 1.5}
+    assert metrics == {
+        "async/oldest_version_age": 1,
+        "async/versions_per_sequence": 1.5,
+        "async/dropped_batches": 0,
+    }
+
+
+def test_a_free_running_run_stays_within_the_bound(tmp_path):
+    """--async-free-running --max-staleness 2 with in-flight updates, 10 steps: it runs to the end,
+    and no batch the trainer kept is more than 2 updates old (which version sampled what depends on
+    the timing, so nothing more is asserted)."""
+    out = run_grpo(
+        tmp_path / "free",
+        "--async-rollouts",
+        "--async-free-running",
+        "--max-staleness",
+        "2",
+        "--in-flight-updates",
+    )
+    ages = [row["async/oldest_version_age"] for row in rows(out, True) if row["step"]]
+    assert len(ages) == 10 and max(ages) <= 2
+
+
+def test_the_staleness_bound_drops_a_batch_older_than_k_and_samples_it_again():
+    """Free-running, K = 2: step 3's batch started at version 0 and finished at version 3 (a
+    checkpoint's queue, built by hand); the trainer, at version 3, takes it 3 updates stale, drops
+    it and gets it sampled again with the newest version (3). A batch 2 updates stale is kept."""
+    model = counting_model()
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    sampled = []
+    queue = {3: ([0, 1, 2, 3], "sampled from version 0 to 3"), 4: ([2, 3], "two updates old")}
+    producer = rollout.AsyncRollouts(
+        model, CountingEngine, sample_with(sampled), 3, 5, 2, queue, free_running=True
+    )
+    assert producer.take(3) == ([3], 3.0)
+    assert producer.dropped == 1 and sampled == [3]
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    producer.publish(model, 4)
+    assert producer.take(4) == ([2, 3], "two updates old")
+    producer.thread.join(timeout=10)
+    assert not producer.thread.is_alive() and sampled == [3]
 
 
 def test_in_flight_logprobs_are_each_token_s_own_version_s_and_the_is_weights_use_it():
@@ -344,6 +431,11 @@ def test_a_failing_producer_ends_the_run_in_one_line():
         (["--adv-estimator", "remax"], "--adv-estimator"),
         (["--backend", "vllm"], "--backend"),
         (["--max-staleness", "-1"], "--max-staleness"),
+        (["--gradient-checkpointing"], "--gradient-checkpointing"),
+        (["--compile-layers"], "--compile-layers"),
+        (["--val-temperature", "1.0"], "--val-temperature"),
+        (["--in-flight-updates", "--max-staleness", "2"], "--max-staleness"),
+        (["--dynamic-sampling"], "--dynamic-sampling"),
     ],
 )
 def test_what_the_producer_cannot_share_is_refused_in_one_line(

@@ -144,7 +144,9 @@ def test_the_reference_is_the_base_with_the_adapter_off_and_no_second_model(tmp_
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(trained) == 2 * len(lora.adapter_layers(model))
     randomise_b(model)
-    base, _ = tasks.build_tiny_model(arch=args.tiny_arch, seed=args.seed)
+    base, _ = tasks.build_tiny_model(
+        arch=args.tiny_arch, seed=args.seed, tied_embeddings=args.tiny_tied_embeddings
+    )
     prompts = [tokenizer("abc=")["input_ids"], tokenizer("dab=")["input_ids"]]
     responses = [tokenizer("abc")["input_ids"], tokenizer("dd")["input_ids"]]
     batch = rollout.make_batch(prompts, responses, [[0.0] * 3, [0.0] * 2], 0, 4, "cpu")
