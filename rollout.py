@@ -367,25 +367,36 @@ class HFBackend:
             if temperature > 0:
                 torch.manual_seed(seed)
             for start in range(0, len(rows), chunk):
-                input_ids, attention_mask = pad_left(rows[start : start + chunk], self.pad_token_id)
-                new_tokens, new_logprobs = hf_generate(
-                    self.model,
-                    input_ids.to(device),
-                    attention_mask.to(device),
-                    config,
-                    temperature,
-                    self.precision,
-                    self.truncation,
-                )
-                for ids, lps in zip(new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()):
-                    # each response ends at its first EOS (kept: it is an action), or is cut at
-                    # max_new_tokens ("length")
-                    end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
-                    responses.append(ids[:end])
-                    response_logprobs.append(lps[:end])
-                    finish.append("stop" if self.eos_token_id in ids else "length")
+                sampled = self._sample(rows[start : start + chunk], config, temperature)
+                for ids, lps, stopped in sampled:
+                    responses.append(ids)
+                    response_logprobs.append(lps)
+                    # max_new_tokens without an EOS: "length"
+                    finish.append("stop" if stopped else "length")
         self.model.train(was_training)
         return responses, response_logprobs, finish
+
+    def _sample(self, rows, config, temperature):
+        """One hf_generate call on the left-padded `rows` (token id lists): per row, (its new token
+        ids, their logprobs, whether it sampled EOS), each cut after its first EOS (kept, with its
+        logprob: EOS is an action)."""
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = pad_left(rows, self.pad_token_id)
+        new_tokens, new_logprobs = hf_generate(
+            self.model,
+            input_ids.to(device),
+            attention_mask.to(device),
+            config,
+            temperature,
+            self.precision,
+            self.truncation,
+        )
+        sampled = []
+        for ids, lps in zip(new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()):
+            stopped = self.eos_token_id in ids
+            end = ids.index(self.eos_token_id) + 1 if stopped else len(ids)
+            sampled.append((ids[:end], lps[:end], stopped))
+        return sampled
 
     @torch.no_grad()
     def generate_in_flight(
@@ -421,25 +432,14 @@ class HFBackend:
                     self.eos_token_id,
                     self.pad_token_id,
                 )
-                input_ids, attention_mask = pad_left(
-                    [rows[i] + responses[i] for i in active], self.pad_token_id
+                # each active row continues from its prompt and the tokens it has so far
+                sampled = self._sample(
+                    [rows[i] + responses[i] for i in active], config, temperature
                 )
-                new_tokens, new_logprobs = hf_generate(
-                    self.model,
-                    input_ids.to(device),
-                    attention_mask.to(device),
-                    config,
-                    temperature,
-                    self.precision,
-                    self.truncation,
-                )
-                for i, ids, lps in zip(
-                    active, new_tokens.cpu().tolist(), new_logprobs.cpu().tolist()
-                ):
-                    end = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
-                    responses[i] += ids[:end]
-                    response_logprobs[i] += lps[:end]
-                    finished[i] = self.eos_token_id in ids or len(responses[i]) >= max_new_tokens
+                for i, (ids, lps, stopped) in zip(active, sampled):
+                    responses[i] += ids
+                    response_logprobs[i] += lps
+                    finished[i] = stopped or len(responses[i]) >= max_new_tokens
         self.model.train(was_training)
         finish = ["stop" if self.eos_token_id in r else "length" for r in responses]
         return responses, response_logprobs, finish
