@@ -55,6 +55,15 @@ def rows(out, keep_async=False):
         ]
 
 
+def wait_for_rows(process, metrics, rows_wanted, timeout=300):
+    """Wait until `metrics` (a run's metrics.jsonl) holds rows_wanted rows or the process ends."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows_wanted:
+            return
+        time.sleep(0.02)
+
+
 def weights(out):
     from safetensors.torch import load_file
 
@@ -134,11 +143,7 @@ def test_async_rollouts_under_two_processes_equal_the_lag_and_resume_per_rank(tm
         stderr=subprocess.DEVNULL,
     )
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
-            break
-        time.sleep(0.02)
+    wait_for_rows(process, metrics, 4)
     process.send_signal(signal.SIGKILL)  # the launcher: its ranks stop within a second
     process.wait()
     time.sleep(2)
@@ -184,11 +189,7 @@ def test_a_sigkilled_async_run_resumes_to_the_uninterrupted_end(mode, async_k2, 
         [sys.executable, *argv], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL
     )
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
-            break
-        time.sleep(0.02)
+    wait_for_rows(process, metrics, 6)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert len(metrics.read_text().splitlines()) < 11  # killed before the end
@@ -217,11 +218,7 @@ def test_sigterm_with_the_producer_running_saves_and_the_rerun_ends_as_uninterru
         stderr=subprocess.PIPE,
     )
     metrics = out / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
+    wait_for_rows(process, metrics, 3)
     process.send_signal(signal.SIGTERM)
     stderr = process.communicate(timeout=300)[1].decode()
     assert process.returncode == 143, stderr[-2000:]
