@@ -1189,8 +1189,6 @@ def check_async_rollouts(args, world_size):
         harness.refuse(args, "policy_loss", "not clip_cov with --async-rollouts")
     if args.adv_estimator == "remax":
         harness.refuse(args, "adv_estimator", "not remax with --async-rollouts (a greedy rollout)")
-    if args.backend != "hf":
-        harness.refuse(args, "backend", "hf with --async-rollouts (vLLM's engine: not yet)")
     if args.sharding == "fsdp2":
         harness.refuse(args, "sharding", "ddp with --async-rollouts (a whole copy)")
     if args.dynamic_sampling:

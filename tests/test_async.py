@@ -427,7 +427,6 @@ def test_a_failing_producer_ends_the_run_in_one_line():
         (["--rollout-staleness", "1"], "--rollout-staleness"),
         (["--policy-loss", "clip_cov"], "--policy-loss"),
         (["--adv-estimator", "remax"], "--adv-estimator"),
-        (["--backend", "vllm"], "--backend"),
         (["--max-staleness", "-1"], "--max-staleness"),
         (["--gradient-checkpointing"], "--gradient-checkpointing"),
         (["--compile-layers"], "--compile-layers"),

@@ -581,6 +581,75 @@ def test_train_rollout_staleness_reaches_the_engine(setup, tmp_path):
     assert diffs[0] < 1e-5 and min(diffs[1:]) > 1e-3, diffs
 
 
+def test_in_flight_vllm_logprobs_are_each_token_s_own_version_s(setup):
+    """VLLMBackend.generate_in_flight with a hand-built swap after token 2 (chunks of 2 tokens):
+    tokens 0-1 are sampled with the module's weights W0, the later ones with W1 (another random
+    model). Every recorded logprob equals an fp32 HF recompute with its own version's weights (the
+    engine's bound); one version alone would not give tokens 0-1 back."""
+    from tasks import build_tiny_model
+
+    backend, model, tokenizer = setup
+    other, _ = build_tiny_model(arch="qwen2", seed=1)
+    versions = {0: model, 1: other.eval()}
+    loaded = []
+
+    def before_chunk(c):  # the swap: version 1 from the second chunk on
+        if c == 1:
+            backend.sync_weights(other)
+        loaded.append(min(c, 1))
+
+    prompts, n = _prompts(tokenizer)[:4], 3
+    backend.sync_weights(model)
+    try:
+        responses, recorded, finish = backend.generate_in_flight(
+            prompts, n, 8, 1.0, 11, 2, before_chunk
+        )
+    finally:
+        backend.sync_weights(model)  # the later tests' engine holds the module's model again
+    assert loaded[:2] == [0, 1] and max(len(r) for r in responses) > 2
+    assert len(responses) == len(recorded) == len(finish) == len(prompts) * n
+    worst_own, worst_single = 0.0, 0.0
+    for k, (response, lps) in enumerate(zip(responses, recorded)):
+        under = {v: hf_logprobs(m, prompts[k // n], response, 1.0) for v, m in versions.items()}
+        # token j was sampled in chunk j // 2: version 0 for j < 2, version 1 after
+        own = torch.cat([under[0][:2], under[1][2:]])
+        worst_own = max(worst_own, (torch.tensor(lps) - own).abs().max().item())
+        worst_single = max(worst_single, (torch.tensor(lps[:2]) - under[1][:2]).abs().max().item())
+    print(f"in-flight vLLM: own version {worst_own:.2e}, version 1 alone {worst_single:.2e}")
+    assert worst_own < TOL and worst_single > 1e-2
+
+
+def test_async_rollouts_with_vllm_equal_the_simulated_lag(tmp_path):
+    """`grpo.py tiny --backend vllm --async-rollouts --max-staleness 1` (the producer thread has an
+    engine of its own; validation uses the trainer's, never at the same time: rollout.ENGINE_LOCK)
+    logs the rows of `--rollout-staleness 1` and ends with its weights, bit for bit: 6 steps with
+    validation at steps 0 and 5."""
+    _import_backend()
+    from safetensors.torch import load_file
+
+    def run(name, *flags):
+        out = tmp_path / name
+        command = [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "vllm"]
+        command += ["--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "8"]
+        command += ["--train-size", "64", "--log-samples-every", "0", "--val-every", "5"]
+        command += ["--total-steps", "6", "--output-dir", str(out), *flags]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        with open(out / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        rows = [
+            {k: v for k, v in r.items() if not k.startswith(("timing/", "async/"))} for r in rows
+        ]
+        return rows, load_file(out / "checkpoint" / "model.safetensors")
+
+    async_rows, async_weights = run("async", "--async-rollouts", "--max-staleness", "1")
+    lag_rows, lag_weights = run("lag", "--rollout-staleness", "1")
+    assert len(lag_rows) == 7 and "val/accuracy" in lag_rows[-1]
+    assert async_rows == lag_rows
+    assert sorted(async_weights) == sorted(lag_weights)
+    assert all(torch.equal(async_weights[k], lag_weights[k]) for k in lag_weights)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torchrun: one engine per rank inside the trainer's gloo world. ~60-70 s each on 2 cores (two
 # engine starts), so they only run when slow tests are selected: `pytest -m slow
