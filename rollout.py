@@ -769,23 +769,27 @@ class VLLMBackend:
         """generate() with the weights swapped inside the batch, as HFBackend.generate_in_flight
         does it: chunk c of up to token_chunk new tokens is one request per unfinished sample
         (its prompt + its tokens so far, prefilled again under the chunk's weights: every sync
-        resets the prefix cache, so no key or value of older weights is reused), seeded
-        seed + c * len(rows) + row, and before_chunk(c) may load other weights first. vLLM's own
+        resets the prefix cache, so no key or value of older weights is reused), each request
+        seeded by one draw from a generator seeded with `seed` (one stream per batch, as HF's), and
+        before_chunk(c) may load other weights first. vLLM's own
         in-flight path (AsyncLLM.pause_generation(mode="keep"), 0.32) keeps the older weights'
         KV cache and needs the asyncio engine; not used. Returns what generate() returns."""
         rows = [list(p) for p in prompt_token_ids for _ in range(n)]
         responses = [[] for _ in rows]
         response_logprobs = [[] for _ in rows]
         finished = [False] * len(rows)
+        # the requests' seeds: 62-bit draws, so no two requests of a run share a stream
+        seeds = torch.Generator().manual_seed(seed)
         for c, first in enumerate(range(0, max_new_tokens, token_chunk)):
             active = [i for i in range(len(rows)) if not finished[i]]
             if not active:
                 break
             before_chunk(c)
             length = min(token_chunk, max_new_tokens - first)
+            chunk_seeds = torch.randint(2**62, (len(active),), generator=seeds).tolist()
             params = [
-                self._sampling_params(1, length, temperature, seed + c * len(rows) + i)
-                for i in active
+                self._sampling_params(1, length, temperature, chunk_seed)
+                for chunk_seed in chunk_seeds
             ]
             samples = self._run([rows[i] + responses[i] for i in active], params)
             for i, (tokens, token_logprobs, reason) in zip(active, samples):

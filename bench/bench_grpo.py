@@ -18,11 +18,12 @@ logprob routine.
 4. Asynchronous rollouts on the `tiny` preset, in one process: the wall time per step (timing/step) of
    --async-rollouts --max-staleness K (a producer thread samples while the trainer trains) against the same run
    with --rollout-staleness K (the same numbers, one step after another), K = 1 and 2, and what the trainer waited
-   for its batch (timing/generate).
+   for its batch (timing/generate); `--async-backends hf vllm` for both engines.
 """
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -229,29 +230,29 @@ def bench_backends(steps=12):
     return results, one_off
 
 
-def bench_async(steps=12, ks=(1, 2)):
-    """{(mode, K): mean timing/step and timing/generate of steps 3..steps}, mode "lagged"
-    (--rollout-staleness K) or "async" (--async-rollouts --max-staleness K)."""
+def bench_async(steps=12, ks=(1, 2), backends=("hf",)):
+    """{(backend, mode, K): mean timing/step and timing/generate of steps 3..steps}, mode
+    "lagged" (--rollout-staleness K) or "async" (--async-rollouts --max-staleness K)."""
     results = {}
-    for k in ks:
-        for mode in ("lagged", "async"):
-            with tempfile.TemporaryDirectory() as tmp:
-                args = dataclasses.replace(
-                    grpo.PRESETS["tiny"][1],
-                    output_dir=tmp,
-                    total_steps=steps,
-                    val_every=0,
-                    save_every=0,
-                    rollout_staleness=k if mode == "lagged" else 0,
-                    async_rollouts=mode == "async",
-                    max_staleness=k,
-                )
-                with open(grpo.train(args)) as f:
-                    rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
-            results[(mode, k)] = {
-                key: sum(r[key] for r in rows) / len(rows)
-                for key in ("timing/step", "timing/generate", "reward/mean")
-            }
+    for backend, k, mode in itertools.product(backends, ks, ("lagged", "async")):
+        with tempfile.TemporaryDirectory() as tmp:
+            args = dataclasses.replace(
+                grpo.PRESETS["tiny"][1],
+                output_dir=tmp,
+                total_steps=steps,
+                val_every=0,
+                save_every=0,
+                backend=backend,
+                rollout_staleness=k if mode == "lagged" else 0,
+                async_rollouts=mode == "async",
+                max_staleness=k,
+            )
+            with open(grpo.train(args)) as f:
+                rows = [json.loads(line) for line in f][2:]  # skip two warm-up steps
+        results[(backend, mode, k)] = {
+            key: sum(r[key] for r in rows) / len(rows)
+            for key in ("timing/step", "timing/generate", "reward/mean")
+        }
     return results
 
 
@@ -267,14 +268,15 @@ def async_section(results, steps):
         "batches in a producer thread while the trainer trains (the logged numbers are the same, "
         "tests/test_async.py). Generate = what the trainer waited for its batch.",
         "",
-        "| K | lagged step (s) | lagged generate (s) | async step (s) | async generate (s) | "
-        "async / lagged |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| backend | K | lagged step (s) | lagged generate (s) | async step (s) | "
+        "async generate (s) | async / lagged |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for k in sorted({k for _, k in results}):
-        lagged, asynchronous = results[("lagged", k)], results[("async", k)]
+    for backend, k in sorted({(backend, k) for backend, _, k in results}):
+        lagged = results[(backend, "lagged", k)]
+        asynchronous = results[(backend, "async", k)]
         lines.append(
-            f"| {k} | {lagged['timing/step']:.3f} | {lagged['timing/generate']:.3f} | "
+            f"| {backend} | {k} | {lagged['timing/step']:.3f} | {lagged['timing/generate']:.3f} | "
             f"{asynchronous['timing/step']:.3f} | {asynchronous['timing/generate']:.4f} | "
             f"{asynchronous['timing/step'] / lagged['timing/step']:.2f} |"
         )
@@ -329,10 +331,14 @@ def main():
     parser.add_argument(
         "--async", dest="async_rollouts", action="store_true", help="only the async section"
     )
+    parser.add_argument(
+        "--async-backends", nargs="+", default=["hf"], help="the async section's engines (hf vllm)"
+    )
     cli = parser.parse_args()
     torch.set_num_threads(1)
     if cli.async_rollouts:
-        text = async_section(bench_async(cli.steps), cli.steps)
+        results = bench_async(cli.steps, backends=cli.async_backends)
+        text = async_section(results, cli.steps)
         print(text)
         if cli.write:
             with open(os.path.join(ROOT, "bench", "RESULTS.md"), "a") as f:

@@ -66,7 +66,10 @@ TRUNCATION_SOURCES = ("top_p", "top_k")
 LORA_SOURCES = ("lora", "lora_bf16")
 LORA_ARMS = ["lora/naive", "lora_bf16/naive", "lora_bf16/token_tis", "lora_bf16/seq_mis"]
 ASYNC_SOURCES = ("async1", "async4", "inflight")
-ASYNC_ARMS = ["async4/naive", "async4/seq_mis", "inflight/naive", "inflight/token_tis"]
+ASYNC_ARMS = ["none/naive"]
+ASYNC_ARMS += ["async1/naive", "async1/seq_mis", "async1/bypass"]
+ASYNC_ARMS += ["async4/naive", "async4/seq_mis", "async4/bypass"]
+ASYNC_ARMS += ["inflight/naive", "inflight/token_tis"]
 
 
 def preset_and_reference(source):

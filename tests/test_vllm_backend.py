@@ -619,31 +619,27 @@ def test_in_flight_vllm_logprobs_are_each_token_s_own_version_s(setup):
     assert worst_own < TOL and worst_single > 1e-2
 
 
-def test_async_rollouts_with_vllm_equal_the_simulated_lag(tmp_path):
-    """`grpo.py tiny --backend vllm --async-rollouts --max-staleness 1` (the producer thread has an
-    engine of its own; validation uses the trainer's, never at the same time: rollout.ENGINE_LOCK)
-    logs the rows of `--rollout-staleness 1` and ends with its weights, bit for bit: 6 steps with
-    validation at steps 0 and 5."""
-    _import_backend()
+def test_async_rollouts_with_vllm_equal_the_simulated_lag(setup, tmp_path):
+    """grpo.train with --async-rollouts --max-staleness 1 and vLLM (the producer thread starts an
+    engine of its own; validation uses this module's, never at the same time: rollout.ENGINE_LOCK)
+    logs the rows of --rollout-staleness 1 and ends with its weights, bit for bit: 6 steps of 8
+    prompts x 8, validation at steps 0 and 5."""
     from safetensors.torch import load_file
 
-    def run(name, *flags):
-        out = tmp_path / name
-        command = [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--backend", "vllm"]
-        command += ["--train-batch-size", "8", "--ppo-mini-batch-size", "4", "--rollout-n", "8"]
-        command += ["--train-size", "64", "--log-samples-every", "0", "--val-every", "5"]
-        command += ["--total-steps", "6", "--output-dir", str(out), *flags]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        with open(out / "metrics.jsonl") as f:
-            rows = [json.loads(line) for line in f]
+    backend, _, _ = setup
+    small = dict(train_batch_size=8, ppo_mini_batch_size=4, rollout_n=8, train_size=64)
+    small.update(log_samples_every=0, val_every=5, total_steps=6)
+    runs = {}
+    for name, flags in (
+        ("async", dict(async_rollouts=True, max_staleness=1)),
+        ("lag", dict(rollout_staleness=1)),
+    ):
+        rows = _train(backend, tmp_path / name, **small, **flags)
         rows = [
             {k: v for k, v in r.items() if not k.startswith(("timing/", "async/"))} for r in rows
         ]
-        return rows, load_file(out / "checkpoint" / "model.safetensors")
-
-    async_rows, async_weights = run("async", "--async-rollouts", "--max-staleness", "1")
-    lag_rows, lag_weights = run("lag", "--rollout-staleness", "1")
+        runs[name] = rows, load_file(tmp_path / name / "checkpoint" / "model.safetensors")
+    (async_rows, async_weights), (lag_rows, lag_weights) = runs["async"], runs["lag"]
     assert len(lag_rows) == 7 and "val/accuracy" in lag_rows[-1]
     assert async_rows == lag_rows
     assert sorted(async_weights) == sorted(lag_weights)
