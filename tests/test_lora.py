@@ -352,6 +352,43 @@ def test_bad_lora_flags_end_in_one_line(flags, message, tmp_path):
     assert message in last and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+ADAPTER_SYNC = ["--vllm-lora-sync", "adapter"]
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--backend", "vllm", *ADAPTER_SYNC], "--vllm-lora-sync"),
+        (["--lora-rank", "8", *ADAPTER_SYNC], "--vllm-lora-sync"),
+        (["--backend", "vllm", "--lora-rank", "8", "--tiny-arch", "gpt2"], "--tiny-arch"),
+        (["--backend", "vllm", "--lora-rank", "8", "--mismatch", "bf16"], "--mismatch"),
+        (["--backend", "vllm", "--lora-rank", "8", "--lora-target-modules", "lm_head"], "--lora"),
+        (["--backend", "vllm", "--lora-rank", "1024"], "--lora-rank"),
+    ],
+)
+def test_what_vllm_adapter_sync_cannot_take_is_refused_in_one_line(
+    flags, named, capsys, monkeypatch, tmp_path
+):
+    """--vllm-lora-sync adapter needs vLLM and an adapter, and vLLM 0.32's LoRA layers take no
+    GPT-2, no LM head, no rounded base, no rank past 512: each ends in `grpo.py: error: --flag
+    ...` and exit status 2, before any model loads."""
+    import transformers
+
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: pytest.fail("a model was loaded before the bad flag was refused"),
+    )
+    monkeypatch.setattr(rollout, "check_vllm_available", lambda: None)  # vllm need not be here
+    extra = ADAPTER_SYNC if "--backend" in flags and "--vllm-lora-sync" not in flags else []
+    argv = ["tiny", "--tiny-arch", "qwen2", "--output-dir", str(tmp_path / "run"), *flags, *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert err[0].startswith("grpo.py: error: " + named), err
+
+
 def test_an_adapter_of_other_settings_is_refused_in_one_line(tmp_path):
     """load_adapter: a file whose weights are not this model's adapter's (another rank) ends in a
     RunError naming the file."""
