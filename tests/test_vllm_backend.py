@@ -47,6 +47,8 @@ def _import_backend():
 
 
 RNG_DRAWS = {}
+# engines a test starts beside the module's, never closed nor collected (see their test)
+OTHER_ENGINES = []
 
 
 def _rng_draws():
@@ -497,30 +499,35 @@ def test_a_lora_policy_is_synced_merged_and_the_engine_scores_as_the_merged_mode
 
 
 def test_adapter_sync_scores_as_the_unmerged_trainer_and_leaves_the_engine_s_base(tmp_path):
-    """--vllm-lora-sync adapter (VLLMBackend(lora_rank=4): vLLM's LoRA layers): after each of two
+    """--vllm-lora-sync adapter (VLLMBackend(lora_rank=8): vLLM's LoRA layers): after each of two
     syncs of a LoRA policy (B random, then moved again) the engine's logprobs equal the trainer's
     unmerged forward within the sync bound, and the plain model's differ; asked without the adapter
-    the engine scores as the plain model, so no sync wrote its base. An engine of its own (the
-    module's has no LoRA layers), left open: closing it would end the module engine's process
-    group."""
+    the engine scores as the plain model, so no sync wrote its base. Then grpo.train with
+    --vllm-lora-sync adapter on the same base, 4 steps: training/rollout_probs_diff_max <= 1e-4 at
+    every step while the adapter moves. An engine of its own (the module's has no LoRA
+    layers), left open: closing it would end the module engine's process group."""
     import copy
 
+    import grpo
     import lora
     from tasks import build_tiny_model
 
     VLLMBackend = _import_backend()
     path = str(tmp_path / "base")
-    model, tokenizer = build_tiny_model(path, arch="qwen2", seed=3)
+    model, tokenizer = build_tiny_model(path, arch="qwen2", seed=3, tied_embeddings=False)
     model.eval()
-    engine = VLLMBackend(path, tokenizer.eos_token_id, max_model_len=128, lora_rank=4)
-    adapted = lora.add_adapter(copy.deepcopy(model), 4, 8.0, "all-linear", seed=0)
+    engine = VLLMBackend(path, tokenizer.eos_token_id, max_model_len=128, lora_rank=8)
+    # kept to the end of the process: an engine collected shuts down, and its shutdown ends vLLM's
+    # process-wide parallel groups, which the module's engine still uses
+    OTHER_ENGINES.append(engine)
+    adapted = lora.add_adapter(copy.deepcopy(model), 8, 32.0, "all-linear", seed=0)
     generator = torch.Generator().manual_seed(0)
     prompts, n = _prompts(tokenizer)[:4], 4
     for sync in range(2):
         with torch.no_grad():
             for layer in lora.adapter_layers(adapted).values():
                 b = layer.lora_B[lora.ADAPTER].weight
-                b.add_(torch.randn(b.shape, generator=generator) * 0.1)
+                b.add_(torch.randn(b.shape, generator=generator) * 0.05)
         engine.sync_weights(adapted)
         responses, logprobs, _ = engine.generate(prompts, n, 8, 1.0, seed=sync)
         of_trainer = max_logprob_diff(adapted, prompts, n, responses, logprobs, 1.0)
@@ -531,27 +538,30 @@ def test_adapter_sync_scores_as_the_unmerged_trainer_and_leaves_the_engine_s_bas
     responses, logprobs, _ = engine.generate(prompts, n, 8, 1.0, seed=5)
     assert max_logprob_diff(model, prompts, n, responses, logprobs, 1.0) < TOL
 
-
-def test_grpo_with_adapter_sync_trains_on_what_the_engine_sampled(tmp_path):
-    """`grpo.py tiny --tiny-arch qwen2 --backend vllm --lora-rank 8 --vllm-lora-sync adapter`, 4
-    steps as a user runs it: the engine's probabilities equal the trainer's recompute after every
-    sync (training/rollout_probs_diff_max <= 1e-4 in fp32), and the run ends with its adapter."""
-    _import_backend()
-    out = tmp_path / "run"
-    command = [sys.executable, os.path.join(ROOT, "grpo.py"), "tiny", "--tiny-arch", "qwen2"]
-    command += ["--backend", "vllm", "--lora-rank", "8", "--lora-alpha", "32"]
-    command += ["--vllm-lora-sync", "adapter", "--lr", "1e-2", "--total-steps", "4"]
-    command += ["--val-every", "0", "--output-dir", str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    with open(out / "metrics.jsonl") as f:
+    # grpo.train on that base (loaded from the engine's folder): the engine samples what it trains
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny"][1],
+        model_name_or_path=path,
+        backend="vllm",
+        lora_rank=8,
+        lora_alpha=32.0,
+        vllm_lora_sync="adapter",
+        lr=1e-2,
+        total_steps=4,
+        val_every=0,
+        output_dir=str(tmp_path / "run"),
+        cuda=False,
+    )
+    with open(grpo.train(args, backend=engine)) as f:
         rows = [row for row in map(json.loads, f) if "reward/mean" in row]
     diffs = [r["training/rollout_probs_diff_max"] for r in rows]
-    print(f"adapter sync: probs_diff_max {diffs}")
+    print(f"grpo adapter sync: probs_diff_max {diffs}")
     assert len(rows) == 4 and max(diffs) <= 1e-4, diffs
-    # the adapter moved (B started at 0), so the later syncs carried something
-    assert rows[-1]["actor/grad_norm"] > 0
-    assert (out / "checkpoint" / "adapter_model.safetensors").exists()
+    # B started at 0 and moved, so the later syncs carried an adapter that changes the model
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "run" / "checkpoint" / "adapter_model.safetensors")
+    assert any(name.endswith("lora_B.weight") and t.abs().max() > 0 for name, t in saved.items())
 
 
 def _train(backend, tmp_path, **overrides):
