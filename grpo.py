@@ -913,7 +913,7 @@ def train(args, backend=None):
 
     # Validation before training (verl val_before_train): the initial policy, as step 0.
     if args.val_every and args.val_before_train and start_step == 0:
-        val_metrics = validate(backend, lag, tokenizer, task, args, -1, rank, world_size)
+        val_metrics = validate(backend, lag, model, tokenizer, task, args, -1, rank, world_size)
         log_step(log, {"step": 0, **val_metrics}, args.total_steps, rank)
 
     # SIGTERM / Ctrl-C from here on: the step in progress ends, is saved, and the run stops
@@ -1022,14 +1022,14 @@ def train(args, backend=None):
 
         # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
         #    rollout.apply_mismatch; vLLM: load_weights + prefix cache reset). --rollout-staleness
-        #    K: the copy gets the weights after update step + 1 - K (the initial ones while fewer
-        #    updates are done).
+        #    K: the copy gets the weights after update step + 1 - K (the initial ones until then).
         t0 = time.time()
         if lag:
             lag.push(model)
-        if producer:
+        if producer:  # it samples with its own engine; the trainer's is synced to validate
             producer.publish(model, step + 1)
-        backend.sync_weights(rollout_model)
+        else:
+            backend.sync_weights(rollout_model)
         timing["timing/sync_weights"] = time.time() - t0
 
         # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
@@ -1045,7 +1045,7 @@ def train(args, backend=None):
             spread = harness.rank_checksum_spread(model.parameters(), world_size)
             metrics["debug/rank_param_checksum_max_diff"] = spread
         if args.val_every and ((step + 1) % args.val_every == 0 or last):
-            metrics.update(validate(backend, lag, tokenizer, task, args, step, rank, world_size))
+            metrics |= validate(backend, lag, model, tokenizer, task, args, step, rank, world_size)
         metrics["timing/step"] = time.time() - t_step
         log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
         # what the policy writes (after the first step and every --log-samples-every steps)
@@ -1210,6 +1210,14 @@ def check_async_rollouts(args, world_size):
         harness.refuse(args, "compile_layers", "off with --async-rollouts")
     if args.val_temperature > 0:
         harness.refuse(args, "val_temperature", "0 with --async-rollouts (greedy draws nothing)")
+    if args.backend == "vllm" and args.vllm_sleep_mode:
+        # vLLM's sleep allocator is one per process: one engine's sleep would put the other's
+        # memory to sleep too
+        harness.refuse(args, "vllm_sleep_mode", "off with --async-rollouts (two engines)")
+    on_gpu = args.cuda and torch.cuda.is_available()
+    if args.backend == "vllm" and on_gpu and 2 * args.vllm_gpu_memory_utilization > 1:
+        # the producer's engine and the trainer's each take their share of the GPU
+        harness.refuse(args, "vllm_gpu_memory_utilization", "<= 0.5 with --async-rollouts")
     if args.in_flight_updates and args.max_staleness != 1 and not args.async_free_running:
         # a checkpoint after step s could not finish batch s + 2, whose last chunks need version
         # s + 2 (rollout.AsyncRollouts.pending)
@@ -1440,11 +1448,15 @@ def start_producer(args, model, model_path, tokenizer, task, start_step, queued,
 
 
 @torch.no_grad()
-def validate(backend, lag, tokenizer, task, args, step, rank, world_size):
+def validate(backend, lag, model, tokenizer, task, args, step, rank, world_size):
     """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the task's
     held-out split; rank r answers prompts r, r + W, ...; greedy by default (val_temperature 0:
     verl's val do_sample=False)."""
     t0 = time.time()
+    if args.async_rollouts:
+        # the producer's engine samples the batches, so train() leaves the trainer's engine alone
+        # (a sync would wait on rollout.ENGINE_LOCK for the producer's whole batch) until now
+        backend.sync_weights(model)
     mine = list(range(rank, len(task.val_prompt_ids), world_size))
     prompts = [task.val_prompt_ids[i] for i in mine]
     if args.sharding == "fsdp2":

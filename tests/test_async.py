@@ -433,6 +433,7 @@ def test_a_failing_producer_ends_the_run_in_one_line():
         (["--val-temperature", "1.0"], "--val-temperature"),
         (["--in-flight-updates", "--max-staleness", "2"], "--max-staleness"),
         (["--dynamic-sampling"], "--dynamic-sampling"),
+        (["--backend", "vllm", "--vllm-sleep-mode"], "--vllm-sleep-mode"),
     ],
 )
 def test_what_the_producer_cannot_share_is_refused_in_one_line(

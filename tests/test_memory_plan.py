@@ -9,6 +9,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -433,9 +434,15 @@ def test_sleep_mode_call_order_with_a_recording_engine():
         def collective_rpc(self, method, *args, **kwargs):
             calls.append(("collective_rpc", method))
 
-        def generate(self, prompts, params, use_tqdm=False):
+        def generate(self, prompts, params, use_tqdm=False, lora_request=None):
             calls.append(("generate",))
-            return []
+            # each request's n samples: one token each, with its logprob
+            sample = types.SimpleNamespace(
+                index=0, token_ids=[0], logprobs=[{0: types.SimpleNamespace(logprob=-1.0)}]
+            )
+            sample.finish_reason = "stop"
+            outputs = [types.SimpleNamespace(outputs=[sample] * p["n"]) for p in params]
+            return outputs
 
     class FakeVLLM:
         SamplingParams = staticmethod(lambda **kw: kw)
@@ -449,6 +456,10 @@ def test_sleep_mode_call_order_with_a_recording_engine():
     )
     backend.eos_token_id, backend.sleep_mode, backend._asleep = 0, True, set()
     backend.truncation = None
+    backend.lora_rank, backend.lora_request = (
+        0,
+        None,
+    )  # merged weights (no --vllm-lora-sync adapter)
     backend._sleep()  # what __init__ does last
     torch_empty_cache = torch.cuda.empty_cache
     try:
