@@ -308,6 +308,34 @@ def sample_fixed_length(
     return hf_generate(lm, input_ids, attention_mask, config, temperature, precision)
 
 
+def sample_in_chunks(rows, max_new_tokens, token_chunk, before_chunk, sample_chunk):
+    """In-flight weight updates, the loop both engines share (their generate_in_flight): the new
+    tokens of every row (its prompt's token ids) come in chunks of token_chunk. Before chunk c,
+    before_chunk(c) may load other weights; then sample_chunk(prefixes, length) samples up to
+    `length` new tokens after each unfinished row's prompt + tokens so far, prefilled again under
+    the chunk's weights, and returns per row (token ids, their logprobs, whether it sampled EOS).
+    A row ends at its EOS or at max_new_tokens. Returns what generate() returns."""
+    responses = [[] for _ in rows]
+    response_logprobs = [[] for _ in rows]
+    stopped = [False] * len(rows)
+    for c, first in enumerate(range(0, max_new_tokens, token_chunk)):
+        # the rows that neither sampled EOS nor reached max_new_tokens
+        active = [
+            i for i in range(len(rows)) if not stopped[i] and len(responses[i]) < max_new_tokens
+        ]
+        if not active:
+            break
+        before_chunk(c)
+        length = min(token_chunk, max_new_tokens - first)
+        sampled = sample_chunk([rows[i] + responses[i] for i in active], length)
+        for i, (ids, lps, eos) in zip(active, sampled):
+            responses[i] += ids
+            response_logprobs[i] += lps
+            stopped[i] = eos
+    finish = ["stop" if eos else "length" for eos in stopped]
+    return responses, response_logprobs, finish
+
+
 class HFBackend:
     """Rollouts with transformers' generate(). With --mismatch none it samples with the trainer's
     model itself; otherwise it keeps its own rollout copy that sync_weights refreshes through
@@ -415,37 +443,22 @@ class HFBackend:
         batch; all rows at once. Returns what generate() returns."""
         rows = [list(p) for p in prompt_token_ids for _ in range(n)]
         device = next(self.model.parameters()).device
-        responses = [[] for _ in rows]
-        response_logprobs = [[] for _ in rows]
-        finished = [False] * len(rows)
         was_training = self.model.training
         self.model.eval()
+
+        def sample_chunk(prefixes, length):
+            config = generation_config(length, temperature, self.eos_token_id, self.pad_token_id)
+            return self._sample(prefixes, config, temperature)
+
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=temperature > 0):
             if temperature > 0:
                 torch.manual_seed(seed)
-            for c, first in enumerate(range(0, max_new_tokens, token_chunk)):
-                active = [i for i in range(len(rows)) if not finished[i]]
-                if not active:
-                    break
-                before_chunk(c)
-                config = generation_config(
-                    min(token_chunk, max_new_tokens - first),
-                    temperature,
-                    self.eos_token_id,
-                    self.pad_token_id,
-                )
-                # each active row continues from its prompt and the tokens it has so far
-                sampled = self._sample(
-                    [rows[i] + responses[i] for i in active], config, temperature
-                )
-                for i, (ids, lps, stopped) in zip(active, sampled):
-                    responses[i] += ids
-                    response_logprobs[i] += lps
-                    finished[i] = stopped or len(responses[i]) >= max_new_tokens
+            sampled = sample_in_chunks(
+                rows, max_new_tokens, token_chunk, before_chunk, sample_chunk
+            )
         self.model.train(was_training)
-        finish = ["stop" if self.eos_token_id in r else "length" for r in responses]
-        return responses, response_logprobs, finish
+        return sampled
 
 
 # --------------------------------------------------------------------------------------------------
@@ -797,29 +810,19 @@ class VLLMBackend:
         in-flight path (AsyncLLM.pause_generation(mode="keep"), 0.32) keeps the older weights'
         KV cache and needs the asyncio engine; not used. Returns what generate() returns."""
         rows = [list(p) for p in prompt_token_ids for _ in range(n)]
-        responses = [[] for _ in rows]
-        response_logprobs = [[] for _ in rows]
-        finished = [False] * len(rows)
         # the requests' seeds: 62-bit draws, so no two requests of a run share a stream
         seeds = torch.Generator().manual_seed(seed)
-        for c, first in enumerate(range(0, max_new_tokens, token_chunk)):
-            active = [i for i in range(len(rows)) if not finished[i]]
-            if not active:
-                break
-            before_chunk(c)
-            length = min(token_chunk, max_new_tokens - first)
-            chunk_seeds = torch.randint(2**62, (len(active),), generator=seeds).tolist()
+
+        def sample_chunk(prefixes, length):
+            chunk_seeds = torch.randint(2**62, (len(prefixes),), generator=seeds).tolist()
             params = [
                 self._sampling_params(1, length, temperature, chunk_seed)
                 for chunk_seed in chunk_seeds
             ]
-            samples = self._run([rows[i] + responses[i] for i in active], params)
-            for i, (tokens, token_logprobs, reason) in zip(active, samples):
-                responses[i] += tokens
-                response_logprobs[i] += token_logprobs
-                finished[i] = reason == "stop" or len(responses[i]) >= max_new_tokens
-        finish = ["stop" if self.eos_token_id in r else "length" for r in responses]
-        return responses, response_logprobs, finish
+            samples = self._run(prefixes, params)
+            return [(ids, lps, reason == "stop") for ids, lps, reason in samples]
+
+        return sample_in_chunks(rows, max_new_tokens, token_chunk, before_chunk, sample_chunk)
 
     def sync_weights(self, model):
         """Push the trainer's current weights (through weight_transform) into the engine,

@@ -441,8 +441,7 @@ def test_sleep_mode_call_order_with_a_recording_engine():
                 index=0, token_ids=[0], logprobs=[{0: types.SimpleNamespace(logprob=-1.0)}]
             )
             sample.finish_reason = "stop"
-            outputs = [types.SimpleNamespace(outputs=[sample] * p["n"]) for p in params]
-            return outputs
+            return [types.SimpleNamespace(outputs=[sample] * p["n"]) for p in params]
 
     class FakeVLLM:
         SamplingParams = staticmethod(lambda **kw: kw)
