@@ -1476,6 +1476,21 @@ PRESETS["gptj6b_tldr"] = (
         whiten_group_size=64,
     ),
 )
+# gptj6b_tldr on one GPU of 80 GiB: the policy a rank-32 adapter (alpha 32) on every linear layer
+# over a frozen bf16 base, the value head whole, no reference copy (the adapter switched off), the
+# lr 10x the full run's ("LoRA Without Regret", Schulman et al. 2025). scripts/plan_memory.py: 49.6
+# GiB, against 150 GiB for the full policy on one GPU.
+PRESETS["gptj6b_tldr_lora"] = (
+    "GPT-J-6B TL;DR summarisation with a LoRA policy (rank 32) on one GPU of 80 GiB; not run here",
+    dataclasses.replace(
+        PRESETS["gptj6b_tldr"][1],
+        exp_name="ppo_rlhf_gptj6b_tldr_lora",
+        sharding="ddp",
+        lora_rank=32,
+        lora_alpha=32.0,
+        lr=3e-5,
+    ),
+)
 # LoRA (lora.py): the tiny preset's policy trained as a rank-8 adapter (every linear layer), the
 # value head whole; the lr 10x tiny's (Schulman et al. 2025, "LoRA Without Regret") with alpha 32.
 PRESETS["tiny_lora"] = (

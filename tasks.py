@@ -7,11 +7,13 @@ DAPO's length shaping), how grpo.py loads a task (load_task: prompts, held-out s
 `Task` record), then the RLHF tasks of ppo_rlhf.py and rewards.py (the tiny and smol_sentiment
 queries and the hidden labellers that stand in for OpenAI's human labellers).
 
-Nothing here trains anything: grpo.py scores its rollouts with these rewards, rewards.py labels
-best-of-4 samples with the hidden labellers and trains the OpenAI reward model on them.
+Nothing here trains a policy: grpo.py scores its rollouts with these rewards, rewards.py labels
+best-of-4 samples with the hidden labellers and trains the OpenAI reward model on them. The one
+training loop here, pretrain_tiny_model, makes a tiny base for LoRA to adapt (grpo.py tiny_lora).
 """
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -152,6 +154,49 @@ def copy_reward(response, target):
         return 0.0
     matches = sum(1 for a, b in zip(response, target) if a == b)
     return matches / max(len(target), len(response))
+
+
+# LoRA adapts a pretrained model: on the random-init tiny model a rank-8 adapter learned the copy in
+# 2 of 8 seeds (docs/lora.md). So tiny_lora's base first learns two other maps of the copy task's
+# words by supervised next-token loss: reversing a word, and shifting each letter to the next one of
+# the alphabet. Copying is neither, but shares a part with each: reversing returns every letter
+# unchanged, shifting keeps every letter in its place.
+TINY_PRETRAIN_MAPS = {
+    "reverse": lambda word: word[::-1],
+    "shift": lambda word: "".join(
+        COPY_ALPHABET[(COPY_ALPHABET.index(letter) + 1) % len(COPY_ALPHABET)] for letter in word
+    ),
+}
+
+
+def pretrain_tiny_model(model, tokenizer, steps, seed, length=3, batch_size=64, lr=1e-3):
+    """Supervised pretraining of a tiny model (in place) on every `length`-letter word of
+    COPY_ALPHABET under each of TINY_PRETRAIN_MAPS, as the copy task writes them: the word, "=",
+    the mapped word, EOS; the loss on the answer tokens only (AdamW, `steps` batches of `batch_size`
+    pairs drawn with `seed`). No pair is a copy, except where a map leaves a word unchanged (a
+    palindrome reversed): of the 64 words the base of seed 1 copies 4 (tests/test_lora.py)."""
+    words = ["".join(letters) for letters in itertools.product(COPY_ALPHABET, repeat=length)]
+    pairs = [(word + "=", apply(word)) for word in words for apply in TINY_PRETRAIN_MAPS.values()]
+    # every pair has the same length: no padding
+    input_ids, labels = [], []
+    for prompt, answer in pairs:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        input_ids.append(prompt_ids + answer_ids)
+        # -100: no loss on the prompt (HF's ignore index)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    input_ids, labels = torch.tensor(input_ids), torch.tensor(labels)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        rows = torch.randint(len(pairs), (batch_size,), generator=generator)
+        loss = model(input_ids=input_ids[rows], labels=labels[rows]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return loss.item()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ docs/lora.md.
     .venv/bin/python scripts/lora_capacity.py --rank 8 --lr 1e-2
     .venv/bin/python scripts/lora_capacity.py --rank 8 --lr 1e-2 --also-train ln_f   # + the final norm
     .venv/bin/python scripts/lora_capacity.py --rank 8 --lr 3e-3 --untied \
-        --target c_attn,c_proj,c_fc,lm_head                       # + the LM head (tiny_lora's)
+        --target c_attn,c_proj,c_fc,lm_head                       # + the LM head (untied)
 
 The loss is the mean negative log-likelihood of the answer tokens, the accuracy the share of answer
 tokens the argmax gets right; both on the step's own batch.

@@ -101,6 +101,8 @@ ALL_PLANS = [
     ("ppo_rlhf", "gpt2_sentiment", ()),
     ("ppo_rlhf", "gpt2_descriptiveness", ()),
     ("ppo_rlhf", "gpt2_tldr", ()),
+    # LoRA: GPT-J-6B's PPO policy on one GPU
+    ("ppo_rlhf", "gptj6b_tldr_lora", ()),
 ]
 # --all, second table: the presets that need --sharding fsdp2, at 8 GPUs sharded and not
 SHARDED_PLANS = [
@@ -172,7 +174,10 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     rollout: the resident models + generate's KV cache and scores for one micro-batch of query + response.
     --sharding fsdp2 (memory.sharded_rows): the three LMs, the gradients and Adam 1/world_size each (the value head
     whole), the policy's gathered groups, and the reference's and reward model's root groups, which stay gathered
-    after their forward."""
+    after their forward.
+    --lora-rank (lora.py): the policy's frozen base (bf16 linears under bf16 autocast), and gradients, Adam state,
+    temporaries and autocast copies of the adapter and the value head alone; no reference model (the adapter
+    switched off)."""
     shape, n_lm = model_shape(config), count_parameters(config)
     shards, sharded, gathered, gathered_generate = memory.sharded_rows(
         shape, n_lm, world_size, args.sharding
@@ -181,29 +186,45 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     n_rm = n_lm / shards + shape["hidden"] + 1  # backbone + scalar head
     bf16 = args.precision != "fp32"  # ppo_rlhf.py: auto or bf16
     embeddings = shape["vocab"] * shape["hidden"] * (1 if shape["tied"] else 2)
-    ref = (2 * (n_lm - embeddings) + 4 * embeddings if bf16 else 4 * n_lm) / shards
+    # a frozen LM under bf16 autocast: bf16 linears, fp32 embeddings (logprobs.bf16_frozen_linears_)
+    frozen = (2 * (n_lm - embeddings) + 4 * embeddings if bf16 else 4 * n_lm) / shards
+    frozen_name = f"bf16 linears{sharded}" if bf16 else f"fp32{sharded}"
     micro = ppo_rlhf.batch_sizes(args, world_size)["micro"]
     seq = args.query_length + args.response_length
-    resident = {
-        f"policy + value head weights (fp32{sharded})": 4 * n,
-        f"Adam state (fp32 m and v{sharded})": 8 * n,
-        f"reference policy (bf16 linears{sharded})"
-        if bf16
-        else f"reference policy (fp32{sharded})": ref,
-        f"reward model (fp32{sharded})": 4 * n_rm,
-    }
-    if shards > 1:
-        resident["reference + reward model root groups, gathered after their forward (fp32)"] = (
-            8 * (embeddings + shape["hidden"])
+    # the weights the optimizer holds: the policy and its value head, or (LoRA) the adapter and it
+    trained = n
+    if args.lora_rank:
+        adapter = memory.count_adapter_parameters(
+            config, args.lora_rank, args.lora_alpha, args.lora_target_modules
         )
-    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * n}
+        trained = adapter / shards + shape["hidden"] + 1
+        resident = {
+            f"policy's frozen base ({frozen_name})": frozen,
+            f"LoRA adapter (fp32 A and B, r = {args.lora_rank}{sharded}) + value head": 4 * trained,
+        }
+    else:
+        resident = {
+            f"policy + value head weights (fp32{sharded})": 4 * n,
+            f"reference policy ({frozen_name})": frozen,
+        }
+    resident[f"Adam state (fp32 m and v{sharded})"] = 8 * trained
+    resident[f"reward model (fp32{sharded})"] = 4 * n_rm
+    if shards > 1:
+        frozen_models = (
+            "reward model root group" if args.lora_rank else "reference + reward model root groups"
+        )
+        resident[f"{frozen_models}, gathered after their forward (fp32)"] = (
+            4 * (1 if args.lora_rank else 2) * (embeddings + shape["hidden"])
+        )
+    train_rows = {**resident, f"gradients (fp32{sharded})": 4 * trained}
     step_rows = {
         **train_rows,
-        **optimizer_step_rows("adam_tf" if args.optimizer == "adam_tf" else "Adam", n, shape),
+        **optimizer_step_rows("adam_tf" if args.optimizer == "adam_tf" else "Adam", trained, shape),
     }
     train_rows.update(gathered)
     if bf16:
-        train_rows["autocast bf16 weight copies"] = 2 * n_lm
+        # LoRA: the base is bf16 already, autocast copies the adapter and the value head alone
+        train_rows["autocast bf16 weight copies"] = 2 * (trained if args.lora_rank else n_lm)
     train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
         shape, micro * seq, 0, micro * args.response_length
     )

@@ -7,6 +7,7 @@ Budget: ~60 s."""
 
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -129,12 +131,51 @@ def test_a_hundred_merged_syncs_leave_the_base_bitwise_unchanged_and_in_place_cy
     assert changed > 0
 
 
+def test_tiny_lora_s_base_reverses_and_shifts_words_and_does_not_copy_them(tmp_path):
+    """grpo.py tiny_lora's policy folder holds the tiny model after tasks.pretrain_tiny_model's 300
+    steps: asked greedily for each of the 64 three-letter words, it answers the reversed or the
+    shifted word for most of them (55 of 64 measured at seed 1) and the copy for few (4: the
+    palindromes it reverses), so the copy is left for RL to teach; the folder's mark records the
+    pretraining, and a random-init build is not reused for it."""
+    args = dataclasses.replace(
+        grpo.PRESETS["tiny_lora"][1], cuda=False, seed=1, output_dir=str(tmp_path)
+    )
+    torch.set_num_threads(1)
+    plain = grpo.policy_path(dataclasses.replace(args, tiny_pretrain_steps=0), 0, 1)
+    assert "pretrain_steps" not in harness.built_with(plain)
+    model_path = grpo.policy_path(args, 0, 1)
+    assert harness.built_with(model_path)["pretrain_steps"] == 300
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    tokenizer = tasks.build_tiny_tokenizer()
+    words = ["".join(letters) for letters in itertools.product(tasks.COPY_ALPHABET, repeat=3)]
+    prompts = torch.tensor([tokenizer.encode(w + "=", add_special_tokens=False) for w in words])
+    with torch.no_grad():
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    answers = [tokenizer.decode(row[4:], skip_special_tokens=True) for row in out]
+    shift = tasks.TINY_PRETRAIN_MAPS["shift"]
+    learned = sum(a in (w[::-1], shift(w)) for a, w in zip(answers, words))
+    copied = sum(a == w for a, w in zip(answers, words))
+    print(f"pretrained tiny base: {learned} of 64 reversed or shifted, {copied} copied")
+    assert learned >= 48 and copied <= 8
+
+
 def test_the_reference_is_the_base_with_the_adapter_off_and_no_second_model(tmp_path):
     """With --kl-loss-coef > 0 and --lora-rank, load_models builds no reference model, and
     grpo.reference_logprobs (the policy with its adapter switched off) equals the base model's
     logprobs exactly while the adapted policy's differ; the adapter is on again afterwards."""
     args = dataclasses.replace(
-        grpo.PRESETS["tiny_lora"][1], cuda=False, kl_loss_coef=0.01, output_dir=str(tmp_path)
+        grpo.PRESETS["tiny_lora"][1],
+        cuda=False,
+        kl_loss_coef=0.01,
+        output_dir=str(tmp_path),
+        tiny_pretrain_steps=5,  # a base that is not the random init; 5 steps suffice for that
     )
     model_path = grpo.policy_path(args, 0, 1)
     tokenizer, model, ref_model, optimizer, _, _, _ = grpo.load_models(
@@ -144,9 +185,7 @@ def test_the_reference_is_the_base_with_the_adapter_off_and_no_second_model(tmp_
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(trained) == 2 * len(lora.adapter_layers(model))
     randomise_b(model)
-    base, _ = tasks.build_tiny_model(
-        arch=args.tiny_arch, seed=args.seed, tied_embeddings=args.tiny_tied_embeddings
-    )
+    base = AutoModelForCausalLM.from_pretrained(model_path)
     prompts = [tokenizer("abc=")["input_ids"], tokenizer("dab=")["input_ids"]]
     responses = [tokenizer("abc")["input_ids"], tokenizer("dd")["input_ids"]]
     batch = rollout.make_batch(prompts, responses, [[0.0] * 3, [0.0] * 2], 0, 4, "cpu")
@@ -296,9 +335,10 @@ def test_the_plan_fits_a_7b_lora_policy_on_one_80_gib_gpu_and_counts_the_adapter
 
 
 def test_an_adapted_lm_head_scores_tokens_as_the_model_s_own_forward_and_trains_its_b():
-    """LoRA on the LM head of a model with untied embeddings (tiny_lora's): logprobs.py's chunked
-    head multiplies by W + s B A (logprobs.head_weight), which equals the HF forward's own logits
-    (1e-5), the gradient reaches the head's B, and with the adapter off it is the base's head."""
+    """LoRA on the LM head of a model with untied embeddings (--no-tiny-tied-embeddings):
+    logprobs.py's chunked head multiplies by W + s B A (logprobs.head_weight), which equals the HF
+    forward's own logits (1e-5), the gradient reaches the head's B, and with the adapter off it is
+    the base's head."""
     model, _ = tasks.build_tiny_model(arch="gpt2", tied_embeddings=False, max_positions=64)
     adapted = lora.add_adapter(copy.deepcopy(model), 4, 8.0, "c_attn,c_proj,c_fc,lm_head")
     randomise_b(adapted)
@@ -389,6 +429,20 @@ def test_what_vllm_adapter_sync_cannot_take_is_refused_in_one_line(
     assert err[0].startswith("grpo.py: error: " + named), err
 
 
+@pytest.mark.parametrize(
+    "flags", [["--task", "arith"], ["--model-name-or-path", "HuggingFaceTB/SmolLM2-135M"]]
+)
+def test_pretraining_a_model_other_than_the_tiny_copy_base_is_refused(flags, capsys, tmp_path):
+    """--tiny-pretrain-steps pretrains the tiny model on the copy task's words: with another task
+    or another model it is refused in one line (exit 2) before anything loads."""
+    argv = ["tiny_lora", "--output-dir", str(tmp_path / "run"), *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert err[0].startswith("grpo.py: error: --tiny-pretrain-steps must be 0 unless"), err
+
+
 def test_an_adapter_of_other_settings_is_refused_in_one_line(tmp_path):
     """load_adapter: a file whose weights are not this model's adapter's (another rank) ends in a
     RunError naming the file."""
@@ -454,6 +508,7 @@ def test_recomputed_layers_give_a_lora_run_the_same_numbers(tmp_path):
     base = dataclasses.replace(
         grpo.PRESETS["tiny_lora"][1],
         cuda=False,
+        tiny_pretrain_steps=5,
         total_steps=2,
         val_every=0,
         train_batch_size=8,

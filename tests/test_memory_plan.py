@@ -236,6 +236,29 @@ def test_ppo_gpt2_presets_fit_80_gib(preset, gpus):
     )
 
 
+def test_ppo_gptj_lora_preset_fits_one_gpu_and_counts_the_adapter_by_hand():
+    """ppo_rlhf.py gptj6b_tldr_lora on one GPU of 80 GiB: the frozen base in bf16 linears, the
+    adapter (rank 32 on GPT-J's 28 x (q, k, v, out, fc_in, fc_out)) and the value head are all the
+    optimizer holds, no reference model; the same preset with the full policy does not fit."""
+    plan = plan_memory.plan_preset("ppo_rlhf", "gptj6b_tldr_lora", 1, 80 * GIB)
+    rows = plan["phases"]["train"]
+    # per layer: four 4096 x 4096 projections and 4096 <-> 16384 twice, r (in + out) each
+    adapter = 28 * (4 * 32 * (4096 + 4096) + 2 * 32 * (4096 + 16384))
+    trained = adapter + 4096 + 1
+    assert rows["LoRA adapter (fp32 A and B, r = 32) + value head"] == 4 * trained
+    assert rows["Adam state (fp32 m and v)"] == 8 * trained
+    assert rows["gradients (fp32)"] == 4 * trained
+    embeddings = 2 * 50400 * 4096  # GPT-J's untied input and output embeddings stay fp32
+    n = plan["n_params"]
+    assert rows["policy's frozen base (bf16 linears)"] == 2 * (n - embeddings) + 4 * embeddings
+    assert not any("reference" in row for row in rows)
+    assert plan["fits"] and round(plan["peak"] / GIB, 2) == 49.63
+    full = plan_memory.plan_preset(
+        "ppo_rlhf", "gptj6b_tldr_lora", 1, 80 * GIB, ("--lora-rank", "0")
+    )
+    assert not full["fits"] and "reference policy (bf16 linears)" in full["phases"]["train"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------------------------------
