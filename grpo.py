@@ -1289,7 +1289,7 @@ def policy_path(args, rank, world_size):
         )
         if args.tiny_pretrain_steps:
             tasks.pretrain_tiny_model(
-                model, tokenizer, args.tiny_pretrain_steps, args.seed, args.copy_length
+                model, tokenizer, args.tiny_pretrain_steps, args.seed, length=args.copy_length
             )
             model.save_pretrained(folder)
 

@@ -196,7 +196,6 @@ def pretrain_tiny_model(model, tokenizer, steps, seed, length=3, batch_size=64, 
         loss.backward()
         optimizer.step()
     model.eval()
-    return loss.item()
 
 
 # --------------------------------------------------------------------------------------------------

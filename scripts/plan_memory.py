@@ -224,7 +224,9 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     train_rows.update(gathered)
     if bf16:
         # LoRA: the base is bf16 already, autocast copies the adapter and the value head alone
-        train_rows["autocast bf16 weight copies"] = 2 * (trained if args.lora_rank else n_lm)
+        # (whole under fsdp2: autocast keeps the cast of every layer's gathered weights)
+        copied = adapter + shape["hidden"] + 1 if args.lora_rank else n_lm
+        train_rows["autocast bf16 weight copies"] = 2 * copied
     train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
         shape, micro * seq, 0, micro * args.response_length
     )

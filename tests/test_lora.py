@@ -2,8 +2,8 @@
 sync that never writes the base (and the in-place merge cycle that would), the reference policy as
 the disabled adapter, the files (peft's adapter, the merged HF model), a SIGKILLed run that resumes
 exactly, LoRA under FSDP2 at 2 ranks equal to unsharded LoRA, the memory plan of a 7B policy on one
-GPU, and the refusals. The vLLM engine's logprobs after a merged sync: tests/test_vllm_backend.py.
-Budget: ~60 s."""
+GPU, tiny_lora's pretrained base, and the refusals. The vLLM engine's logprobs after a merged
+sync: tests/test_vllm_backend.py. Budget: ~90 s."""
 
 import copy
 import dataclasses
@@ -140,10 +140,13 @@ def test_tiny_lora_s_base_reverses_and_shifts_words_and_does_not_copy_them(tmp_p
     args = dataclasses.replace(
         grpo.PRESETS["tiny_lora"][1], cuda=False, seed=1, output_dir=str(tmp_path)
     )
+    # built on one thread, as the preset's runs build it (--torch-threads 1)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     plain = grpo.policy_path(dataclasses.replace(args, tiny_pretrain_steps=0), 0, 1)
     assert "pretrain_steps" not in harness.built_with(plain)
     model_path = grpo.policy_path(args, 0, 1)
+    torch.set_num_threads(threads)
     assert harness.built_with(model_path)["pretrain_steps"] == 300
     model = AutoModelForCausalLM.from_pretrained(model_path)
     tokenizer = tasks.build_tiny_tokenizer()

@@ -257,6 +257,16 @@ def test_ppo_gptj_lora_preset_fits_one_gpu_and_counts_the_adapter_by_hand():
         "ppo_rlhf", "gptj6b_tldr_lora", 1, 80 * GIB, ("--lora-rank", "0")
     )
     assert not full["fits"] and "reference policy (bf16 linears)" in full["phases"]["train"]
+    # sharded on 8: the adapter, its gradients and Adam 1/8 (the value head whole), autocast's
+    # copies of the gathered adapter whole
+    sharded = plan_memory.plan_preset(
+        "ppo_rlhf", "gptj6b_tldr_lora", 8, 80 * GIB, ("--sharding", "fsdp2")
+    )
+    rows = sharded["phases"]["train"]
+    per_rank = adapter / 8 + 4096 + 1
+    assert rows["LoRA adapter (fp32 A and B, r = 32, 1/8 per rank) + value head"] == 4 * per_rank
+    assert rows["Adam state (fp32 m and v, 1/8 per rank)"] == 8 * per_rank
+    assert rows["autocast bf16 weight copies"] == 2 * trained
 
 
 # ---------------------------------------------------------------------------------------------------------------
