@@ -1842,7 +1842,7 @@ PRESETS["gsm8k_qwen25_7b"] = (
 # supervised steps, about 14 s on one CPU thread) to reverse and to shift the copy task's words
 # (tasks.pretrain_tiny_model); RL then teaches it to copy with a rank-8 adapter on every linear
 # layer of the decoder, alpha 32 at every rank (Schulman et al. 2025, "LoRA Without Regret"),
-# lr 2e-3: twice the full model's, from two pilot seeds outside the seed table (9 and 11). On the
+# lr 2e-3: twice the full model's, from four pilot seeds outside the seed table (9-12). On the
 # random-init model LoRA learned the copy in 2 of 8 seeds (docs/lora.md).
 PRESETS["tiny_lora"] = (
     "Offline CPU run: a tiny model pretrained to reverse and shift words learns to copy them, "

@@ -677,7 +677,9 @@ class VLLMBackend:
             options["max_num_batched_tokens"] = max_num_batched_tokens
         # --vllm-lora-sync adapter: vLLM's LoRA layers (the base as loaded, the adapter beside it);
         # its rank bound is the smallest it allows that holds ours
-        self.lora_rank, self.lora_request, self.lora_folder = lora_rank, None, None
+        self.lora_rank = lora_rank
+        self.lora_request = None
+        self.lora_folder = None
         self.adapter_syncs = 0  # the adapter ids handed out: each sync a new one, never reused
         if lora_rank:
             bound = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank)
@@ -849,22 +851,17 @@ class VLLMBackend:
             # sleep mode: the KV cache stays released until the next generate
             self._wake(["weights"])
             self.llm.apply_model(load)
-            # The prefix cache holds KV computed with the old weights; a prompt hit would silently
-            # reuse it (6 nats off).
-            if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
-                raise RuntimeError(
-                    "vLLM could not reset its prefix cache (requests still running?)"
-                )
+            self._reset_prefix_cache()
 
     def _sync_adapter(self, model):
         """--vllm-lora-sync adapter: the engine keeps the base it loaded from model_path (the
         trainer's frozen base, cast to the engine's dtype: the trainer's own rounding of it under
         --precision bf16 when --vllm-dtype is auto) and gets only the adapter, A and B in peft's
-        format through a file:
-        vLLM 0.32's LoRARequest names a folder (verl's vllm utils patch the worker's loader to take
-        tensors, TensorLoRARequest; not done here). Each sync is a new adapter id, loaded once at
-        the next generate (load_inplace would reload it at every engine step); max_loras=1 drops
-        the last one. Gathered whole under FSDP2 (every rank takes part)."""
+        format through a file, as vLLM 0.32's LoRARequest names a folder (verl's vllm utils patch
+        the worker's loader to take tensors, TensorLoRARequest; not done here). Each sync is a new
+        adapter id, loaded once at the next generate (load_inplace would reload it at every engine
+        step); max_loras=1 drops the last one. Gathered whole under FSDP2 (every rank takes
+        part)."""
         from vllm.lora.request import LoRARequest
 
         weights = lora.adapter_weights(model)
@@ -877,11 +874,14 @@ class VLLMBackend:
             shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = LoRARequest(f"policy-{version}", version, folder)
         with ENGINE_LOCK:
-            # a new adapter id misses the old one's cached prefixes; reset like a merged sync
-            if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
-                raise RuntimeError(
-                    "vLLM could not reset its prefix cache (requests still running?)"
-                )
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self):
+        """After a sync (weights or adapter): the prefix cache holds KV computed with the old
+        weights, and a prompt hit would silently reuse it (6 nats off). Nothing to drop while the KV
+        cache sleeps. The caller holds ENGINE_LOCK."""
+        if "kv_cache" not in self._asleep and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
     def close(self):
         """Shut the engine down (frees the KV cache). Call it after the trainer's last collective

@@ -193,11 +193,17 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     seq = args.query_length + args.response_length
     # the weights the optimizer holds: the policy and its value head, or (LoRA) the adapter and it
     trained = n
+    # what autocast casts to bf16 for the forward: the trained weights' whole copy (a frozen bf16
+    # base needs none)
+    autocast_copied = n_lm
     if args.lora_rank:
         adapter = memory.count_adapter_parameters(
             config, args.lora_rank, args.lora_alpha, args.lora_target_modules
         )
         trained = adapter / shards + shape["hidden"] + 1
+        # the adapter and the value head, whole under fsdp2 (autocast keeps the cast of every
+        # layer's gathered weights)
+        autocast_copied = adapter + shape["hidden"] + 1
         resident = {
             f"policy's frozen base ({frozen_name})": frozen,
             f"LoRA adapter (fp32 A and B, r = {args.lora_rank}{sharded}) + value head": 4 * trained,
@@ -223,10 +229,7 @@ def plan_ppo_rlhf(args, config, world_size, gpu_bytes):
     }
     train_rows.update(gathered)
     if bf16:
-        # LoRA: the base is bf16 already, autocast copies the adapter and the value head alone
-        # (whole under fsdp2: autocast keeps the cast of every layer's gathered weights)
-        copied = adapter + shape["hidden"] + 1 if args.lora_rank else n_lm
-        train_rows["autocast bf16 weight copies"] = 2 * copied
+        train_rows["autocast bf16 weight copies"] = 2 * autocast_copied
     train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
         shape, micro * seq, 0, micro * args.response_length
     )
