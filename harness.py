@@ -4,10 +4,11 @@ Nothing here is reinforcement learning; a first read of grpo.py, ppo_rlhf.py or 
 every `harness.` call. The three scripts share this module so that they start, fail, average
 gradients, save, resume and log the same way:
 
-    1. command line  run: a preset name and field overrides (tyro); a bad flag (a range, a
-                     non-finite number, --track without a wandb login) is refused in one line
-                     (`grpo.py: error: --lr must be > 0, got -1.0`, exit code 2) before any model
-                     loads (check_flags, refuse); a fault during the run (RunError: a broken
+    1. command line  the run flags every script shares (RunArgs, CheckpointedRunArgs); run: a
+                     preset name and field overrides (tyro); a bad flag (a range, a non-finite
+                     number, --track without a wandb login) is refused in one line (`grpo.py:
+                     error: --lr must be > 0, got -1.0`, exit code 2) before any model loads
+                     (check_flags, check_rules, refuse); a fault during the run (RunError: a broken
                      checkpoint, a full disk, changed settings, divergence) ends it in one line too
                      (exit code 1), and so does a stop by SIGTERM or SIGINT (Stopped: 143, 130)
     2. processes     setup_distributed: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, NCCL on GPUs,
@@ -17,12 +18,21 @@ gradients, save, resume and log the same way:
                      (catch_stop_signals, stop_signal); a non-finite loss stops the run
                      (check_finite); average_gradients (what DDP does, by hand), reduce_metrics,
                      barrier
+    2b. sharding     --sharding ddp | fsdp2: build_sharded gives every trainer its language models
+                     (whole on each rank, or FSDP2's shards: shard_model), parameter_groups,
+                     clip_gradients, full_state_dict (HF weights gathered onto rank 0), each rank's
+                     optimizer shard
+    2c. one step     OptimizerStep: backward per micro-batch and one optimizer step per minibatch
+                     (averaged over ranks, fp16's loss scale, clipped, checked, applied), the same
+                     in both trainers whatever the precision or the sharding
     3. checkpoints   save_checkpoint (written to checkpoint.tmp with a manifest of every file's
                      size and sha256, swapped in with os.replace, every RNG of every rank),
                      checkpoint_to_resume (verified before anything loads; the settings it was
                      written with, the script and the number of ranks must match), load_checkpoint
                      (restores this rank's RNG: python, numpy, torch, CUDA; every file through
-                     load_plain, torch.load(weights_only=True): a crafted pickle runs nothing)
+                     load_plain, torch.load(weights_only=True): a crafted pickle runs nothing),
+                     what a run builds for itself (write_folder, built_with) and the inputs it
+                     pins (input_digests, check_inputs)
     4. logs          start_logs: the rerun rule (below), args.json (with run_environment),
                      metrics.jsonl and samples.jsonl (one flushed JSON line per row, written by
                      rank 0), and wandb with --track
@@ -217,8 +227,8 @@ RANGE_RULES = {
 def check_flags(args, choices=None, ranges=None):
     """The checks every script's check_args starts with, each a ValueError in one line that names
     the flag: every float field is a finite number (tyro accepts "inf" and "nan"), --track can log
-    (wandb_problem), each flag of `choices` (name -> allowed values) is one of them, and each flag
-    of `ranges` (a RANGE_RULES rule -> the flag names, space-separated) is in its range."""
+    (wandb_problem), then check_rules for the script's own `choices` and `ranges` (the flags a
+    mixin of another file declares are checked there: rollout.check_engine_args, ...)."""
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -227,7 +237,14 @@ def check_flags(args, choices=None, ranges=None):
     if args.track and wandb_problem() is not None:
         raise ValueError(wandb_problem())
     # every script's run flags have --sharding
-    for name, allowed in {"sharding": SHARDINGS, **(choices or {})}.items():
+    check_rules(args, {"sharding": SHARDINGS, **(choices or {})}, ranges)
+
+
+def check_rules(args, choices, ranges):
+    """Each flag of `choices` (name -> allowed values) is one of them, and each flag of `ranges` (a
+    RANGE_RULES rule -> the flag names, space-separated) is in its range; else a ValueError in one
+    line that names it (refuse)."""
+    for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             refuse(args, name, "one of " + ", ".join(allowed))
     for rule, names in (ranges or {}).items():
@@ -890,6 +907,62 @@ def load_local_optimizer_state(optimizer, state):
                     stride=param.stride(),
                 )
     optimizer.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2c. One optimizer step per minibatch, whatever the precision or the sharding
+# --------------------------------------------------------------------------------------------------
+
+
+class OptimizerStep:
+    """How both trainers' update_policy turns micro-batch losses into one optimizer step per
+    minibatch: backward(loss) for each micro-batch, then step(step) once.
+
+        backward(loss)  loss.backward(); with fp16's gradient scaler (--precision fp16) from
+                        loss x S instead, so that small gradients do not underflow float16
+                        (Micikevicius et al. 2018, "Mixed Precision Training")
+        step(step)      the gradients averaged over the ranks (average_gradients: DDP by hand;
+                        FSDP2 reduce-scattered its shards' in backward); fp16: divided by S again
+                        (unscale_, which records an inf or nan); clipped to max_grad_norm (None:
+                        not clipped, OpenAI's PPO); applied by the optimizer; zeroed.
+
+    A non-finite gradient norm stops the run before the optimizer applies it (check_finite, naming
+    `step`; verl skips such an update and goes on); with fp16 an inf is the scaler's overflow: the
+    step is skipped and S halved, as torch's GradScaler does (S doubles after 2000 steps without
+    one). The weights are the optimizer's (its param_groups): under FSDP2 model.parameters() lists
+    the gathered weights of a group that is between its forward and its backward. step returns
+    what it saw: loss_scale (fp16, the S of this step) and grad_norm (when it clips)."""
+
+    def __init__(self, optimizer, world_size=1, max_grad_norm=None, scaler=None):
+        self.optimizer = optimizer
+        self.world_size = world_size
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def backward(self, loss):
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def step(self, step):
+        average_gradients(self.params, self.world_size)
+        metrics = {}
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            metrics["loss_scale"] = self.scaler.get_scale()
+        if self.max_grad_norm is not None:
+            metrics["grad_norm"] = clip_gradients(self.params, self.max_grad_norm).item()
+        if self.scaler is not None:
+            # skips the step if unscale_ found an inf or nan, then updates S
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            if self.max_grad_norm is not None:
+                check_finite("gradient norm", metrics["grad_norm"], step)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
 
 
 # --------------------------------------------------------------------------------------------------

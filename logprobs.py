@@ -23,7 +23,9 @@ file computes exactly that, for a real model in a real batch, where the definiti
                              (_ChunkedHead: backward recomputes each chunk's logits), compiled
                              element-wise kernels on CUDA
 
-A first read can stop after section 3; tests/test_logprobs.py holds sections 3-7 equal to section 1.
+A first read can stop after section 3: where one chunk of plain float32 logits is scored (a tiny
+run on a CPU), section 3 calls section 1 itself. tests/test_logprobs.py holds sections 3-7 equal to
+section 1.
 """
 
 import contextlib
@@ -59,8 +61,9 @@ def reference_logprobs_and_entropy(logits, tokens, temperature=1.0):
     path's `banned`). The definition, not what the trainers run: it holds all N x V logits at once
     (tests/test_logprobs.py holds the chunked path to it)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    p = logp.exp()
     logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    entropy = -(p * logp).sum(-1)
     return logprobs, entropy
 
 
@@ -203,7 +206,9 @@ def token_logprobs_and_entropy(
         logprob_t = log_softmax(z_t)[token_t]
         entropy_t = -sum_v p_t,v log p_t,v
 
-    The work goes chunk by chunk over N (settings.chunk_size rows), so the largest float32 tensor
+    One chunk of plain float32 logits (no banned token, no truncation, IEEE fp32: a CPU, N <=
+    chunk_size) is scored by the definition itself, reference_logprobs_and_entropy. Otherwise the
+    work goes chunk by chunk over N (settings.chunk_size rows), so the largest float32 tensor
     is (chunk_size, V). Under autograd with several chunks the gradient is written out
     (_ChunkedHead: backward recomputes each chunk's logits instead of keeping all N x V of them); a
     single chunk keeps its one (N, V) log-softmax, no more than the recompute would hold at once,
@@ -244,6 +249,19 @@ def token_logprobs_and_entropy(
             )
         if left_out_of_kept_set and truncation is None:
             raise ValueError("left_out_of_kept_set needs a truncation (the kept set's rules)")
+        # one chunk of float32 logits scored over the whole vocabulary (a tiny run's every micro-
+        # batch on a CPU): the definition itself (section 1) with autograd's gradient, bit for bit
+        # the values of the chunked pass below
+        if (
+            not (several or sum_pi_squared or left_out_of_kept_set)
+            and banned is None
+            and truncation is None
+            and precision == "fp32"
+            and dtype == torch.float32
+        ):
+            logits = _head_product(weight, hidden, precision)
+            token_logprobs, entropy = reference_logprobs_and_entropy(logits, tokens, temperature)
+            return token_logprobs, entropy if entropy_grad else entropy.detach()
         if torch.is_grad_enabled() and hidden.requires_grad and several:
             return _ChunkedHead.apply(
                 hidden,

@@ -36,12 +36,17 @@ measured.)
                          head_weight (an adapted LM head's, with its gradient: logprobs.py)
     3. files             adapter_weights, save_adapter / load_adapter (peft's format:
                          adapter_config.json + adapter_model.safetensors, which
-                         peft.PeftModel.from_pretrained reads), save_merged (an HF model folder)
+                         peft.PeftModel.from_pretrained reads), adapter_settings (its r and
+                         alpha); the merged model's HF folder is merged_named_weights written
+                         by the trainer (grpo.save_merged_model, ppo_rlhf.save_final_policy)
+    4. the flags         LoraArgs (--lora-rank, --lora-alpha, --lora-target-modules: the mixin
+                         grpo.py's and ppo_rlhf.py's Args inherit) and check_lora_args
 """
 
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -256,3 +261,32 @@ def adapter_settings(folder):
     with open(os.path.join(folder, ADAPTER_CONFIG)) as f:
         config = json.load(f)
     return config["r"], config["lora_alpha"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. The flags (grpo.py's and ppo_rlhf.py's Args inherit them)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraArgs:
+    """LoRA's flags, the same in both trainers (ppo_rlhf.py adapts its policy; its value head is
+    trained whole); flat on the command line and in args.json."""
+
+    lora_rank: int = 0
+    """LoRA's rank r (lora.py): train only (alpha / r) B A beside each frozen linear weight; 0 = off
+    (every weight trained). The reference policy is then the base with the adapter off (no second
+    model), and the base is frozen in bf16 under bf16 autocast (verl actor_rollout_ref.model
+    .lora_rank)."""
+    lora_alpha: float = 16.0
+    """LoRA's alpha: the update is scaled by alpha / r (verl's default 16; its GSM8K LoRA recipe
+    uses alpha = r = 32)."""
+    lora_target_modules: str = "all-linear"
+    """The linear layers LoRA adapts: all-linear (every linear layer of the decoder, attention and
+    MLP; not the LM head) or comma-separated module names (q_proj,v_proj; GPT-2's c_attn,c_proj;
+    grpo.py's lm_head only in a model with untied embeddings)."""
+
+
+def check_lora_args(args):
+    """A rank of 0 (off) or more and a positive alpha, each refused in one line."""
+    harness.check_rules(args, {}, {">= 0": "lora_rank", "> 0": "lora_alpha"})

@@ -13,13 +13,19 @@ changes a number the trainers compute; a first read of grpo.py can skip every `m
                          --gradient-checkpointing, applied to the first k layers)
     4. compiled layers   compile_decoder_layers (--compile-layers: each decoder layer through
                          torch.compile; HF generate's KV-cache forward stays eager)
+    5. the flags         MemoryArgs (--logprob-chunk-size, --gradient-checkpointing,
+                         --recompute-num-layers, --compile-layers: the mixin grpo.py's Args
+                         inherits) and check_memory_args
 
 Measured against the plan on an H100 and an H200: bench/RESULTS.md, scripts/gpu_check.py.
 """
 
 import types
+from dataclasses import dataclass
 
 import torch
+
+import harness
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,3 +395,36 @@ def layer_forward(eager_forward, compiled_forward):
         return compiled_forward(self, *args, **kwargs)
 
     return forward
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. The flags: what the trainer's forward and backward may spend (grpo.py's Args inherits them)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryArgs:
+    """Memory and speed of the trainer's forward and backward: none of them changes what is
+    computed beyond float rounding; flat on grpo.py's command line and in its args.json."""
+
+    logprob_chunk_size: int = 512
+    """Response tokens per LM-head chunk for logprobs/entropy (~3 x chunk x vocab x 4 bytes, not a
+    (B, R, V))."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (verl enable_gradient_checkpointing), in the layers
+    --recompute-num-layers says."""
+    recompute_num_layers: int = -1
+    """With --gradient-checkpointing: how many decoder layers (the first ones) recompute their
+    activations in backward; the others keep them (Megatron-LM's --recompute-num-layers, block
+    method). -1: the memory plan's choice for this GPU (memory.recompute_choice: the fewest that
+    fit; all of them without a GPU); scripts/plan_memory.py prints it."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer (memory.compile_decoder_layers): fused element-wise
+    kernels in the trainer's forward and backward; the first steps pay the compile, HF generate
+    stays eager. The GPU presets turn it on (an update 1.19-1.27x the plain bf16 loss's speed on an
+    H200, bench/RESULTS.md); --no-compile-layers turns it off."""
+
+
+def check_memory_args(args):
+    """A chunk of at least one token, and -1 (the plan's choice) or a layer count to recompute."""
+    harness.check_rules(args, {}, {">= 1": "logprob_chunk_size", ">= -1": "recompute_num_layers"})

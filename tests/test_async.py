@@ -269,6 +269,96 @@ def sample_with(record):
     return sample
 
 
+@pytest.mark.parametrize("way", ["engine", "lagged copy", "producer"])
+def test_one_rollout_source_for_every_way_of_sampling(way):
+    """rollout.RolloutSource, what train() calls whichever way a batch is sampled, on a model whose
+    weight counts its updates: take(t) samples with the weights after update t (the engine synced
+    at every publish), t - 2 (--rollout-staleness 2: a lagged copy) or t - 2 sampled ahead
+    (--async-rollouts --max-staleness 2: a producer thread); validation_engine always holds the
+    trainer's current weights; checkpoint_state keeps what a resume needs (the producer's batches
+    sampled ahead, the lagged copy's older weights); a resume with them samples as the
+    uninterrupted run; close() closes the engine it built and stops the producer."""
+    from types import SimpleNamespace
+
+    closed = []
+
+    class Engine(CountingEngine):
+        def close(self):
+            closed.append(self)
+
+    def sample(step, engine):
+        # (prompt indices, rollout: response ids first, metrics), as grpo.sample_step returns
+        return [step], ([[5, 6]], engine.generate([[0]], 1, 2, 1.0, step)), {"step": step}
+
+    args = SimpleNamespace(
+        rollout_staleness=2 if way == "lagged copy" else 0,
+        async_rollouts=way == "producer",
+        max_staleness=2,
+        total_steps=6,
+        in_flight_updates=False,
+        in_flight_chunk_tokens=2,
+        async_free_running=False,
+    )
+    model = counting_model()
+    source = rollout.RolloutSource(model, Engine, sample, args)
+    sampled_with, validated_with, saved_after = [], [], {}
+    for step in range(args.total_steps):
+        indices, (responses, weight), metrics = source.take(step)
+        assert indices == [step] and metrics["step"] == step
+        sampled_with.append(weight)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # update step + 1
+        source.publish(model, step + 1)
+        with source.validation_engine(model) as engine:
+            validated_with.append(engine.generate([[0]], 1, 2, 0.0, 0))
+        saved = source.checkpoint_state(step + 1)
+        saved_after[step + 1] = saved
+        if way == "producer":  # the batches sampled ahead, rank 0's at index 0
+            ahead = [t for t in (step + 1, step + 2) if t < args.total_steps]
+            assert list(saved) == ["rollout_queue"] and sorted(saved["rollout_queue"][0]) == ahead
+        elif way == "lagged copy":  # the weights after updates step - 1 and step (or fewer)
+            versions = [[float(v)] for v in range(max(0, step - 1), step + 1)]
+            assert [[t.item() for t in v] for v in saved["lagged_weights"]] == versions
+        else:
+            assert saved == {}
+    lag = 0 if way == "engine" else 2
+    assert sampled_with == [float(max(0, t - lag)) for t in range(6)]
+    assert validated_with == [float(t + 1) for t in range(6)]
+    if way == "producer":
+        assert metrics["async/oldest_version_age"] == 2
+    source.close()
+    assert closed == [source.engine]
+    if way == "producer":
+        assert not source.producer.thread.is_alive()
+    # a resume after update 4 with what the checkpoint then held samples steps 4 and 5 as above
+    resumed_model = counting_model()
+    with torch.no_grad():
+        resumed_model.weight.fill_(4.0)
+    resumed = rollout.RolloutSource(
+        resumed_model, Engine, sample, args, first_step=4, saved=saved_after[4]
+    )
+    for step in (4, 5):
+        assert resumed.take(step)[1][1] == sampled_with[step]
+        with torch.no_grad():
+            resumed_model.weight.add_(1.0)
+        resumed.publish(resumed_model, step + 1)
+    resumed.close()
+    # an engine the caller passed in is the caller's to close
+    passed_in = Engine(model)
+    source = rollout.RolloutSource(
+        model, Engine, sample, without_lag_or_producer(args), engine=passed_in
+    )
+    source.close()
+    assert passed_in not in closed
+
+
+def without_lag_or_producer(namespace):
+    """A copy of a SimpleNamespace of flags without the lag or the producer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(namespace), "rollout_staleness": 0, "async_rollouts": False})
+
+
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_the_producer_samples_each_step_with_the_version_it_is_owed(k):
     """A model whose weight is the number of updates done: step t is sampled with weight max(0, t -

@@ -269,3 +269,81 @@ def test_glossary_names_exactly_the_logged_metrics(page, request):
     undocumented, never_logged = glossary_mismatches(names, logged)
     assert not undocumented, f"docs/{page}.md: logged but not in the glossary: {undocumented}"
     assert not never_logged, f"docs/{page}.md: in the glossary but never logged: {never_logged}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# step numbers: what a comment or docstring calls "step N" is what grpo.py's train() numbers N
+# ---------------------------------------------------------------------------------------------------------------
+# each of train()'s numbered steps and the words that name what it does; a "step N" elsewhere must
+# stand near one of step N's words (the same line, or the one before or after it)
+STEP_WORDS = {
+    1: ("roll", "sampl", "prompt"),
+    2: ("score", "reward"),
+    3: ("pi_old", "pi_ref", "correct", "reference", "logprob"),
+    4: ("advantage", "baseline"),
+    5: ("update", "loss", "objective"),
+    6: ("sync", "publish", "weights"),
+    7: ("metric", "log", "validat", "checkpoint", "sample"),
+}
+STEP_MENTION = re.compile(r"\b[Ss]teps? ([1-7])(?:-([1-7]))?\b")
+
+
+def numbered_steps_of_train():
+    """{N: the text of train()'s comment `# N. ...` (or `# N-M. ...`)} in grpo.py."""
+    import ast
+
+    source = (ROOT / "grpo.py").read_text()
+    train = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train"
+    )
+    lines = source.splitlines()[train.lineno - 1 : train.end_lineno]
+    steps = {}
+    for line in lines:
+        match = re.match(r"\s*# ([1-7])(?:-([1-7]))?\. (.*)", line)
+        if match:
+            first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+            for n in range(first, last + 1):
+                steps[n] = match.group(3).lower()
+    return steps
+
+
+def stale_step_mentions(path, only_after=None):
+    """(line number, line) of each "step N" in `path` that stands near none of step N's words;
+    only_after: look only at mentions that follow this text on their line (e.g. "grpo.py")."""
+    lines = path.read_text().splitlines()
+    stale = []
+    for i, line in enumerate(lines):
+        for match in STEP_MENTION.finditer(line):
+            if only_after is not None and only_after not in line[: match.start()]:
+                continue
+            near = " ".join(lines[max(0, i - 1) : i + 2]).lower()
+            numbers = range(int(match.group(1)), int(match.group(2) or match.group(1)) + 1)
+            words = [word for n in numbers for word in STEP_WORDS[n]]
+            if not any(word in near for word in words):
+                stale.append((i + 1, line.strip()))
+    return stale
+
+
+def test_step_numbers_in_comments_are_train_s_numbers():
+    """train()'s numbered comments 1-7 each name what their step does (STEP_WORDS), and every
+    "step N" in grpo.py and objectives.py, and every "grpo.py ... step N" in the other concept
+    files, stands near a word of step N: "advantages (step 3)" or "grpo.py step 4's pi_old" (the
+    labels issue 71 found stale) fail here."""
+    steps = numbered_steps_of_train()
+    assert sorted(steps) == list(range(1, 8)), steps
+    for n, text in steps.items():
+        assert any(word in text for word in STEP_WORDS[n]), (n, text)
+    stale = {}
+    for name in ("grpo.py", "objectives.py"):
+        stale[name] = stale_step_mentions(ROOT / name)
+    for name in ("corrections.py", "rollout.py", "logprobs.py", "memory.py", "tasks.py"):
+        stale[name] = stale_step_mentions(ROOT / name, only_after="grpo.py")
+    stale = {name: found for name, found in stale.items() if found}
+    assert not stale, f"step numbers that name another step than train()'s: {stale}"
+
+
+def test_the_step_label_check_catches_a_stale_label(tmp_path):
+    """The check itself: a label of the wrong step fails, a right one passes."""
+    page = tmp_path / "m.py"
+    page.write_text("# --- advantages (step 3)\n\n\n# --- advantages (step 4)\n")
+    assert stale_step_mentions(page) == [(1, "# --- advantages (step 3)")]

@@ -923,13 +923,15 @@ def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monk
 
 @pytest.mark.parametrize(
     "setting",
-    [dict(), dict(precision="fp16"), dict(dynamic_sampling=True)],
-    ids=["fp32", "fp16", "dynamic_sampling"],
+    [dict(), dict(precision="fp16"), dict(dynamic_sampling=True), dict(rollout_staleness=2)],
+    ids=["fp32", "fp16", "dynamic_sampling", "staleness"],
 )
 def test_resume_continues_the_same_run(tmp_path, setting):
     """A run stopped after step 2 and resumed gives the same metrics and weights as one run; with
     --precision fp16 the checkpoint carries the gradient scaler's state (the loss scale); with
-    --dynamic-sampling the extra prompts drawn are a function of (seed, step), so they replay."""
+    --dynamic-sampling the extra prompts drawn are a function of (seed, step), so they replay; with
+    --rollout-staleness 2 the checkpoint carries the two weight versions the engine samples the next
+    steps with (the lagged copy's, rollout.RolloutSource.checkpoint_state)."""
     precision = setting.get("precision", "auto")
     small = dict(
         train_batch_size=8,
@@ -969,6 +971,7 @@ def test_resume_continues_the_same_run(tmp_path, setting):
         assert max(r["filter_groups/gen_batches"] for r in full[2:]) > 1
     state = torch.load(tmp_path / "b" / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert ("scaler" in state) == (precision == "fp16")
+    assert len(state.get("lagged_weights", [])) == setting.get("rollout_staleness", 0)
     if precision == "fp16":
         assert state["scaler"]["scale"] == 2.0**16 and full[-1]["actor/loss_scale"] == 2.0**16
 

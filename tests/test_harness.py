@@ -4,6 +4,7 @@ restore every RNG of every rank (2 processes); metric reduction and gradient ave
 the fail-fast hook. Budget: ~40 s on 2 cores (one torchrun start, six tiny runs)."""
 
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -20,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import harness  # noqa: E402
+import lora  # noqa: E402
+import memory  # noqa: E402
+import rollout  # noqa: E402
 
 
 def steps(path):
@@ -231,6 +235,67 @@ def test_two_ranks_reduce_average_and_resume_every_rng(tmp_path):
             report["files"]
         )
     assert reports[0]["after_save"] != reports[1]["after_save"]
+
+
+def test_one_optimizer_step_applies_clips_and_refuses_a_non_finite_norm():
+    """harness.OptimizerStep, the one step both trainers' update_policy take per minibatch: without
+    clipping (ppo_rlhf.py, as OpenAI) the optimizer applies the gradient backward() left, whole; with
+    max_grad_norm it applies the gradient scaled to that norm and reports the norm before clipping;
+    a non-finite norm ends the run in one line naming the step before anything changes; the
+    gradients are zeroed after each step."""
+    weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+
+    def backward_and_step(stepper, gradient, step=1):
+        stepper.backward((weight * gradient).sum())  # d loss / d weight = gradient
+        return stepper.step(step)
+
+    unclipped = harness.OptimizerStep(optimizer)
+    assert backward_and_step(unclipped, torch.tensor([3.0, 4.0])) == {}
+    assert weight.tolist() == [-2.0, -2.0] and weight.grad is None
+    clipped = harness.OptimizerStep(optimizer, max_grad_norm=1.0)
+    metrics = backward_and_step(clipped, torch.tensor([3.0, 4.0]))  # norm 5, scaled by 1 / 5
+    assert metrics == {"grad_norm": 5.0}
+    assert torch.allclose(weight.detach(), torch.tensor([-2.6, -2.8]))
+    with pytest.raises(harness.RunError, match="step 7"):
+        backward_and_step(clipped, torch.tensor([float("inf"), 1.0]), step=7)
+    assert torch.allclose(weight.detach(), torch.tensor([-2.6, -2.8]))  # not applied
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo_rlhf"])
+def test_help_lists_every_flag_with_the_algorithm_s_first(script):
+    """Both trainers' Args take the flags of the rooms that read them as mixins (rollout.py's engine
+    and asynchrony flags, memory.py's, lora.py's, harness.py's run flags), flat: `--help` lists
+    every field of Args as its flag, the algorithm's own first (GRPOArgs / PPOArgs), then the run's,
+    then each room's in turn."""
+    module = importlib.import_module(script)
+    env = dict(os.environ, COLUMNS="200")
+    result = subprocess.run(
+        [sys.executable, f"{script}.py", "tiny", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # each option's own line starts with its flag: "│ --rollout-n INT  ..."
+    lines = [line for line in result.stdout.splitlines() if line.startswith("│ --")]
+    listed = [line.split()[1].rstrip(",") for line in lines if not line.startswith("│ --help")]
+    fields = [f.name for f in dataclasses.fields(module.Args)]
+    assert listed == ["--" + name.replace("_", "-") for name in fields]
+    own = module.GRPOArgs if script == "grpo" else module.PPOArgs
+    first = [f.name for f in dataclasses.fields(own)]
+    assert fields[: len(first)] == first
+    rooms = [harness.RunArgs, harness.CheckpointedRunArgs]
+    rooms += [rollout.EngineArgs, rollout.AsyncArgs, memory.MemoryArgs] if script == "grpo" else []
+    rooms += [lora.LoraArgs]
+    position = len(first)
+    for room in rooms:
+        names = [f.name for f in dataclasses.fields(room) if f.name not in fields[:position]]
+        assert fields[position : position + len(names)] == names, room.__name__
+        position += len(names)
+    assert position == len(fields)
 
 
 def test_fail_fast_excepthook_ends_the_process_at_once():
