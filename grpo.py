@@ -28,8 +28,9 @@ contents; one training step, numbered as there:
        correction's IS weights, over the tokens its rejection mask keeps, + the KL-to-reference and
        entropy terms; update_policy runs it over minibatches of micro-batches, averages the
        gradients over ranks, clips them and takes one optimizer step per minibatch
-    6. sync: push the updated weights into the rollout engine, so validation and the next rollout
-       use them
+    6. sync: publish the updated weights to where the rollouts come from: the engine gets them for
+       the next rollout (with --rollout-staleness K, the weights K updates older; with
+       --async-rollouts, the producer keeps them for its coming batches)
     7. log (metrics.jsonl, wandb), validate every val_every steps, checkpoint every save_every steps
 
 Plumbing a first read can skip: every `harness.` call (processes, checkpoints and logs live in
@@ -202,7 +203,8 @@ class GRPOArgs:
     """AdamW weight decay (verl's actor default is 0.01)."""
     max_grad_norm: float = 1.0
     """Gradient clipping (verl grad_clip=1.0); a non-finite norm stops the run before the step
-    (verl skips the step and goes on)."""
+    (verl skips the step and goes on); under --precision fp16 it is the loss scaler's overflow: the
+    step is skipped."""
     lm_head_precision: str = "auto"
     """The LM head's product (the log-softmax is float32 always): auto (TF32 on CUDA under bf16 or
     fp16 autocast, else IEEE fp32), fp32, tf32, or bf16 (bfloat16 inputs, float32 logits); a CPU
@@ -757,7 +759,7 @@ def update_policy(
                 logged[name].append(value)
             # one optimizer step: the gradients averaged over ranks, clipped (a non-finite norm
             # stops the run), applied; returns grad_norm (and fp16's loss_scale)
-            for name, value in optimizer_step.step(step).items():
+            for name, value in optimizer_step.apply(step).items():
                 logged[f"actor/{name}"].append(value)
     metrics = {name: sum(values) / len(values) for name, values in logged.items()}
     # bypass mode: verl logs the off-policy metrics of the first micro-batch, where pi_theta is
@@ -908,6 +910,7 @@ def train(args, backend=None):
         #    token baseline gives one advantage per token, from pi_old.
         baselines = None
         if args.adv_estimator == "remax":
+            # (source.engine sampled step 1: the lagged copy's weights with --rollout-staleness)
             baselines = greedy_baselines(source.engine, task, tokenizer, indices, step, args, rank)
         advantage_scores, component_metrics = scores, {}
         if args.adv_estimator == "gdpo":  # each named reward component normalised on its own
@@ -1074,6 +1077,9 @@ def check_args(args, world_size=1):
         if args.mismatch != "none" and args.backend == "hf":
             harness.refuse(args, "mismatch", "none with --sharding fsdp2 --backend hf")
     local_batch_sizes(args, world_size)
+    if args.backend == "vllm":
+        # a clear message before any model loads; vllm is imported later
+        rollout.check_vllm_available()
     if tasks.smollm2_problem(args.model_name_or_path):
         raise ValueError(tasks.smollm2_problem(args.model_name_or_path))
     # the model's config is readable, and prompt + response fit its context

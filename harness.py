@@ -916,22 +916,24 @@ def load_local_optimizer_state(optimizer, state):
 
 class OptimizerStep:
     """How both trainers' update_policy turns micro-batch losses into one optimizer step per
-    minibatch: backward(loss) for each micro-batch, then step(step) once.
+    minibatch: backward(loss) for each micro-batch, then apply(step) once.
 
         backward(loss)  loss.backward(); with fp16's gradient scaler (--precision fp16) from
                         loss x S instead, so that small gradients do not underflow float16
                         (Micikevicius et al. 2018, "Mixed Precision Training")
-        step(step)      the gradients averaged over the ranks (average_gradients: DDP by hand;
+        apply(step)     the gradients averaged over the ranks (average_gradients: DDP by hand;
                         FSDP2 reduce-scattered its shards' in backward); fp16: divided by S again
                         (unscale_, which records an inf or nan); clipped to max_grad_norm (None:
                         not clipped, OpenAI's PPO); applied by the optimizer; zeroed.
 
-    A non-finite gradient norm stops the run before the optimizer applies it (check_finite, naming
-    `step`; verl skips such an update and goes on); with fp16 an inf is the scaler's overflow: the
-    step is skipped and S halved, as torch's GradScaler does (S doubles after 2000 steps without
-    one). The weights are the optimizer's (its param_groups): under FSDP2 model.parameters() lists
-    the gathered weights of a group that is between its forward and its backward. step returns
-    what it saw: loss_scale (fp16, the S of this step) and grad_norm (when it clips)."""
+    When it clips (grpo.py), a non-finite gradient norm stops the run before the optimizer applies
+    it (check_finite, naming `step` of training; verl skips such an update and goes on); with fp16
+    an inf is the scaler's overflow instead: the step is skipped and S halved, as torch's
+    GradScaler does (S doubles after 2000 steps without one). Without clipping (ppo_rlhf.py) the
+    gradient is not checked: its trainer checks the loss. The weights are the optimizer's (its
+    param_groups): under FSDP2 model.parameters() lists the gathered weights of a group that is
+    between its forward and its backward. apply returns what it saw: loss_scale (fp16, the S of
+    this step) and grad_norm (when it clips)."""
 
     def __init__(self, optimizer, world_size=1, max_grad_norm=None, scaler=None):
         self.optimizer = optimizer
@@ -945,7 +947,7 @@ class OptimizerStep:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def step(self, step):
+    def apply(self, step):
         average_gradients(self.params, self.world_size)
         metrics = {}
         if self.scaler is not None:

@@ -58,8 +58,9 @@ def reference_logprobs_and_entropy(logits, tokens, temperature=1.0):
     temperature T scores each token under the distribution that sampled it (RLHF blog detail
     policy 1; verl's logprobs_from_logits after logits.div_(temperature)). Returns (logprobs (N,),
     entropy (N,)) in float32, for finite logits (a token the sampler can never emit is the chunked
-    path's `banned`). The definition, not what the trainers run: it holds all N x V logits at once
-    (tests/test_logprobs.py holds the chunked path to it)."""
+    path's `banned`). It holds all N x V logits at once: the trainers run it where one chunk of
+    logits is scored (token_logprobs_and_entropy), the chunked path elsewhere, which
+    tests/test_logprobs.py holds to it."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     p = logp.exp()
     logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)
@@ -261,7 +262,9 @@ def token_logprobs_and_entropy(
         ):
             logits = _head_product(weight, hidden, precision)
             token_logprobs, entropy = reference_logprobs_and_entropy(logits, tokens, temperature)
-            return token_logprobs, entropy if entropy_grad else entropy.detach()
+            if not entropy_grad:
+                entropy = entropy.detach()
+            return token_logprobs, entropy
         if torch.is_grad_enabled() and hidden.requires_grad and several:
             return _ChunkedHead.apply(
                 hidden,

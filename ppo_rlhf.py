@@ -1135,7 +1135,7 @@ def update_policy(
                         extra.setdefault(name, []).append(float(value))
             # one check per minibatch (one device sync), before the optimizer applies it
             harness.check_finite("loss", float(minibatch_loss), update)
-            optimizer_step.step(update)
+            optimizer_step.apply(update)
     return stats, extra
 
 

@@ -7,8 +7,9 @@ trainer's policy. Its sections:
     1. where rollouts come from  RolloutSource: what grpo.py's train() calls, one object whichever
                                  way a batch is sampled: take(step) in step 1, publish(model, v) in
                                  step 6, validation_engine(model), checkpoint_state(step) for a
-                                 checkpoint, close(); behind it the engine, a lagged copy or a
-                                 producer thread
+                                 checkpoint (the trainer-state entries ROLLOUT_STATE names),
+                                 close(); behind it the engine, a lagged copy or a producer
+                                 thread (start_producer)
     2. shared pieces             make_batch (GRPO's rollout as training tensors: [left-padded
                                  prompt | right-padded response], masks), the logprob recorder,
                                  apply_mismatch (a controlled mismatch: the engine's copy of the
@@ -22,6 +23,8 @@ trainer's policy. Its sections:
                                  colocate mode): weights synced after every update, LoRA adapters
                                  synced alone, sleep mode on GPU; the CPU build's workarounds in one
                                  labelled block; make_backend builds the engine --backend names
+                                 (check_vllm_available, vllm_dtype, sampling_truncation: its
+                                 settings)
     5. staleness and asynchrony  LaggedWeights (the engine samples with the weights K updates old,
                                  simulated one step after another), AsyncRollouts (a producer
                                  thread samples the coming steps while the trainer trains, each
@@ -89,13 +92,20 @@ class RolloutSource:
                         steps while the trainer trains (AsyncRollouts), step t with the weights
                         after update t - K (--max-staleness); the trainer's engine validates only
 
-    sample(step, engine) -> (prompt indices, rollout, metrics) is the trainer's steps 1-2 on one
-    engine (grpo.sample_step; rollout[0] holds the response token ids), make_engine(model) builds
-    an engine that samples with `model`'s weights (they reach it through sync_weights). saved: what
-    checkpoint_state saved in the checkpoint a run resumes (ROLLOUT_STATE's entries of its trainer
-    state), so that the rollouts go on exactly: the batches the producer sampled ahead (rank r's at
-    index r), the weight versions a lagged copy samples with next. This is also where a multi-turn
-    agent loop plugs in: train() sees only what take() returns."""
+    Its inputs:
+
+        sample(step, engine)  the trainer's steps 1-2 on one engine: (prompt indices, rollout,
+                              metrics), rollout[0] the response token ids (grpo.sample_step)
+        make_engine(model)    an engine that samples with `model`'s weights (they reach it through
+                              sync_weights)
+        saved                 what checkpoint_state saved in the checkpoint a run resumes
+                              (ROLLOUT_STATE's entries of its trainer state): the batches the
+                              producer sampled ahead (rank r's at index r), the weight versions a
+                              lagged copy samples with next; so the rollouts go on exactly
+        engine                an engine the caller built (tests), used instead of make_engine's
+                              and closed by the caller
+
+    This is also where a multi-turn agent loop plugs in: train() sees only what take() returns."""
 
     def __init__(
         self, model, make_engine, sample, args, first_step=0, saved=None, engine=None, rank=0
@@ -110,15 +120,15 @@ class RolloutSource:
             lagged = saved.get("lagged_weights")
             if first_step > 0 and lagged is None and rank == 0:
                 print(
-                    "resuming --rollout-staleness from a checkpoint without its lagged weights "
-                    "(written before they were saved): the rollouts lag from these weights, not "
-                    "bit for bit as the uninterrupted run"
+                    "resuming --rollout-staleness from a checkpoint that holds no lagged weights: "
+                    "the rollouts lag from these weights, not bit for bit as the uninterrupted run"
                 )
             self.lag = LaggedWeights(model, args.rollout_staleness, lagged)
             sampling_model = self.lag.model
         # the trainer's engine: it samples every batch, unless a producer does (then it validates)
         self.engine = make_engine(sampling_model) if engine is None else engine
-        if self.lag:  # (an engine a test passes in must not sample with the trainer's own model)
+        if self.lag is not None:
+            # an engine a test passes in must not sample with the trainer's own model
             self.lag.check_engine(self.engine, model)
         # the first rollout's weights: the trainer's (resumed, --mismatch-rounded), or the lag's
         self.engine.sync_weights(sampling_model)
@@ -155,10 +165,11 @@ class RolloutSource:
         if self.lag is not None:
             with self.lag.current(self.engine):
                 yield self.engine
-            return
-        if self.producer is not None:
+        elif self.producer is not None:
             self.engine.sync_weights(model)
-        yield self.engine
+            yield self.engine
+        else:
+            yield self.engine
 
     def checkpoint_state(self, next_step):
         """What a checkpoint after step next_step - 1 must hold for the rollouts to go on exactly,
@@ -1146,33 +1157,42 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
 class LaggedWeights:
     """--rollout-staleness K: a copy of the policy that trails the trainer by K updates, for the
     engine to sample with: the fixed temporal lag of an asynchronous rollout worker K policy
-    versions behind (PRIME-RL's async level, AReaL's max_head_offpolicyness). The last K + 1 weight
-    snapshots are kept; while fewer than K updates are done, the engine keeps the initial
-    weights. older: the versions older than `model`'s that a checkpoint kept (older_versions), for
-    a resume that goes on exactly; the copy starts with the oldest of them."""
+    versions behind (PRIME-RL's async level, AReaL's max_head_offpolicyness). The last K + 1
+    snapshots of the trained weights are kept (a frozen weight, LoRA's base, is the trainer's in
+    the copy too); while fewer than K updates are done, the engine keeps the initial weights.
+
+    older: the versions older than `model`'s that a checkpoint kept (older_versions), for a resume
+    that goes on exactly; the copy starts with the oldest of them. Fewer than K (an earlier
+    checkpoint, a K raised with --allow-changed-settings) lag less until K updates are done again;
+    more keep the newest K."""
 
     def __init__(self, model, k, older=None):
         self.model = copy.deepcopy(model).requires_grad_(False)
+        self.trained = [name for name, p in model.named_parameters() if p.requires_grad]
         current = self._snapshot(model)
+        versions = []
         for version in older or []:
-            shapes = [tuple(t.shape) for t in version]
-            if shapes != [tuple(t.shape) for t in current]:
+            wrong = [n for n in current if n not in version or version[n].shape != current[n].shape]
+            if wrong or len(version) != len(current):
                 raise harness.RunError(
                     "the checkpoint's lagged weights (--rollout-staleness) do not fit the model: "
-                    f"{len(shapes)} tensors of other shapes"
+                    f"{len(wrong) or len(version)} of its {len(current)} trained weights differ"
                 )
-        self.history = collections.deque([*(older or []), current], maxlen=k + 1)
+            versions.append({n: t.to(current[n].device) for n, t in version.items()})
+        self.history = collections.deque([*versions, current], maxlen=k + 1)
         self._load(self.history[0])
 
-    @staticmethod
     @torch.no_grad()
-    def _snapshot(model):
-        return [p.detach().clone() for p in model.parameters()]
+    def _snapshot(self, model):
+        """{name: a copy} of the trained weights of `model`."""
+        params = dict(model.named_parameters())
+        return {name: params[name].detach().clone() for name in self.trained}
 
     @torch.no_grad()
     def _load(self, snapshot):
-        for p, saved in zip(self.model.parameters(), snapshot, strict=True):
-            p.copy_(saved)
+        params = dict(self.model.named_parameters())
+        for name, saved in snapshot.items():
+            params[name].copy_(saved)
 
     def older_versions(self):
         """The kept versions older than the trainer's newest (at most K), oldest first: what a
@@ -1196,7 +1216,7 @@ class LaggedWeights:
     @contextlib.contextmanager
     def current(self, backend):
         """Inside this block the engine samples with the trainer's newest weights (validation), then
-        lags again."""
+        lags again."""  # (the copy's frozen weights, if any, are the trainer's already)
         self._load(self.history[-1])
         backend.sync_weights(self.model)
         yield
@@ -1505,7 +1525,8 @@ class EngineArgs:
 
 def check_engine_args(args):
     """The engine's flags alone, each refused in one line (harness.refuse): a known engine and
-    dtype, positive sizes, a GPU share in (0, 1], sleep mode only for vLLM."""
+    dtype, positive sizes, a GPU share in (0, 1], sleep mode only for vLLM. (Whether vllm is
+    installed is the script's last check, check_vllm_available: after every flag's.)"""
     choices = {
         "backend": BACKENDS,
         "vllm_dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -1519,9 +1540,6 @@ def check_engine_args(args):
     harness.check_rules(args, choices, ranges)
     if args.vllm_sleep_mode and args.backend != "vllm":
         raise ValueError("--vllm-sleep-mode needs --backend vllm")
-    if args.backend == "vllm":
-        # a clear message before any model loads; vllm is imported later
-        check_vllm_available()
 
 
 @dataclass

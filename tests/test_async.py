@@ -318,7 +318,7 @@ def test_one_rollout_source_for_every_way_of_sampling(way):
             assert list(saved) == ["rollout_queue"] and sorted(saved["rollout_queue"][0]) == ahead
         elif way == "lagged copy":  # the weights after updates step - 1 and step (or fewer)
             versions = [[float(v)] for v in range(max(0, step - 1), step + 1)]
-            assert [[t.item() for t in v] for v in saved["lagged_weights"]] == versions
+            assert [[t.item() for t in v.values()] for v in saved["lagged_weights"]] == versions
         else:
             assert saved == {}
     lag = 0 if way == "engine" else 2

@@ -248,7 +248,7 @@ def test_one_optimizer_step_applies_clips_and_refuses_a_non_finite_norm():
 
     def backward_and_step(stepper, gradient, step=1):
         stepper.backward((weight * gradient).sum())  # d loss / d weight = gradient
-        return stepper.step(step)
+        return stepper.apply(step)
 
     unclipped = harness.OptimizerStep(optimizer)
     assert backward_and_step(unclipped, torch.tensor([3.0, 4.0])) == {}
