@@ -1082,15 +1082,26 @@ def check_args(args, world_size=1):
         rollout.check_vllm_available()
     if tasks.smollm2_problem(args.model_name_or_path):
         raise ValueError(tasks.smollm2_problem(args.model_name_or_path))
-    # the model's config is readable, and prompt + response fit its context
-    max_positions = TINY_MAX_POSITIONS
-    if args.model_name_or_path != TINY_MODEL:
+    # the model's config is readable (the tiny model's, before it is built), and prompt + response
+    # fit its context
+    if args.model_name_or_path == TINY_MODEL:
+        config = tasks.tiny_model_config(
+            tasks.build_tiny_tokenizer(),
+            args.tiny_arch,
+            max_positions=TINY_MAX_POSITIONS,
+            tied_embeddings=args.tiny_tied_embeddings,
+        )
+    else:
         config = harness.model_config("--model-name-or-path", args.model_name_or_path)
-        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-        if args.lora_rank:  # the adapter's modules exist (on the meta device: no weights)
+    max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if args.lora_rank:
+        # the adapter's modules exist in this model (on the meta device: no weights, a second)
+        try:
             memory.count_adapter_parameters(
                 config, args.lora_rank, args.lora_alpha, args.lora_target_modules
             )
+        except harness.RunError as error:
+            raise ValueError(str(error)) from None
     needed = args.max_prompt_length + args.max_response_length
     if max_positions is not None and needed > max_positions:
         raise ValueError(

@@ -389,6 +389,14 @@ def run(script, presets, train, argv=None):
     except KeyboardInterrupt:
         line = f"{script}: interrupted (Ctrl-C) before the training loop: nothing to save"
         code = 130
+    except RuntimeError as e:
+        # FSDP2 gathers its shards inside every forward (generate's, the update's): collectives
+        # that collective() does not wrap, so a rank that died meanwhile surfaces here
+        if not (distributed() and peer_failure(e)):
+            raise
+        reason = first_line(e, limit=None).split(". ")[0][:200]
+        line = f"{script}: error: rank {dist.get_rank()}: another rank stopped during a collective"
+        line, code = f"{line} ({reason})", 1
     finally:
         release_output_dirs()
         restore_signals()
@@ -584,6 +592,12 @@ def restore_signals():
     _previous_handlers.clear()
 
 
+def stop_requested():
+    """The signal this process received since catch_stop_signals (0: none), without asking the
+    other ranks: what a wait checks so that a signal ends it (rollout.AsyncRollouts' take)."""
+    return _stop_signal["signum"]
+
+
 def stop_signal(world_size):
     """The signal number any rank received since catch_stop_signals (0: none). Every rank gets the
     same answer (one all-reduce), so they all stop after the same step."""
@@ -628,6 +642,13 @@ def collective(function, *args, **kwargs):
         raise RunError(
             f"rank {dist.get_rank()}: another rank stopped during a collective ({reason})"
         ) from None
+
+
+def peer_failure(error):
+    """Whether `error` says that another rank of the process group went away: a DistError, or
+    gloo's / NCCL's words for a closed connection."""
+    words = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL error")
+    return isinstance(error, dist.DistError) or any(w in str(error) for w in words)
 
 
 def barrier():
@@ -887,16 +908,28 @@ def local_optimizer_state(optimizer):
         index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entry.items()}
         for index, entry in state["state"].items()
     }
+    # whose shard it is: load_checkpoint refuses another rank's (swapped files)
+    state["rank"] = dist.get_rank() if distributed() else 0
     return state
 
 
 def load_local_optimizer_state(optimizer, state):
     """Put back what local_optimizer_state saved, on as many ranks: each plain shard becomes a
-    DTensor again, on its parameter's mesh and placements."""
+    DTensor again, on its parameter's mesh and placements; a shard of another shape than this
+    rank's (another model, another world size) is a RunError in one line."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {name: value for name, value in state.items() if name != "rank"}
+    if len(state["state"]) > len(params):
+        raise RunError("the checkpoint's optimizer shard holds more weights than this model has")
     for index, entry in state["state"].items():
         param = params[index]
+        local = param.to_local() if isinstance(param, DTensor) else param
         for k, v in entry.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != local.shape:
+                raise RunError(
+                    f"the checkpoint's optimizer shard holds {k} of shape {tuple(v.shape)} for a "
+                    f"weight whose shard here is {tuple(local.shape)}"
+                )
             if isinstance(param, DTensor) and torch.is_tensor(v) and v.dim() > 0:
                 entry[k] = DTensor.from_local(
                     v.to(param.device),
@@ -1013,13 +1046,22 @@ def load_plain(path, map_location="cpu"):
             f"{path} holds more than tensors and plain values, so it was not loaded and nothing in "
             f"it ran ({reason}); resume only from checkpoints these scripts wrote"
         ) from None
+    except (RuntimeError, OSError, EOFError) as e:  # truncated, not a torch file, unreadable
+        raise RunError(f"{path} cannot be read ({first_line(e, 120)})") from None
 
 
 def load_model_folder(load, path):
     """load(path), a model folder's loader (transformers' from_pretrained: a .bin with
     torch.load(weights_only=True)), with what it loads checked: a file that needs more than tensors
     (a crafted pickle: nothing in it runs) or a model with a non-finite weight (a run that diverged
-    before it was saved: every rerun would fail the same way) ends the run in one line."""
+    before it was saved: every rerun would fail the same way) ends the run in one line. A LoRA
+    adapter's folder (adapter_config.json) is not a model's: transformers would load the base its
+    config names from wherever that is, and nothing here follows a path written in a file."""
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise RunError(
+            f"{path} holds a LoRA adapter (adapter_config.json), not a model: load it onto its "
+            "base with --lora-rank"
+        )
     try:
         model = load(path)
     except pickle.UnpicklingError as e:
@@ -1416,6 +1458,16 @@ def checkpoint_to_resume(args, changeable=()):
             f"{path} was written with --sharding {sharding}, which stores its optimizer state "
             f"{stored}: resume it with --sharding {sharding}, or use a new --output-dir"
         )
+    # the checkpoint holds an adapter (--lora-rank > 0) or the whole model: never switched, even
+    # with --allow-changed-settings
+    saved_rank = manifest["args"].get("lora_rank", 0)
+    rank_now = getattr(args, "lora_rank", 0)
+    if bool(saved_rank) != bool(rank_now):
+        stored = "a LoRA adapter" if saved_rank else "the whole model"
+        raise RunError(
+            f"{path} was written with --lora-rank {saved_rank}, so it holds {stored}: resume it "
+            f"with --lora-rank {saved_rank}, or use a new --output-dir"
+        )
     now = json.loads(json.dumps(dataclasses.asdict(args)))
     for name in ROUNDING_SETTINGS:
         if name in saved and name in now and saved[name] != now[name]:
@@ -1534,6 +1586,17 @@ def load_checkpoint(path, rank):
     shard_path = os.path.join(path, f"shard_rank{rank}.pt")
     if os.path.isfile(shard_path):
         state["shard"] = load_plain(shard_path)
+        saved_rank = state["shard"].get("rank", rank)  # (checkpoints before 2026-12 say nothing)
+        if saved_rank != rank:
+            raise RunError(
+                f"{shard_path} holds rank {saved_rank}'s optimizer shard, not rank {rank}'s (files "
+                "renamed or swapped?): resume only from checkpoints as these scripts wrote them"
+            )
+    elif "optimizer" not in state:
+        raise RunError(
+            f"{shard_path} is missing: a --sharding fsdp2 checkpoint holds every rank's shard of "
+            "the optimizer state"
+        )
     set_rng_state(load_plain(rng_path))
     return state
 

@@ -65,6 +65,7 @@ import corrections
 import harness
 import logprobs
 import lora
+import memory
 import objectives
 import rewards
 import rollout
@@ -314,6 +315,20 @@ def check_args(args, world_size):
         raise ValueError(tasks.smollm2_problem(args.base_model))
     if args.base_model and not os.path.isdir(args.base_model):
         harness.model_config("--base-model", args.base_model)
+    if args.lora_rank:
+        # the adapter's modules exist in the policy (the tiny one rewards.py builds is a gpt2), on
+        # the meta device: no weights, before any reward model trains
+        config = (
+            harness.model_config("--base-model", args.base_model)
+            if args.base_model
+            else tasks.tiny_model_config(tasks.build_tiny_tokenizer(), "gpt2")
+        )
+        try:
+            memory.count_adapter_parameters(
+                config, args.lora_rank, args.lora_alpha, args.lora_target_modules
+            )
+        except harness.RunError as error:
+            raise ValueError(str(error)) from None
     if args.reward_model_path is not None and not os.path.isdir(args.reward_model_path):
         raise ValueError(
             f"--reward-model-path {args.reward_model_path!r} must be a directory (rewards.py's "
@@ -900,8 +915,12 @@ def load_checkpoint(resume, rank, model, optimizer, args):
     resumes to write it; one already at or past --total-episodes' last update with its final
     policy written is refused in one line: nothing to train."""
     state = harness.load_checkpoint(resume, rank)
-    value_head = harness.load_plain(os.path.join(resume, "value_head.pt"))
-    model.value_head.load_state_dict(value_head)
+    value_head_path = os.path.join(resume, "value_head.pt")
+    try:
+        model.value_head.load_state_dict(harness.load_plain(value_head_path))
+    except (RuntimeError, KeyError, AttributeError) as error:  # other names or shapes, no dict
+        reason = harness.first_line(error, 120)
+        raise harness.RunError(f"{value_head_path}: not this policy's value head ({reason})")
     if "shard" in state:  # FSDP2: this rank's shard of the optimizer state
         harness.load_local_optimizer_state(optimizer, state["shard"])
     else:

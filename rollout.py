@@ -24,7 +24,8 @@ trainer's policy. Its sections:
                                  synced alone, sleep mode on GPU; the CPU build's workarounds in one
                                  labelled block; make_backend builds the engine --backend names
                                  (check_vllm_available, vllm_dtype, sampling_truncation: its
-                                 settings)
+                                 settings; adapter_sync_folder: where --vllm-lora-sync adapter
+                                 writes, inside the run folder)
     5. staleness and asynchrony  LaggedWeights (the engine samples with the weights K updates old,
                                  simulated one step after another), AsyncRollouts (a producer
                                  thread samples the coming steps while the trainer trains, each
@@ -44,9 +45,12 @@ import collections
 import contextlib
 import copy
 import functools
+import itertools
 import math
 import os
+import atexit
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -793,6 +797,7 @@ class VLLMBackend:
         async_scheduling=None,
         truncation=None,
         lora_rank=0,
+        lora_folder=None,
         **engine_kwargs,
     ):
         _set_vllm_env()
@@ -861,7 +866,13 @@ class VLLMBackend:
         if lora_rank:
             bound = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank)
             options.update(enable_lora=True, max_lora_rank=bound, max_loras=1)
-            self.lora_folder = tempfile.TemporaryDirectory(prefix="lora_sync_")
+            # where each sync's adapter is written (make_backend: inside the run folder), emptied
+            # first (a killed run's adapters) and created anew, never through a link; removed at
+            # close() and at exit
+            self.lora_folder = lora_folder or tempfile.mkdtemp(prefix="lora_sync_")
+            harness.remove_path(self.lora_folder)
+            os.makedirs(self.lora_folder)
+            atexit.register(harness.remove_path, self.lora_folder)
         # a caller's option replaces ours (passing one twice used to raise TypeError)
         options.update(engine_kwargs)
         t0 = time.perf_counter()
@@ -1045,8 +1056,14 @@ class VLLMBackend:
         # a new id each time: vLLM loads an id it holds cached never again (worker_manager.py)
         self.adapter_syncs += 1
         version = self.adapter_syncs
-        folder = os.path.join(self.lora_folder.name, str(version))
-        lora.save_adapter(folder, model, weights)
+        folder = os.path.join(self.lora_folder, str(version))
+        try:
+            lora.save_adapter(folder, model, weights)
+        except Exception as error:  # a full disk, a quota, a read-only folder
+            reason = harness.write_error(error, folder)
+            raise harness.RunError(
+                f"{folder}: the adapter sync could not write ({reason})"
+            ) from None
         if self.lora_request is not None:  # loaded at its first generate, and no longer asked for
             shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = LoRARequest(f"policy-{version}", version, folder)
@@ -1061,10 +1078,12 @@ class VLLMBackend:
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?)")
 
     def close(self):
-        """Shut the engine down (frees the KV cache). Call it after the trainer's last collective
-        and instead of dist.destroy_process_group(): vLLM's shutdown also destroys
-        torch.distributed's default group."""
+        """Shut the engine down (frees the KV cache) and remove the adapter sync's folder. Call it
+        after the trainer's last collective and instead of dist.destroy_process_group(): vLLM's
+        shutdown also destroys torch.distributed's default group."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.lora_folder is not None:
+            harness.remove_path(self.lora_folder)
 
 
 def check_vllm_available():
@@ -1130,6 +1149,7 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
     transform = (
         None if args.mismatch == "none" else functools.partial(apply_mismatch, kind=args.mismatch)
     )
+    adapter_sync = args.lora_rank and args.vllm_lora_sync == "adapter"
     return VLLMBackend(
         model_path,
         tokenizer.eos_token_id,
@@ -1144,9 +1164,29 @@ def make_backend(name, model_path, model, args, tokenizer=None, max_model_len=No
         max_num_batched_tokens=args.vllm_max_num_batched_tokens,
         async_scheduling=args.vllm_async_scheduling,
         truncation=sampling_truncation(args, "vllm"),
-        lora_rank=args.lora_rank if args.vllm_lora_sync == "adapter" else 0,
+        lora_rank=args.lora_rank if adapter_sync else 0,
+        lora_folder=adapter_sync_folder(args.output_dir) if adapter_sync else None,
         **engine_kwargs,
     )
+
+
+# the engines of this process that sync an adapter through a folder, numbered (adapter_sync_folder)
+_ADAPTER_ENGINES = itertools.count()
+
+
+def adapter_sync_folder(output_dir):
+    """Where an engine of --vllm-lora-sync adapter writes each sync's adapter: inside the run folder
+    (a run writes only there), one folder per rank and engine (the trainer's, the async producer's):
+    <output_dir>/lora_sync/rank<r>_engine<n>; a link planted at lora_sync is removed, not
+    followed."""
+    parent = os.path.join(output_dir, "lora_sync")
+    if os.path.islink(parent):
+        try:
+            os.unlink(parent)
+        except FileNotFoundError:  # another rank removed it first
+            pass
+    rank = int(os.environ.get("RANK", "0"))
+    return os.path.join(parent, f"rank{rank}_engine{next(_ADAPTER_ENGINES)}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1282,18 +1322,19 @@ class AsyncRollouts:
         self.engine = make_engine(self.model)
         self.trained = [name for name, p in model.named_parameters() if p.requires_grad]
         self.versions = {first_step: self._snapshot(model)}  # version -> trained weights
+        # versions below this one were dropped (or, on a resume, never held): they never come again
+        self.oldest_version = first_step
+        self.newest_version = first_step
         # step -> (the versions that sampled it, one per chunk, rollout); a resume's pending first
         self.ready = dict(pending or {})
         self.error = None
         self.closed = False
         self.next_step = first_step + len(self.ready)
-        exact = not free_running
-        if exact and self.next_step < total_steps and self.version_for(self.next_step) < first_step:
-            # the batches sampled with versions before the saved weights are gone
-            raise harness.RunError(
-                f"the checkpoint at step {first_step} holds {len(self.ready)} rollout batches, not "
-                f"the {k} sampled with older weights that --max-staleness {k} needs"
-            )
+        self._check_resumed_queue(first_step)
+        # what each thread waits for, so that a wait neither can end is seen (_wait_for): the
+        # version the producer's load() waits for, and whether it waits for work
+        self.wanted_version = None
+        self.idle = False
         self.condition = threading.Condition()
         self.thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
         self.thread.start()
@@ -1306,6 +1347,41 @@ class AsyncRollouts:
         params = dict(model.named_parameters())
         return {name: params[name].detach().clone() for name in self.trained}
 
+    def owed_versions(self, step, chunks=1):
+        """The versions exact mode samples batch `step` with, one per chunk of new tokens: t - K,
+        then one newer per chunk up to t (in-flight updates)."""
+        first = max(0, step - self.k)
+        return [min(first + c, step) for c in range(chunks)]
+
+    def _check_resumed_queue(self, first_step):
+        """A resume's queued batches must be this run's: the steps right after the checkpoint's,
+        and (exact) each sampled with the versions this K owes it, or the producer would wait for
+        weights a resume never has (a checkpoint of another --max-staleness, or of another run).
+        Free-running drops a batch that is too old and samples it again with the newest weights."""
+        steps = sorted(self.ready)
+        if steps != list(range(first_step, first_step + len(steps))):
+            raise harness.RunError(
+                f"the checkpoint at step {first_step} holds rollout batches of steps {steps}, not "
+                f"of the steps after it: it was not written by this run"
+            )
+        if self.free_running:
+            return
+        for step in steps:
+            versions = list(self.ready[step][0])
+            if versions != self.owed_versions(step, len(versions)):
+                raise harness.RunError(
+                    f"the checkpoint's rollout batch of step {step + 1} was sampled with weight "
+                    f"versions {versions}, not the {self.owed_versions(step, len(versions))} "
+                    f"--max-staleness {self.k} owes it: resume with the settings it was written "
+                    "with, or use a new --output-dir"
+                )
+        if self.next_step < self.total_steps and self.version_for(self.next_step) < first_step:
+            # the batches sampled with versions before the saved weights are gone
+            raise harness.RunError(
+                f"the checkpoint at step {first_step} holds {len(self.ready)} rollout batches, not "
+                f"the {self.k} sampled with older weights that --max-staleness {self.k} needs"
+            )
+
     def version_for(self, step):
         """The version batch `step` starts with: t - K (exact), the newest one (free-running)."""
         if self.free_running:
@@ -1315,12 +1391,24 @@ class AsyncRollouts:
 
     @torch.no_grad()
     def load(self, version):
-        """Wait for `version` to be published, then give the producer's engine its weights."""
+        """Wait for `version` to be published, then give the producer's engine its weights. A
+        version older than every one held will never come (a resume holds none before its
+        checkpoint's): a RunError, not a wait."""
         with self.condition:
             # published when the trainer's step `version - 1` ends
-            self.condition.wait_for(lambda: version in self.versions or self.closed)
+            self.wanted_version = version
+            self.condition.notify_all()
+            self.condition.wait_for(
+                lambda: version in self.versions or self.closed or version < self.oldest_version
+            )
+            self.wanted_version = None
             if self.closed:
                 raise _ProducerClosed
+            if version not in self.versions:
+                raise harness.RunError(
+                    f"the rollout producer needs the weights of version {version}, older than "
+                    f"every version this run holds (from {self.oldest_version} on)"
+                )
             weights = self.versions[version]
         params = dict(self.model.named_parameters())
         for name, tensor in weights.items():
@@ -1331,7 +1419,10 @@ class AsyncRollouts:
         try:
             while True:
                 with self.condition:
+                    self.idle = True
+                    self.condition.notify_all()
                     self.condition.wait_for(self._has_work)
+                    self.idle = False
                     if self.closed or self._finished():
                         return
                     # a batch the trainer dropped first
@@ -1348,6 +1439,7 @@ class AsyncRollouts:
                     oldest = max(self.versions) if self.free_running else step + 1 - self.k
                     for old in [v for v in self.versions if v < oldest]:
                         del self.versions[old]
+                    self.oldest_version = max(self.oldest_version, oldest)
                     self.condition.notify_all()
         except _ProducerClosed:
             return
@@ -1375,9 +1467,35 @@ class AsyncRollouts:
         # t - K (the trainer's, published before it took that batch), so t is within the bound
         return not self.free_running or self.next_step < self.next_take + self.k
 
-    def _wait_for(self, step):
+    def _wait_for(self, step, stoppable=True):
+        """Wait until the producer has batch `step`, looking four times a second whether the wait
+        can still end: the producer failed (its error, in one line), this process got SIGTERM or
+        SIGINT while stoppable (a harness.Stopped: the checkpoint before stands; a checkpoint's own
+        wait, pending, is not stoppable: the signal asked for it), or both threads wait for each
+        other (the producer for a version the trainer can publish only after this batch, or for
+        work while this batch is not sampled): a RunError, never a wait without end."""
         with self.condition:
-            self.condition.wait_for(lambda: step in self.ready or self.error is not None)
+            while step not in self.ready and self.error is None:
+                self.condition.wait(timeout=0.25)
+                if step in self.ready or self.error is not None:
+                    break
+                signum = harness.stop_requested()
+                if signum and stoppable:
+                    raise harness.Stopped(
+                        f"stopped by {signal.Signals(signum).name} while step {step + 1} waited "
+                        "for its rollout batch: the last checkpoint stands; rerun the same command "
+                        "to resume from it",
+                        signum,
+                    )
+                wanted = self.wanted_version
+                waits_for_version = wanted is not None and wanted > self.newest_version
+                waits_for_work = self.idle and not self._has_work()
+                if waits_for_version or waits_for_work:
+                    what = f"the weights of version {wanted}" if waits_for_version else "work"
+                    raise harness.RunError(
+                        f"the rollout producer waits for {what} while the trainer waits for the "
+                        f"batch of step {step + 1}: neither can go on"
+                    )
             if step not in self.ready:
                 raise harness.RunError(
                     f"the rollout producer failed before step {step + 1}: "
@@ -1406,6 +1524,7 @@ class AsyncRollouts:
         snapshot = self._snapshot(model)
         with self.condition:
             self.versions[version] = snapshot
+            self.newest_version = max(self.newest_version, version)
             self.condition.notify_all()
 
     def close(self):
@@ -1420,7 +1539,7 @@ class AsyncRollouts:
         K - 1, sampled with versions older than next_step (the producer finishes them first)."""
         steps = range(next_step, min(next_step + self.k, self.total_steps))
         for step in steps:
-            self._wait_for(step)
+            self._wait_for(step, stoppable=False)
         with self.condition:
             return {step: self.ready[step] for step in steps}
 
@@ -1586,6 +1705,9 @@ def check_async_args(args):
         return
     if args.rollout_staleness:
         harness.refuse(args, "rollout_staleness", "0 with --async-rollouts (--max-staleness is K)")
+    if args.async_free_running and args.max_staleness < 1:
+        # batch t may start once the trainer took batch t - K: at K = 0, never before it waits for t
+        harness.refuse(args, "max_staleness", ">= 1 with --async-free-running")
     if args.backend == "vllm" and args.vllm_sleep_mode:
         # vLLM's sleep allocator is one per process: one engine's sleep would put the other's
         # memory to sleep too

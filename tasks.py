@@ -63,6 +63,56 @@ def build_tiny_tokenizer(path=None):
     return tokenizer
 
 
+def tiny_model_config(
+    tokenizer,
+    arch="qwen2",
+    hidden_size=128,
+    num_layers=2,
+    num_heads=2,
+    max_positions=256,
+    tied_embeddings=True,
+):
+    """The transformers config of build_tiny_model's model for `tokenizer` (build_tiny_tokenizer's):
+    what a check reads before any weight exists (the LoRA targets of check_args, on the meta
+    device)."""
+    from transformers import GPT2Config, Qwen2Config
+
+    vocab_size = len(tokenizer)
+    if arch == "qwen2":
+        return Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=1,
+            head_dim=hidden_size // num_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=tied_embeddings,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            attention_dropout=0.0,
+        )
+    if arch == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_positions,
+            tie_word_embeddings=tied_embeddings,
+            # [policy 4]
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    raise ValueError(f"arch must be 'qwen2' or 'gpt2', got {arch!r}")
+
+
 def build_tiny_model(
     path=None,
     arch="qwen2",
@@ -78,44 +128,12 @@ def build_tiny_model(
     attention rejects head_dim 16); arch="gpt2" is the original lm-human-preferences policy
     architecture in miniature. tied_embeddings=False gives the LM head its own random matrix
     (every other weight is the tied model's at the same seed)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, GPT2Config, Qwen2Config
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     tokenizer = build_tiny_tokenizer(path)
-    vocab_size = len(tokenizer)
-    if arch == "qwen2":
-        config = Qwen2Config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=1,
-            head_dim=hidden_size // num_heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=tied_embeddings,
-            bos_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            attention_dropout=0.0,
-        )
-    elif arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=num_heads,
-            n_positions=max_positions,
-            tie_word_embeddings=tied_embeddings,
-            # [policy 4]
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    else:
-        raise ValueError(f"arch must be 'qwen2' or 'gpt2', got {arch!r}")
+    config = tiny_model_config(
+        tokenizer, arch, hidden_size, num_layers, num_heads, max_positions, tied_embeddings
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

@@ -27,6 +27,7 @@ import grpo  # noqa: E402
 import harness  # noqa: E402
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
+from tolerances import EPS32, assert_float32_close  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 # grpo.py tiny, small: 8 prompts x 8 samples per step, two optimizer steps of 4 prompts, 10 steps
@@ -205,8 +206,9 @@ def test_sigterm_with_the_producer_running_saves_and_the_rerun_ends_as_uninterru
     async_k2, tmp_path
 ):
     """SIGTERM while the producer samples ahead: the step in progress ends, the checkpoint holds the
-    batches sampled ahead, one line says so and the exit code is 143; the rerun then ends with the
-    uninterrupted run's rows and weights."""
+    batches sampled ahead, one line says so and the exit code is 143; a copy resumed with another
+    --max-staleness is refused in one line; the rerun then ends with the uninterrupted run's rows
+    and weights."""
     out = tmp_path / "stopped"
     argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(out), *SMALL]
     argv += ["--async-rollouts", "--max-staleness", "2", "--save-every", "3"]
@@ -225,6 +227,18 @@ def test_sigterm_with_the_producer_running_saves_and_the_rerun_ends_as_uninterru
     stopped = [line for line in stderr.splitlines() if line.startswith("grpo.py: stopped by")]
     assert len(stopped) == 1 and "Traceback" not in stderr, stderr[-2000:]
     assert len(metrics.read_text().splitlines()) < 11
+    # the same checkpoint resumed with another K: its queued batches are not this run's, refused in
+    # one line (before: the producer waited for weights a resume never holds, and so did the run)
+    other_k = tmp_path / "other_k"
+    shutil.copytree(out, other_k)
+    argv = [str(ROOT / "grpo.py"), "tiny", "--output-dir", str(other_k), *SMALL]
+    argv += ["--async-rollouts", "--max-staleness", "1", "--allow-changed-settings"]
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and "--max-staleness 1 owes it" in last, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
     run_grpo(out, "--async-rollouts", "--max-staleness", "2", "--save-every", "3")
     assert rows(out) == rows(async_k2)
     assert same_weights(weights(out), weights(async_k2))
@@ -442,7 +456,8 @@ def test_the_staleness_bound_drops_a_batch_older_than_k_and_samples_it_again():
 def test_in_flight_logprobs_are_each_token_s_own_version_s_and_the_is_weights_use_it():
     """A hand-built swap after token 2: HFBackend.generate_in_flight samples tokens 0-1 with weights
     W0 and the rest with W1 (chunks of 2 tokens). Every recorded logprob equals a teacher-forced
-    recompute with its own version's weights (fp32, 1e-6); decoupled token IS against pi_old = W1
+    recompute with its own version's weights (fp32: 128 eps32 of the largest |logprob|, sums in
+    another order: generate's cached forwards); decoupled token IS against pi_old = W1
     then weights tokens 0-1 by pi_W1 / pi_W0 and the later tokens by 1."""
     import corrections
     import tasks
@@ -467,7 +482,7 @@ def test_in_flight_logprobs_are_each_token_s_own_version_s_and_the_is_weights_us
     mask = batch["response_mask"]
     version = (torch.arange(6) >= 2).long().expand_as(mask)  # token j: chunk j // 2's version
     own = torch.where(version == 0, under[0], under[1])
-    assert ((own - batch["rollout_logprobs"]) * mask).abs().max() < 1e-6
+    assert_float32_close(own * mask, batch["rollout_logprobs"] * mask, terms=128)
     # the recompute with one version alone would not give them back
     assert ((under[1] - batch["rollout_logprobs"]) * mask)[:, :2].abs().max() > 1e-2
     config = corrections.RolloutCorrection.from_name("decoupled_token_is")
@@ -475,7 +490,10 @@ def test_in_flight_logprobs_are_each_token_s_own_version_s_and_the_is_weights_us
         under[1], batch["rollout_logprobs"], mask, config
     )
     expected = torch.where(version == 0, (under[1] - under[0]).exp().clamp(max=2.0), 1.0)
-    assert ((is_weights - expected) * mask).abs().max() < 1e-5
+    # the weights carry both logprobs' rounding (128 eps32 of the largest |logprob| each, as above)
+    # times the weight itself (at most 2, the clamp)
+    logprob_bound = 128 * EPS32 * batch["rollout_logprobs"].abs().max()
+    assert ((is_weights - expected) * mask).abs().max() <= 2 * 2 * logprob_bound
 
 
 def test_a_resumed_producer_hands_over_its_queued_batches_first():
@@ -491,6 +509,95 @@ def test_a_resumed_producer_hands_over_its_queued_batches_first():
     assert producer.take(4) == ([2], 2.0) and producer.take(5) == ([3], 3.0)
     assert producer.take(6) == ([4], 4.0)
     assert sampled == [6]
+
+
+def ends_within(seconds, function):
+    """Run function() in a thread and return what it raised (None: it returned); fail if it still
+    runs after `seconds` (a wait without end, which today's code must never have)."""
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            function()
+        except BaseException as error:  # what the caller checks
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    return outcome.get("error")
+
+
+@pytest.mark.parametrize(
+    "queue, named",
+    [
+        ({4: ([2], 2.0), 5: ([3], 3.0)}, "versions [2], not the [3]"),  # a K = 2 queue, K = 1 here
+        ({5: ([3], 3.0)}, "steps [5], not"),  # the right batch under another step number
+    ],
+    ids=["another_k", "other_steps"],
+)
+def test_a_resume_with_a_queue_this_run_cannot_use_ends_in_one_line(queue, named):
+    """Resumed at step 4 with K = 1: a queue of batches another --max-staleness sampled, or of other
+    steps, is refused in one line when the producer starts, not waited for (before, the producer
+    asked for a version a resume never holds and both threads waited for good)."""
+    model = counting_model()
+    with torch.no_grad():
+        model.weight.fill_(4.0)
+
+    def resume_and_take():
+        producer = rollout.AsyncRollouts(model, CountingEngine, sample_with([]), 4, 7, 1, queue)
+        for step in (4, 5, 6):
+            producer.take(step)
+
+    error = ends_within(20, resume_and_take)
+    assert isinstance(error, harness.RunError) and named in str(error), error
+    assert "\n" not in str(error)
+
+
+def test_waits_that_cannot_end_end_in_one_line():
+    """No wait without end: the producer asked for a version older than every one it holds gets a
+    RunError at once (a resume never holds those); a trainer waiting for a batch while the
+    producer waits for work it will never get (free-running at K = 0, which --max-staleness
+    refuses) ends in a RunError naming both waits, within a second."""
+    model = counting_model()
+    producer = rollout.AsyncRollouts(model, CountingEngine, sample_with([]), 3, 6, 0)
+    error = ends_within(10, lambda: producer.load(1))
+    assert isinstance(error, harness.RunError) and "version 1" in str(error), error
+    producer.close()
+    stuck = rollout.AsyncRollouts(
+        model, CountingEngine, sample_with([]), 0, 4, 0, free_running=True
+    )
+    error = ends_within(10, lambda: stuck.take(0))
+    assert isinstance(error, harness.RunError) and "neither can go on" in str(error), error
+    stuck.close()
+
+
+def test_a_signal_ends_a_trainer_that_waits_for_its_batch():
+    """SIGTERM while take() waits for a batch the producer is still sampling: the wait ends at once
+    in a harness.Stopped (one line, exit code 143 from harness.run), the checkpoint before it
+    standing; before, the run printed "stopping at the end of this step" and waited."""
+    import threading
+
+    release = threading.Event()
+
+    def slow_sample(step, engine):
+        release.wait(30)
+        return engine.generate([[0]], 1, 3, 1.0, step)
+
+    producer = rollout.AsyncRollouts(counting_model(), CountingEngine, slow_sample, 0, 4, 1)
+    harness.catch_stop_signals()
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        error = ends_within(10, lambda: producer.take(0))
+    finally:
+        harness.restore_signals()
+        release.set()
+        producer.close()
+    assert isinstance(error, harness.Stopped) and error.exit_code == 143, error
+    assert "waited for its rollout batch" in str(error)
 
 
 def test_a_failing_producer_ends_the_run_in_one_line():
@@ -524,6 +631,7 @@ def test_a_failing_producer_ends_the_run_in_one_line():
         (["--in-flight-updates", "--max-staleness", "2"], "--max-staleness"),
         (["--dynamic-sampling"], "--dynamic-sampling"),
         (["--backend", "vllm", "--vllm-sleep-mode"], "--vllm-sleep-mode"),
+        (["--async-free-running", "--max-staleness", "0"], "--max-staleness"),
     ],
 )
 def test_what_the_producer_cannot_share_is_refused_in_one_line(

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -15,6 +17,7 @@ def number(text):
     return float(re.match(r"[\d,.]+", text).group(0).replace(",", ""))
 
 
+@pytest.mark.native_kernels
 def test_bench_gpu_tiny_prints_sane_rows_and_writes_nothing():
     results = os.path.join(ROOT, "bench", "RESULTS.md")
     before = open(results).read()

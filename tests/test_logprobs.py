@@ -51,11 +51,11 @@ def definition(model, batch, temperature):
 def test_the_chunked_path_equals_the_definition(tiny, temperature, chunk_size):
     """response_logprobs (the backbone, then the LM head chunk by chunk: one chunk, or several with
     the written-out gradient) against the definition, one float32 log-softmax over the whole
-    vocabulary of the full forward's logits: logprobs and entropies to 1e-6 on CPU fp32, with and
-    without temperature, without and with autograd; and the gradient of a weighted sum of both
-    (entropy_grad) to float32 rounding: each parameter's gradient within 128 eps32 of its largest
-    entry (tests/tolerances.py: sums of up to 128 terms, the tiny model's hidden size, in another
-    order; measured at most 9 eps32 on AVX512, AVX2 and the default kernels)."""
+    vocabulary of the full forward's logits, on CPU fp32, with and without temperature, without and
+    with autograd: the logprobs, the entropies and the gradient of a weighted sum of both
+    (entropy_grad) to float32 rounding, each tensor within 128 eps32 of its largest entry
+    (tests/tolerances.py: sums of up to 128 terms, the tiny model's hidden size, in another order;
+    the gradients measured at most 9 eps32 on AVX512, AVX2 and the default kernels)."""
     model, tokenizer = tiny
     model = copy.deepcopy(model)
     batch = padded_batch(tokenizer)
@@ -69,13 +69,13 @@ def test_the_chunked_path_equals_the_definition(tiny, temperature, chunk_size):
     model.zero_grad()
     with torch.no_grad():
         lp, entropy = logprobs.response_logprobs(model, batch, settings)
-    assert (lp - ref_lp).abs().max() <= 1e-6
-    assert (entropy - ref_entropy).abs().max() <= 1e-6
+    assert_float32_close(lp, ref_lp, terms=128, what="logprobs")
+    assert_float32_close(entropy, ref_entropy, terms=128, what="entropy")
     assert (lp[batch["response_mask"] == 0] == 0).all()
 
     lp, entropy = logprobs.response_logprobs(model, batch, settings, entropy_grad=True)
-    assert (lp - ref_lp).abs().max() <= 1e-6
-    assert (entropy - ref_entropy).abs().max() <= 1e-6
+    assert_float32_close(lp, ref_lp, terms=128, what="logprobs")
+    assert_float32_close(entropy, ref_entropy, terms=128, what="entropy")
     (lp * weights + entropy).sum().backward()
     for (name, p), ref in zip(model.named_parameters(), ref_grads):
         assert_float32_close(p.grad, ref, terms=128, what=name)

@@ -31,6 +31,7 @@ import lora  # noqa: E402
 import memory  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
+from tolerances import EPS32  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -65,7 +66,8 @@ def sequence_loss(model, ids):
 def test_the_first_backward_gives_dl_da_zero_and_dl_db_s_g_a_transposed(arch):
     """At peft's initialisation (B = 0) one backward gives dL/dA = 0 exactly and dL/dB = (alpha /
     r) G A^T, G being the full model's gradient of that layer's weight (gpt2's Conv1D stores W
-    transposed: G^T), within 1e-6 relative, in every adapted layer."""
+    transposed: G^T), in every adapted layer within 64 eps32 of its norm (7.6e-6: the same
+    products re-associated, sums of up to 512 terms; measured 3.1e-7 and 4.3e-7)."""
     full, adapted, _ = adapted_tiny(arch, seed=3)
     ids = torch.randint(
         0, full.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)
@@ -83,7 +85,7 @@ def test_the_first_backward_gives_dl_da_zero_and_dl_db_s_g_a_transposed(arch):
         expected = layer.scaling[lora.ADAPTER] * g @ a.detach().T
         worst = max(worst, ((b.grad - expected).norm() / expected.norm()).item())
     print(f"{arch}: largest relative difference of dL/dB from s G A^T: {worst:.1e}")
-    assert worst <= 1e-6
+    assert worst <= 64 * EPS32
     # only the adapter is trained
     trained = {n for n, p in adapted.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import grpo  # noqa: E402
 import harness  # noqa: E402
 import tasks  # noqa: E402
+from tolerances import EPS32  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
@@ -117,7 +118,8 @@ def test_grpo_fsdp2_equals_ddp_bit_for_bit_in_ddps_order(tmp_path):
             row_ddp.pop("actor/grad_norm", 0.0),
             row_fsdp2.pop("actor/grad_norm", 0.0),
         )
-        assert abs(norm_ddp - norm_fsdp2) <= 1e-6 * max(norm_ddp, 1.0)
+        # the norm of sharded gradients: their squares summed per shard, then over the ranks
+        assert abs(norm_ddp - norm_fsdp2) <= 64 * EPS32 * max(norm_ddp, norm_fsdp2)
         assert row_ddp == row_fsdp2
 
 
@@ -277,6 +279,7 @@ def test_tied_embeddings_stay_tied_and_one_sharded_step_equals_the_whole_model()
         harness.end_processes(world_size, "fsdp2")
 
 
+@pytest.mark.native_kernels
 def test_sharded_compiled_and_recomputed_layers_give_the_whole_models_logprobs_and_gradients():
     """What the GPU presets run: decoder layers compiled (--compile-layers) and recomputed in
     backward (--gradient-checkpointing: one of two layers here), then sharded (a group of one): the
