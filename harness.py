@@ -1592,13 +1592,20 @@ def load_checkpoint(path, rank):
                 f"{shard_path} holds rank {saved_rank}'s optimizer shard, not rank {rank}'s (files "
                 "renamed or swapped?): resume only from checkpoints as these scripts wrote them"
             )
-    elif "optimizer" not in state:
+    elif _written_sharded(path):
         raise RunError(
             f"{shard_path} is missing: a --sharding fsdp2 checkpoint holds every rank's shard of "
             "the optimizer state"
         )
     set_rng_state(load_plain(rng_path))
     return state
+
+
+def _written_sharded(path):
+    """Whether the checkpoint at `path` was written with --sharding fsdp2 (its manifest's
+    settings): then every rank's optimizer shard must be there."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)["args"].get("sharding") == "fsdp2"
 
 
 # --------------------------------------------------------------------------------------------------

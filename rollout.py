@@ -41,6 +41,7 @@ distribution it was sampled from, log_softmax(logits / T) (pi_rollout), recorded
 vocab) memory, never (B, R, V) scores.
 """
 
+import atexit
 import collections
 import contextlib
 import copy
@@ -48,7 +49,6 @@ import functools
 import itertools
 import math
 import os
-import atexit
 import shutil
 import signal
 import tempfile
