@@ -11,7 +11,8 @@ scores -> pi_old, the correction and pi_ref -> advantages -> the objective (grpo
 update -> train() -> checks, setup and logging -> PRESETS -> main(). train() is the table of
 contents; one training step, numbered as there:
     1. roll out: n samples per prompt from the rollout engine (rollout.py), with the sampler's
-       logprobs (pi_rollout)
+       logprobs (pi_rollout); with --tools, turn after turn with the tools' answers between the
+       turns (rollout.sample_turns, tools.py), the response mask 1 on the policy's tokens only
     2. score: each response's rule-based reward (tasks.py), minus DAPO's overlong penalty when it
        is on; DAPO's dynamic sampling repeats steps 1-2 on more prompts until train_batch_size
        groups whose rewards differ are in hand
@@ -70,6 +71,7 @@ import memory
 import objectives
 import rollout
 import tasks
+import tools
 
 LR_SCHEDULERS = ("constant", "cosine")
 # model_name_or_path value that means: build tasks.build_tiny_model into <output_dir>/tiny_model
@@ -163,9 +165,9 @@ class GRPOArgs:
     adv_estimator: str = "grpo"
     """objectives.ADV_ESTIMATORS (verl adv_estimator): grpo, rloo, reinforce_plus_plus(_baseline),
     remax (baseline: the greedy answer's score, generated each step), opo, grpo_passk, gpg, gdpo
-    (each reward component normalised in its group: tasks.py's format and answer) or
-    optimal_token_baseline (a baseline per token from pi_old's probabilities, computed after step
-    4)."""
+    (each reward component normalised in its group: tasks.py's format and answer),
+    optimal_token_baseline (a baseline per token from step 3's pi_old probabilities) or
+    tir_optimal_token_baseline (the same over each response's model tokens: multi-turn)."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group std (grpo, grpo_passk); False is Dr.GRPO (score - group mean)."""
 
@@ -225,12 +227,13 @@ class GRPOArgs:
     """The "tiny" model's LM head shares the input embedding matrix (as gpt2 and the small Qwen2.5
     models); False gives it its own, which LoRA may then adapt."""
     tiny_pretrain_steps: int = 0
-    """Supervised steps that pretrain the "tiny" model on two other maps of the copy task's words,
-    reversing and shifting them (tasks.pretrain_tiny_model), before RL: a base for LoRA to adapt
-    (tiny_lora). 0: the random-init model."""
+    """Supervised steps that pretrain the "tiny" model before RL (tasks.pretrain_tiny_model): on
+    two other maps of the copy task's words, reversing and shifting them, a base for LoRA to adapt
+    (tiny_lora); on the lookup task's format, a call in 1 example of 10 (tiny_tools). 0: the
+    random-init model."""
     task: str = "copy"
-    """copy (offline), arith (offline word problems), gsm8k (openai/gsm8k) or countdown
-    (Countdown-Tasks-3to4)."""
+    """copy (offline), lookup (offline: the answer is the lookup tool's, --tools lookup), arith
+    (offline word problems), gsm8k (openai/gsm8k) or countdown (Countdown-Tasks-3to4)."""
     use_chat_template: bool = False
     """Wrap each prompt with the tokenizer's chat template (verl's gsm8k/countdown preprocessing
     does)."""
@@ -271,14 +274,16 @@ class Args(
     lora.LoraArgs,
     memory.MemoryArgs,
     rollout.AsyncArgs,
+    tools.ToolArgs,
     rollout.EngineArgs,
     harness.CheckpointedRunArgs,
     GRPOArgs,
 ):
     """grpo.py's flags: GRPO's own (GRPOArgs) first in --help, a dataclass listing its last base's
     fields first, then the run's (--seed, --output-dir, --save-every, --resume-from, --track, ...),
-    the rollout engine's (--backend, --vllm-*), staleness and asynchrony (--rollout-staleness,
-    --async-rollouts, ...), memory (--gradient-checkpointing, ...) and LoRA (--lora-rank, ...)."""
+    the rollout engine's (--backend, --vllm-*), multi-turn tool use (--tools, ...), staleness and
+    asynchrony (--rollout-staleness, --async-rollouts, ...), memory (--gradient-checkpointing, ...)
+    and LoRA (--lora-rank, ...)."""
 
     # grpo.py's defaults of the shared run flags
     exp_name: str = "grpo"
@@ -323,26 +328,61 @@ def sampling_seed(args, step, rank, gen_batch=0):
 
 def roll_out(backend, task, tokenizer, indices, seed, args):
     """Steps 1-2 for the training prompts `indices`: (response_ids, rollout_logprobs,
-    finish_reasons, scores). Responses come grouped by prompt (prompt j's n samples are rows
-    j*n .. j*n+n-1), each with the sampler's logprob of every token (pi_rollout)."""
+    finish_reasons, scores, tool_use). Responses come grouped by prompt (prompt j's n samples are
+    rows j*n .. j*n+n-1), each with the sampler's logprob of every token (pi_rollout)."""
     # 1. Rollout: n samples per prompt from the rollout engine, with pi_rollout's logprobs
-    response_ids, rollout_logprobs, finish_reasons = backend.generate(
+    response_ids, rollout_logprobs, finish_reasons, tool_use = sample_responses(
+        backend,
+        task,
         [task.train_prompt_ids[i] for i in indices],
         args.rollout_n,
-        args.max_response_length,
         args.temperature,
         seed,
+        args,
     )
     # 2. Rewards: each response's rule-based score against its prompt's example
     examples = [task.train[i] for i in indices for _ in range(args.rollout_n)]
-    scores = score_responses(response_ids, examples, tokenizer, task.reward_fn, args)
-    return response_ids, rollout_logprobs, finish_reasons, scores
+    scores = score_responses(response_ids, examples, tokenizer, task.reward_fn, args, tool_use)
+    return response_ids, rollout_logprobs, finish_reasons, scores, tool_use
 
 
-def score_responses(response_ids, examples, tokenizer, reward_fn, args):
+def sample_responses(engine, task, prompt_ids, n, temperature, seed, args):
+    """n responses per prompt from `engine`: (response_ids, rollout_logprobs, finish_reasons,
+    tool_use). One turn each (engine.generate: tool_use None); with --tools, turn after turn
+    (rollout.sample_turns: the policy's turns with the tools' answers between them), tool_use
+    then a dict of per-response lists: model_masks (1 on a sampled token, 0 on a tool's: the
+    batch's response_mask), tool_calls, tool_failures."""
+    if task.environment is None:
+        response_ids, rollout_logprobs, finish_reasons = engine.generate(
+            prompt_ids, n, args.max_response_length, temperature, seed
+        )
+        return response_ids, rollout_logprobs, finish_reasons, None
+    response_ids, rollout_logprobs, model_masks, finish_reasons, calls, failures = (
+        rollout.sample_turns(
+            engine,
+            task.environment,
+            prompt_ids,
+            n,
+            args.max_response_length,
+            temperature,
+            seed,
+            args.max_assistant_turns,
+        )
+    )
+    tool_use = {"model_masks": model_masks, "tool_calls": calls, "tool_failures": failures}
+    return response_ids, rollout_logprobs, finish_reasons, tool_use
+
+
+def score_responses(response_ids, examples, tokenizer, reward_fn, args, tool_use=None):
     """(B,) float scores: the rule-based reward of each response for its example, minus DAPO's
-    overlong penalty when --overlong-buffer-len is on."""
-    texts = [tasks.response_text(tokenizer, ids) for ids in response_ids]
+    overlong penalty when --overlong-buffer-len is on. A multi-turn response is scored on its last
+    turn (tools.final_turn): the policy's answer, not what a tool wrote."""
+    answers = response_ids
+    if tool_use is not None:
+        answers = [
+            tools.final_turn(ids, mask) for ids, mask in zip(response_ids, tool_use["model_masks"])
+        ]
+    texts = [tasks.response_text(tokenizer, ids) for ids in answers]
     scores = torch.tensor([reward_fn(text, example) for text, example in zip(texts, examples)])
     if args.overlong_buffer_len:
         scores += tasks.overlong_penalty(
@@ -380,7 +420,7 @@ def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
     while True:
         indices = step_prompt_indices(step, len(task.train), args, rank, world_size, gen_batch)
         seed = sampling_seed(args, step, rank, gen_batch)
-        response_ids, rollout_logprobs, finish_reasons, scores = roll_out(
+        response_ids, rollout_logprobs, finish_reasons, scores, tool_use = roll_out(
             backend, task, tokenizer, indices, seed, args
         )
         for g, index in enumerate(indices):
@@ -393,6 +433,9 @@ def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
                 "logprobs": rollout_logprobs[rows],
                 "finish_reasons": finish_reasons[rows],
                 "scores": scores[rows].tolist(),
+                "tool_use": None
+                if tool_use is None
+                else {key: values[rows] for key, values in tool_use.items()},
             }
             if has_reward_signal(group["scores"]):
                 kept.append(group)
@@ -410,11 +453,18 @@ def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
     )
     per_rank = args.train_batch_size // world_size
     mine = ordered[: args.train_batch_size][rank * per_rank : (rank + 1) * per_rank]
+    tool_use = None
+    if task.environment is not None:
+        tool_use = {
+            key: [value for group in mine for value in group["tool_use"][key]]
+            for key in ("model_masks", "tool_calls", "tool_failures")
+        }
     rollout_batch = (
         [ids for group in mine for ids in group["responses"]],
         [logprobs for group in mine for logprobs in group["logprobs"]],
         [reason for group in mine for reason in group["finish_reasons"]],
         torch.tensor([score for group in mine for score in group["scores"]]),
+        tool_use,
     )
     return [group["prompt"] for group in mine], rollout_batch, metrics
 
@@ -537,15 +587,17 @@ def reference_logprobs(model, ref_model, batch, args, log_pi):
 def greedy_baselines(backend, task, tokenizer, indices, step, args, rank):
     """ReMax's baseline (Li et al. 2024, arXiv:2310.10505): the score of the policy's greedy answer
     to each prompt, one per response (B,), generated with the same engine and weights as step 1."""
-    greedy_ids, _, _ = backend.generate(
+    greedy_ids, _, _, tool_use = sample_responses(
+        backend,
+        task,
         [task.train_prompt_ids[i] for i in indices],
         1,
-        args.max_response_length,
         0.0,
         sampling_seed(args, step, rank) + 2,
+        args,
     )
     examples = [task.train[i] for i in indices]
-    greedy_scores = score_responses(greedy_ids, examples, tokenizer, task.reward_fn, args)
+    greedy_scores = score_responses(greedy_ids, examples, tokenizer, task.reward_fn, args, tool_use)
     return greedy_scores.repeat_interleave(args.rollout_n)
 
 
@@ -822,7 +874,8 @@ def train(args, backend=None):
     tokenizer, model, ref_model, optimizer, scaler, start_step, saved = load_models(
         args, model_path, checkpoint, device, rank, world_size
     )
-    # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts)
+    # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts);
+    # with --tools, the tools the policy may call between its turns (tools.ToolEnvironment)
     task = prompts_that_fit(task, tokenizer, args)
     # Where every step's rollouts come from (rollout.RolloutSource): sample_step (steps 1-2) with
     # the rollout engine of --backend, which loads model_path and then gets the trainer's (resumed,
@@ -867,8 +920,9 @@ def train(args, backend=None):
                 f"{args.train_batch_size} prompt groups whose rewards differ (saved: rerun with a "
                 "larger --max-num-gen-batches to go on)"
             )
-        response_ids, rollout_logprobs, finish_reasons, scores = rollout_batch
-        # group g's responses are rows g*n .. g*n+n-1, each beside its prompt
+        response_ids, rollout_logprobs, finish_reasons, scores, tool_use = rollout_batch
+        # group g's responses are rows g*n .. g*n+n-1, each beside its prompt; with --tools the
+        # response mask is 1 on the policy's own tokens only (a tool's tokens are context)
         prompt_ids = [task.train_prompt_ids[i] for i in indices]
         group_ids = torch.arange(len(indices)).repeat_interleave(args.rollout_n)
         batch = rollout.make_batch(
@@ -878,8 +932,10 @@ def train(args, backend=None):
             tokenizer.pad_token_id,
             args.max_response_length,
             device,
+            model_masks=None if tool_use is None else tool_use["model_masks"],
         )
-        lengths = batch["response_mask"].sum(-1).long().cpu()
+        # each response's tokens, a tool's included: its last token is the policy's last action
+        lengths = torch.tensor([len(ids) for ids in response_ids])
 
         # 3. pi_old, the rollout correction and pi_ref, before the advantages (verl's fit loop
         #    rejects from the response mask, then computes the advantages with it). Decoupled:
@@ -918,7 +974,10 @@ def train(args, backend=None):
                 response_ids, indices, task, tokenizer, args
             )
         if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
-            batch["advantages"] = objectives.optimal_token_baseline_advantages(
+            # optimal_token_baseline, or tir_optimal_token_baseline: the same over each
+            # response's model tokens (multi-turn, --tools)
+            token_level_advantages = objectives.ADV_ESTIMATORS[args.adv_estimator]
+            batch["advantages"] = token_level_advantages(
                 scores.to(device),
                 group_ids,
                 lengths,
@@ -950,8 +1009,16 @@ def train(args, backend=None):
 
         # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
         metrics = step_metrics(
-            step, args, scores, lengths, finish_reasons, prompt_ids, batch["advantages"]
+            step,
+            args,
+            scores,
+            batch["response_mask"],
+            finish_reasons,
+            prompt_ids,
+            batch["advantages"],
         )
+        if tool_use is not None:  # turns, tool calls and their failures, tokens of each kind
+            metrics |= tools.tool_metrics(**tool_use)
         metrics = {**metrics, **component_metrics, **filter_metrics}
         metrics = harness.reduce_metrics(
             {**metrics, **timing, **corr_metrics, **actor_metrics}, world_size
@@ -1049,12 +1116,13 @@ def check_args(args, world_size=1):
     rollout.check_async_args(args)
     memory.check_memory_args(args)
     lora.check_lora_args(args)
-    if args.task in ("copy", "arith") and args.val_size < 1:
-        harness.refuse(args, "val_size", ">= 1 for the copy and arith tasks")
-    if args.tiny_pretrain_steps and (args.model_name_or_path != TINY_MODEL or args.task != "copy"):
-        harness.refuse(
-            args, "tiny_pretrain_steps", "0 unless --model-name-or-path tiny --task copy"
-        )
+    tools.check_tool_args(args)
+    if args.task in ("copy", "arith", "lookup") and args.val_size < 1:
+        harness.refuse(args, "val_size", ">= 1 for the copy, arith and lookup tasks")
+    pretrainable = args.model_name_or_path == TINY_MODEL and args.task in ("copy", "lookup")
+    if args.tiny_pretrain_steps and not pretrainable:
+        rule = "0 unless --model-name-or-path tiny --task copy or lookup"
+        harness.refuse(args, "tiny_pretrain_steps", rule)
     if args.overlong_buffer_len > args.max_response_length:
         rule = f"<= --max-response-length {args.max_response_length}"
         harness.refuse(args, "overlong_buffer_len", rule)
@@ -1068,6 +1136,8 @@ def check_args(args, world_size=1):
         check_adapter_sync(args)
     if args.async_rollouts:
         check_async_rollouts(args)
+    if args.tools:
+        check_multi_turn(args)
     if args.sharding == "fsdp2":
         # what keeps a whole copy of the model beside the shards, or scales sharded gradients
         if args.precision == "fp16":
@@ -1109,6 +1179,19 @@ def check_args(args, world_size=1):
             f"(max_position_embeddings = {max_positions})"
         )
     harness.check_paths(args)
+
+
+def check_multi_turn(args):
+    """What --tools cannot run with yet, each refused in one line: a producer thread's and
+    in-flight updates' version ledger is kept per batch of one turn; a sharded HF engine's
+    generate is a collective, and ranks run different numbers of turns; DAPO's overlong shaping
+    is defined for one sampled response, not turns with a tool's tokens between them."""
+    if args.async_rollouts:
+        harness.refuse(args, "async_rollouts", "off with --tools (multi-turn rollouts)")
+    if args.sharding == "fsdp2" and args.backend == "hf":
+        harness.refuse(args, "sharding", "ddp with --tools --backend hf")
+    if args.overlong_buffer_len:
+        harness.refuse(args, "overlong_buffer_len", "0 with --tools")
 
 
 def check_async_rollouts(args):
@@ -1181,6 +1264,8 @@ def policy_path(args, rank, world_size):
         settings["tied_embeddings"] = False
     if args.tiny_pretrain_steps:
         settings["pretrain_steps"] = args.tiny_pretrain_steps
+        if args.task != "copy":  # (a copy base's folder, written before the lookup task, says none)
+            settings["pretrain_task"] = args.task
         settings["copy_length"] = args.copy_length
 
     def build(folder):
@@ -1193,7 +1278,12 @@ def policy_path(args, rank, world_size):
         )
         if args.tiny_pretrain_steps:
             tasks.pretrain_tiny_model(
-                model, tokenizer, args.tiny_pretrain_steps, args.seed, length=args.copy_length
+                model,
+                tokenizer,
+                args.tiny_pretrain_steps,
+                args.seed,
+                length=args.copy_length,
+                task=args.task,
             )
             model.save_pretrained(folder)
 
@@ -1318,6 +1408,15 @@ def prompts_that_fit(task, tokenizer, args):
             f"{len(task.train)} of the {train_prompts} training prompts fit --max-prompt-length "
             f"{args.max_prompt_length}: fewer than --train-batch-size {args.train_batch_size}"
         )
+    if args.tools:
+        environment = tools.ToolEnvironment(
+            tokenizer,
+            tools.make_tools(args.tools),
+            "chat" if args.use_chat_template else "tags",
+            args.max_tool_response_length,
+            args.tool_timeout,
+        )
+        task = replace(task, environment=environment)
     return task
 
 
@@ -1346,6 +1445,15 @@ def rollout_source(
     make_engine = functools.partial(
         make_rollout_backend, args, model_path, tokenizer=tokenizer, world_size=world_size
     )
+    if saved and "rollout_queue" in saved:
+        # a checkpoint written before multi-turn rollouts queued rollouts without tool_use
+        saved["rollout_queue"] = [
+            {
+                step: (versions, (indices, (*batch, None) if len(batch) == 4 else batch, metrics))
+                for step, (versions, (indices, batch, metrics)) in queue.items()
+            }
+            for queue in saved["rollout_queue"]
+        ]
     return rollout.RolloutSource(model, make_engine, sample, args, first_step, saved, engine, rank)
 
 
@@ -1364,16 +1472,22 @@ def validate(source, model, tokenizer, task, args, step, rank, world_size):
         prompts += [task.val_prompt_ids[0]] * (
             len(range(0, len(task.val_prompt_ids), world_size)) - len(mine)
         )
-    responses = []
+    responses, tool_use = [], None
     with source.validation_engine(model) as engine:
         if prompts:
-            responses, _, _ = engine.generate(
+            responses, _, _, tool_use = sample_responses(
+                engine,
+                task,
                 prompts,
                 1,
-                args.max_response_length,
                 args.val_temperature,
                 sampling_seed(args, step, rank) + 1,
+                args,
             )
+    if tool_use is not None:  # a multi-turn answer is its last turn (score_responses)
+        responses = [
+            tools.final_turn(ids, mask) for ids, mask in zip(responses, tool_use["model_masks"])
+        ]
     scores = [
         task.reward_fn(tasks.response_text(tokenizer, ids), task.val[i])
         for i, ids in zip(mine, responses)
@@ -1391,13 +1505,14 @@ def validate(source, model, tokenizer, task, args, step, rank, world_size):
     }
 
 
-def step_metrics(step, args, scores, lengths, finish_reasons, prompt_ids, advantages):
-    """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*,
-    ...), and DAPO's overlong penalty when it is on."""
+def step_metrics(step, args, scores, response_mask, finish_reasons, prompt_ids, advantages):
+    """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*:
+    the policy's tokens, as verl's response_mask counts them, ...), and DAPO's overlong penalty
+    when it is on."""
+    lengths = response_mask.sum(-1).long().cpu()
     if advantages.dim() == 2:
         # per-token advantages (the optimal token baseline): their mean over the response tokens
-        valid = torch.arange(advantages.shape[1]) < lengths[:, None]
-        advantages = advantages[valid.to(advantages.device)]
+        advantages = advantages[response_mask.bool().to(advantages.device)]
     metrics = {
         "reward/mean": scores.mean().item(),
         "reward/max": scores.max().item(),
@@ -1735,6 +1850,43 @@ PRESETS["tiny_lora"] = (
         lora_rank=8,
         lora_alpha=32.0,
         lr=2e-3,
+    ),
+)
+# Multi-turn tool use (tools.py, rollout.sample_turns). The lookup task's answer is in no prompt:
+# the policy must call the lookup tool, "(lookup abcd)", and copy its answer. The tiny model is
+# first pretrained on the task's format with random values (300 supervised steps; a call in 1 of
+# 10 examples, less likely than each of the 4 letters an answer starts with: its greedy answer
+# calls nothing, so held-out accuracy starts near 1/64), RL then
+# teaches it to call. 24 tokens hold the call (14), the tool's line (5) and the answer (4); two
+# model turns: the call, then the answer.
+PRESETS["tiny_tools"] = (
+    "Offline CPU run: a tiny model learns to call a lookup tool, whose answer no prompt holds, "
+    "over two turns.",
+    replace(
+        PRESETS["tiny"][1],
+        exp_name="grpo_tiny_tools",
+        task="lookup",
+        tools=("lookup",),
+        max_response_length=24,
+        max_assistant_turns=2,
+        tiny_pretrain_steps=300,
+        total_steps=50,
+    ),
+)
+# smol_arith with the calculator: the instruction's worked example calls it in the Hermes format
+# (tasks.ARITH_TOOL_INSTRUCTION), SmolLM2's chat template wraps its answer as a tool message (its
+# template renders any role), up to 3 model turns in 128 tokens.
+PRESETS["smol_tools"] = (
+    "Offline CPU run: SmolLM2-135M-Instruct on arithmetic word problems with a calculator tool "
+    "(needs the converted model: bash scripts/setup_cpu.sh).",
+    replace(
+        PRESETS["smol_arith"][1],
+        exp_name="grpo_smol_tools",
+        tools=("calculator",),
+        max_assistant_turns=3,
+        max_prompt_length=256,
+        max_response_length=128,
+        output_dir="runs/grpo_smol_tools",
     ),
 )
 # verl's GSM8K GRPO-LoRA run for Qwen2.5-0.5B-Instruct (docs/algo/baseline.md: 54.3): the GRPO

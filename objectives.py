@@ -326,6 +326,52 @@ def optimal_token_baseline_advantages(
     return (returns - baseline) * mask
 
 
+def tir_optimal_token_baseline_advantages(
+    scores, group_ids, lengths, old_logprobs, sum_pi_squared, mask, is_weights=None, eps=1e-8
+):
+    """The optimal token baseline of multi-turn responses (verl
+    compute_multi_turn_optimal_token_baseline_advantage; TIR: tool-integrated reasoning): the
+    same B_t, with t counted over each response's model tokens only. In a multi-turn response the
+    policy's k-th token sits at a different position in every response (the tools' answers
+    between its turns differ in length), and OTB's B_t would average over tokens of different
+    turns; here each response's masked-in tokens move left in order (a tool's tokens and the
+    rejected ones left out), so the k-th model token of every response of a group shares one
+    baseline, OTB runs on those columns, and the advantages go back to their positions.
+
+    The return is that of the response as sampled: the score sits on its last token, so every
+    kept token's G is the score if the mask keeps that last token and 0 if it does not (verl
+    computes the returns before it compacts). With no holes in the mask (one turn, no token-level
+    rejection) the compaction changes nothing: it is OTB. Arguments and result as
+    optimal_token_baseline_advantages'."""
+    mask = mask.float()
+    kept = mask.bool()
+    batch, T = mask.shape
+    kept_counts = kept.sum(-1)
+    # the kept positions of each row first, in order (a stable sort of "not kept")
+    order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices
+    compact_mask = (torch.arange(T, device=mask.device)[None, :] < kept_counts[:, None]).float()
+
+    def compact(x):
+        return None if x is None else x.gather(1, order)
+
+    # the score on the last compacted token when the mask keeps the sampled last one, else none
+    lengths = torch.as_tensor(lengths, device=mask.device).long()
+    last = (lengths - 1).clamp(min=0)
+    last_kept = kept[torch.arange(batch, device=mask.device), last] & (lengths > 0)
+    compact_lengths = torch.where(last_kept, kept_counts, torch.zeros_like(kept_counts))
+    compact_advantages = optimal_token_baseline_advantages(
+        scores,
+        group_ids,
+        compact_lengths,
+        compact(old_logprobs),
+        compact(sum_pi_squared),
+        compact_mask,
+        compact(is_weights),
+        eps,
+    )
+    return torch.zeros_like(mask).scatter(1, order, compact_advantages) * mask
+
+
 # --adv-estimator: verl's algorithm.adv_estimator names
 ADV_ESTIMATORS = {
     "grpo": grpo_advantages,
@@ -339,9 +385,11 @@ ADV_ESTIMATORS = {
     "gdpo": gdpo_advantages,
     # per token, from step 3's pi_old: grpo.py calls it by name in step 4
     "optimal_token_baseline": optimal_token_baseline_advantages,
+    # the same over each response's model tokens (multi-turn, --tools)
+    "tir_optimal_token_baseline": tir_optimal_token_baseline_advantages,
 }
 # estimators that need pi_old's logprobs (and sum_v pi_old(v)^2), so run after step 3
-TOKEN_LEVEL_ESTIMATORS = ("optimal_token_baseline",)
+TOKEN_LEVEL_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 # --------------------------------------------------------------------------------------------------
 # 2. Policy losses (verl actor.policy_loss.loss_mode). Each takes (logprobs, old_logprobs,

@@ -14,6 +14,9 @@ trainer's policy. Its sections:
                                  prompt | right-padded response], masks), the logprob recorder,
                                  apply_mismatch (a controlled mismatch: the engine's copy of the
                                  weights rounded, bf16 .. int4)
+    2b. multi-turn tool use      sample_turns: a turn, the tool's answer (tools.py), the next
+                                 turn, on any engine; the model mask of each response (1 sampled,
+                                 0 inserted), TOOL_TOKEN_LOGPROB (the inserted tokens' placeholder)
     3. HF generate               HFBackend: transformers' generate() with the trainer's own model
                                  (or a rounded copy, --mismatch), generate_in_flight (weights
                                  swapped between chunks of new tokens, sample_in_chunks), and
@@ -109,7 +112,8 @@ class RolloutSource:
         engine                an engine the caller built (tests), used instead of make_engine's
                               and closed by the caller
 
-    This is also where a multi-turn agent loop plugs in: train() sees only what take() returns."""
+    The multi-turn loop (sample_turns, --tools) plugs in behind it, inside `sample`: train() sees
+    only what take() returns."""
 
     def __init__(
         self, model, make_engine, sample, args, first_step=0, saved=None, engine=None, rank=0
@@ -246,31 +250,42 @@ def pad_left(seqs, pad_id):
     return ids, mask
 
 
-def make_batch(prompt_ids, response_ids, rollout_logprobs, pad_id, response_length, device):
+def make_batch(
+    prompt_ids, response_ids, rollout_logprobs, pad_id, response_length, device, model_masks=None
+):
     """A rollout as the trainer's tensors: [left-padded prompt | right-padded response], responses
     padded to response_length (grpo.py step 1):
 
         input_ids         (B, P + R)
-        attention_mask    (B, P + R)
+        attention_mask    (B, P + R)  1 on every prompt and response token (a tool's too)
         position_ids      (B, P + R)  cumsum(mask) - 1, clamped at 0: each row has the positions
                                       of its own unpadded forward (verl's rule,
                                       compute_position_id_with_mask: a pad after real tokens
                                       repeats the last position; rewards.forward_inputs follows
                                       OpenAI's, which counts on)
-        response_mask     (B, R)      1 on response tokens, EOS included (EOS is an action and is
-                                      trained on)
-        rollout_logprobs  (B, R)      pi_rollout of each response token (0 at padding)
+        response_mask     (B, R)      1 on the tokens the policy sampled, EOS included (EOS is an
+                                      action and is trained on); 0 at padding and, in a
+                                      multi-turn response, on every token a tool inserted
+                                      (model_masks: sample_turns'): every loss term, correction,
+                                      length and metric counts the tokens under it only
+        rollout_logprobs  (B, R)      pi_rollout of each response token (0 at padding; a tool
+                                      token's placeholder, read by nothing)
     """
     prompts, prompt_mask = pad_left(prompt_ids, pad_id)
     B, R = len(response_ids), response_length
     responses = torch.full((B, R), pad_id, dtype=torch.long)
     response_mask = torch.zeros((B, R))
+    response_attention = torch.zeros((B, R), dtype=torch.long)
     padded_logprobs = torch.zeros((B, R))
     for i, (ids, lps) in enumerate(zip(response_ids, rollout_logprobs)):
         responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        response_mask[i, : len(ids)] = 1.0
+        response_attention[i, : len(ids)] = 1
+        if model_masks is None:
+            response_mask[i, : len(ids)] = 1.0
+        else:
+            response_mask[i, : len(ids)] = torch.tensor(model_masks[i], dtype=torch.float)
         padded_logprobs[i, : len(lps)] = torch.tensor(lps)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     batch = {
         "input_ids": torch.cat([prompts, responses], dim=1),
@@ -369,6 +384,94 @@ class _LogprobRecorder:
             k = len(self.gathered)
             self.gathered.append(self.pending.gather(-1, new_tokens[:, k : k + 1])[:, 0])
         return torch.stack(self.gathered[: new_tokens.shape[1]], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2b. Multi-turn tool use: sample a turn, run the tool it calls, append the tool's tokens, sample
+# the next turn (verl's ToolAgentLoop, TRL's GRPOTrainer tools=), on any engine above or below
+# --------------------------------------------------------------------------------------------------
+
+# placeholder rollout logprob of a token a tool inserted (verl's align_response_metadata and TRL
+# write 0.0): no term reads it, response_mask is 0 there (tests/test_tools.py changes it and
+# checks that no number moves)
+TOOL_TOKEN_LOGPROB = 0.0
+
+
+def sample_turns(
+    engine, environment, prompt_ids, n, max_response_length, temperature, seed, max_turns
+):
+    """n multi-turn responses per prompt (prompt i's at rows i*n .. i*n+n-1). Turn 1 is what
+    engine.generate samples for the prompts (a single-turn rollout's request); a turn that ends
+    with EOS and calls a tool (environment.respond) gets the tool's output, inserted as the tokens
+    environment.suffix_ids gives, and the row samples its next turn with the whole prefix so far
+    as its prompt, one request per row (the engine's prefix cache reuses what it computed). The
+    sampled ids are appended as the engine returned them: no model token is ever decoded and
+    encoded again. A row ends when a turn calls nothing ("stop"), when the response reaches
+    max_response_length tokens, the tools' included, or a tool's tokens would not fit ("length":
+    the call is left unanswered, TRL's rule), or when its max_turns-th turn calls a tool
+    ("max_turns", verl's max_assistant_turns).
+
+    Returns (response_ids, rollout_logprobs, model_masks, finish_reasons, tool_calls,
+    tool_failures): per response its token ids, pi_rollout of each (TOOL_TOKEN_LOGPROB at a tool's
+    tokens), its model mask (1 sampled, 0 inserted: make_batch's response_mask), why it ended,
+    and how many tools it called and how many of those calls ended in an error message."""
+    response_ids, rollout_logprobs, finish_reasons = engine.generate(
+        prompt_ids, n, max_response_length, temperature, seed
+    )
+    response_ids = [list(ids) for ids in response_ids]
+    rollout_logprobs = [list(lps) for lps in rollout_logprobs]
+    model_masks = [[1] * len(ids) for ids in response_ids]
+    finish_reasons = list(finish_reasons)
+    prefixes = [list(p) for p in prompt_ids for _ in range(n)]
+    tool_calls = [0] * len(prefixes)
+    tool_failures = [0] * len(prefixes)
+    last_turn = [list(ids) for ids in response_ids]  # each row's newest turn
+    for turn in range(1, max_turns + 1):
+        waiting = []  # rows whose turn called a tool that answered: they sample once more
+        for row in range(len(prefixes)):
+            if finish_reasons[row] != "stop" or last_turn[row] is None:
+                continue  # ended ("length" or an earlier turn's end)
+            text = environment.tokenizer.decode(last_turn[row], skip_special_tokens=False)
+            answer = environment.respond(text)
+            last_turn[row] = None
+            if answer is None:
+                continue  # the turn calls nothing: the final answer, "stop"
+            if turn == max_turns:
+                finish_reasons[row] = "max_turns"
+                continue
+            output, failed = answer
+            suffix = environment.suffix_ids(output)
+            if len(response_ids[row]) + len(suffix) >= max_response_length:
+                finish_reasons[row] = "length"  # no room for the tool's answer and a token more
+                continue
+            tool_calls[row] += 1
+            tool_failures[row] += int(failed)
+            response_ids[row] += suffix
+            rollout_logprobs[row] += [TOOL_TOKEN_LOGPROB] * len(suffix)
+            model_masks[row] += [0] * len(suffix)
+            waiting.append(row)
+        if not waiting:
+            break
+        # the next turn of every waiting row, rows with as much room left in one request (a
+        # request's max_new_tokens is its rows' room: no prefix outgrows the engine's context)
+        by_room = collections.defaultdict(list)
+        for row in waiting:
+            by_room[max_response_length - len(response_ids[row])].append(row)
+        for room, rows in sorted(by_room.items()):
+            sampled, logprobs, reasons = engine.generate(
+                [prefixes[row] + response_ids[row] for row in rows],
+                1,
+                room,
+                temperature,
+                seed + 1_000_003 * turn + room,
+            )
+            for row, ids, lps, reason in zip(rows, sampled, logprobs, reasons):
+                response_ids[row] += list(ids)
+                rollout_logprobs[row] += list(lps)
+                model_masks[row] += [1] * len(ids)
+                finish_reasons[row] = reason
+                last_turn[row] = list(ids)
+    return response_ids, rollout_logprobs, model_masks, finish_reasons, tool_calls, tool_failures
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
 """Tasks: what the policy is asked and how its answers are scored, for both trainers.
 
 Read it top to bottom: the offline tiny assets (a character tokenizer and a random-init model
-that every `tiny` preset builds), the GRPO tasks with their rule-based rewards (copy, arith,
-gsm8k_reward: verl's scorer, countdown_reward: TinyZero's without `eval`, overlong_penalty:
-DAPO's length shaping), how grpo.py loads a task (load_task: prompts, held-out split, reward; a
-`Task` record), then the RLHF tasks of ppo_rlhf.py and rewards.py (the tiny and smol_sentiment
-queries and the hidden labellers that stand in for OpenAI's human labellers).
+that every `tiny` preset builds), the GRPO tasks with their rule-based rewards (copy; lookup,
+whose answer only tools.py's lookup tool knows; arith, gsm8k_reward: verl's scorer,
+countdown_reward: TinyZero's without `eval`, overlong_penalty: DAPO's length shaping), how
+grpo.py loads a task (load_task: prompts, held-out split, reward; a `Task` record), then the
+RLHF tasks of ppo_rlhf.py and rewards.py (the tiny and smol_sentiment queries and the hidden
+labellers that stand in for OpenAI's human labellers).
 
 Nothing here trains a policy: grpo.py scores its rollouts with these rewards, rewards.py labels
 best-of-4 samples with the hidden labellers and trains the OpenAI reward model on them. The one
-training loop here, pretrain_tiny_model, makes a tiny base for LoRA to adapt (grpo.py tiny_lora).
+training loop here, pretrain_tiny_model, makes a tiny base for LoRA to adapt (grpo.py tiny_lora)
+and one that sometimes calls the lookup tool (tiny_tools).
 """
 
 import functools
@@ -174,6 +176,33 @@ def copy_reward(response, target):
     return matches / max(len(target), len(response))
 
 
+# The lookup task (grpo.py's tiny_tools preset): the answer to "abcd=" is the value the lookup
+# tool (tools.py) stores under the key abcd, three letters drawn at random once for every key. The
+# prompt does not hold it and no rule computes it, so a policy that never calls the tool answers a
+# held-out key (whose value it never saw) right with probability 1/64 (4**-3).
+LOOKUP_KEY_LENGTH = 4
+LOOKUP_VALUE_LENGTH = 3
+LOOKUP_TABLE_SEED = 20261202  # one table for every run: the tool's world, not a run's draw
+
+
+def lookup_table():
+    """key -> value for every LOOKUP_KEY_LENGTH-letter word of COPY_ALPHABET (256 keys), each value
+    LOOKUP_VALUE_LENGTH letters drawn with LOOKUP_TABLE_SEED."""
+    rng = random.Random(LOOKUP_TABLE_SEED)
+    keys = ["".join(p) for p in itertools.product(COPY_ALPHABET, repeat=LOOKUP_KEY_LENGTH)]
+    return {
+        key: "".join(rng.choice(COPY_ALPHABET) for _ in range(LOOKUP_VALUE_LENGTH)) for key in keys
+    }
+
+
+def make_lookup_task(n, seed):
+    """n (prompt, target) pairs: prompt = a random key + "=", target = its lookup_table value."""
+    rng = random.Random(seed)
+    table = lookup_table()
+    keys = sorted(table)
+    return [(key + "=", table[key]) for key in (rng.choice(keys) for _ in range(n))]
+
+
 # LoRA adapts a pretrained model: on the random-init tiny model a rank-8 adapter learned the copy in
 # 2 of 8 seeds (docs/lora.md). So tiny_lora's base first learns two other maps of the copy task's
 # words by supervised next-token loss: reversing a word, and shifting each letter to the next one of
@@ -187,30 +216,65 @@ TINY_PRETRAIN_MAPS = {
 }
 
 
-def pretrain_tiny_model(model, tokenizer, steps, seed, length=3, batch_size=64, lr=1e-3):
-    """Supervised pretraining of a tiny model (in place) on every `length`-letter word of
-    COPY_ALPHABET under each of TINY_PRETRAIN_MAPS, as the copy task writes them: the word, "=",
-    the mapped word, EOS; the loss on the answer tokens only (AdamW, `steps` batches of `batch_size`
-    pairs drawn with `seed`). No pair is a copy, except where a map leaves a word unchanged (a
-    palindrome reversed): of the 64 words the base of seed 1 copies 4 (tests/test_lora.py)."""
-    words = ["".join(letters) for letters in itertools.product(COPY_ALPHABET, repeat=length)]
-    pairs = [(word + "=", apply(word)) for word in words for apply in TINY_PRETRAIN_MAPS.values()]
-    # every pair has the same length: no padding
-    input_ids, labels = [], []
-    for prompt, answer in pairs:
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-        input_ids.append(prompt_ids + answer_ids)
-        # -100: no loss on the prompt (HF's ignore index)
-        labels.append([-100] * len(prompt_ids) + answer_ids)
-    input_ids = torch.tensor(input_ids)
-    labels = torch.tensor(labels)
+def pretrain_tiny_model(
+    model, tokenizer, steps, seed, length=3, batch_size=64, lr=1e-3, task="copy", call_share=0.1
+):
+    """Supervised pretraining of a tiny model (in place), the loss on the answer tokens only
+    (AdamW, `steps` batches of `batch_size` examples drawn with `seed`).
+
+    copy: every `length`-letter word of COPY_ALPHABET under each of TINY_PRETRAIN_MAPS, as the copy
+    task writes them: the word, "=", the mapped word, EOS. No pair is a copy, except where a map
+    leaves a word unchanged (a palindrome reversed): of the 64 words the base of seed 1 copies 4
+    (tests/test_lora.py).
+
+    lookup: the lookup task's format with values drawn at random, not lookup_table's, so the base
+    knows no entry of the table: in a share `call_share` of the examples the answer calls the tool
+    and copies what it returns, "abcd=" "(lookup abcd)[EOS]" "#bca\n" "bca[EOS]" (the tool's line
+    "#bca\n" is context: no loss, as GRPO trains on no tool token), in the others it writes a
+    value with no call, "abcd=" "bca[EOS]", which is right for the table 1 time in 64."""
+    eos = [tokenizer.eos_token_id]
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    examples = []  # (token ids, labels), -100 where there is no loss (HF's ignore index)
+    if task == "copy":
+        words = ["".join(letters) for letters in itertools.product(COPY_ALPHABET, repeat=length)]
+        for word in words:
+            for apply in TINY_PRETRAIN_MAPS.values():
+                prompt_ids, answer_ids = encode(word + "="), encode(apply(word)) + eos
+                examples.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
+    else:
+        rng = random.Random(seed)
+        for key in sorted(lookup_table()):
+            for _ in range(4):
+                value = "".join(rng.choice(COPY_ALPHABET) for _ in range(LOOKUP_VALUE_LENGTH))
+                prompt_ids, value_ids = encode(key + "="), encode(value) + eos
+                if rng.random() < call_share:
+                    call_ids = encode(f"(lookup {key})") + eos
+                    tool_ids = encode(f"#{value}\n")
+                    ids = prompt_ids + call_ids + tool_ids + value_ids
+                    labels = [-100] * len(prompt_ids) + call_ids + [-100] * len(tool_ids)
+                    examples.append((ids, labels + value_ids))
+                else:
+                    examples.append((prompt_ids + value_ids, [-100] * len(prompt_ids) + value_ids))
+    # right-padded to the longest (the copy task's are all as long: no mask then)
+    width = max(len(ids) for ids, _ in examples)
+    padded = any(len(ids) < width for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), tokenizer.pad_token_id)
+    labels = torch.full((len(examples), width), -100)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (ids, example_labels) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor(example_labels)
+        attention_mask[i, : len(ids)] = 1
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        rows = torch.randint(len(pairs), (batch_size,), generator=generator)
-        loss = model(input_ids=input_ids[rows], labels=labels[rows]).loss
+        rows = torch.randint(len(examples), (batch_size,), generator=generator)
+        mask = attention_mask[rows] if padded else None
+        loss = model(input_ids=input_ids[rows], attention_mask=mask, labels=labels[rows]).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -405,9 +469,10 @@ class _ArithmeticError(ValueError):
     by zero."""
 
 
-def evaluate_arithmetic(expression):
+def evaluate_arithmetic(expression, number=float):
     """Value (float) of an arithmetic expression of numbers, + - * / and parentheses, or None if it
-    is refused.
+    is refused. number: the type each literal is read as (fractions.Fraction: exact arithmetic,
+    the calculator tool's, tools.py).
 
     Recursive descent over expr := term (("+" | "-") term)*, term := factor (("*" | "/") factor)*,
     factor := ("+" | "-") factor | number | "(" expr ")", with hard limits
@@ -417,13 +482,13 @@ def evaluate_arithmetic(expression):
     if not isinstance(expression, str) or len(expression) > COUNTDOWN_MAX_EQUATION_CHARS:
         return None
     tokens = []
-    for number, other in COUNTDOWN_TOKEN.findall(expression):
-        if len(number.replace(".", "")) > COUNTDOWN_MAX_LITERAL_DIGITS or (
+    for literal, other in COUNTDOWN_TOKEN.findall(expression):
+        if len(literal.replace(".", "")) > COUNTDOWN_MAX_LITERAL_DIGITS or (
             other.strip() and other not in "+-*/()"
         ):
             return None
-        if number or other.strip():
-            tokens.append(float(number) if number else other)
+        if literal or other.strip():
+            tokens.append(number(literal) if literal else other)
     tokens.append(None)  # the end of the input
     position = 0
 
@@ -454,7 +519,7 @@ def evaluate_arithmetic(expression):
         if depth > COUNTDOWN_MAX_DEPTH:
             raise _ArithmeticError("nested too deeply")
         token = take()
-        if isinstance(token, float):
+        if isinstance(token, number):
             return token
         if token in ("+", "-"):
             value = factor(depth + 1)
@@ -563,6 +628,16 @@ ARITH_INSTRUCTION = (
     'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
     "Answer: Ben has 5 + 3 = 8 cards.\n#### 8\n\nProblem: "
 )
+# arith with --tools calculator (smol_tools): the same worked example, solved with one call in the
+# Hermes format SmolLM2-Instruct is trained on (tools.py), the tool's answer in its own message
+ARITH_TOOL_INSTRUCTION = (
+    "Solve the problem. You have a calculator: to use it, write only "
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "5 + 3"}}</tool_call> '
+    'and its result comes back to you. Then write the final answer as a number after "####".\n'
+    'Example: "Ben has 5 cards. He buys 3 more cards. How many cards does Ben have now?"\n'
+    'Answer: <tool_call>{"name": "calculator", "arguments": {"expression": "5 + 3"}}</tool_call>\n'
+    "Result: 8\nAnswer: Ben has 8 cards.\n#### 8\n\nProblem: "
+)
 # TinyZero examples/data_preprocess/countdown.py
 COUNTDOWN_SYSTEM = (
     "You are a helpful assistant. You first thinks about the reasoning process in the mind and "
@@ -578,7 +653,7 @@ COUNTDOWN_BASE_PREFIX = (
 COUNTDOWN_BASE_SUFFIX = "\nAssistant: Let me solve this step by step.\n<think>"
 
 
-GRPO_TASKS = ("copy", "gsm8k", "countdown", "arith")
+GRPO_TASKS = ("copy", "gsm8k", "countdown", "arith", "lookup")
 
 
 @dataclass
@@ -595,6 +670,9 @@ class Task:
     # the reward's named components, components_fn(response_text, example) -> {name: float}, for
     # GDPO (gsm8k, arith, countdown: format and answer); None: one component, the reward
     components_fn: Optional[Callable] = None
+    # the tools the policy may call between its turns (tools.ToolEnvironment, grpo.py --tools);
+    # None: one turn per response
+    environment: Optional[object] = None
 
 
 # the Hub datasets of the tasks that read one (the others are made from the seed)
@@ -605,6 +683,8 @@ def load_task(args):
     """The Task of --task, its prompts not yet tokenized (nothing here needs the model).
 
     copy: make_copy_task; the val letter strings are held out of training (a real held-out split).
+    lookup: make_lookup_task, scored as copy; the val keys are held out (their values appear in no
+    training rollout, only in the lookup tool's answers).
     gsm8k: verl's preprocessing: question + instruction; ground truth = the text after "####"
     without commas. countdown: TinyZero's prompt; the first train_size rows train, the next 1024 are
     the test split. arith: ARITH_INSTRUCTION (one worked example) + a make_arith_task problem,
@@ -618,17 +698,22 @@ def load_task(args):
         return gsm8k_reward_components(response, example["answer"], mode=args.gsm8k_reward_mode)
 
     # offline; the validation prompts (seed + 1) are held out of training
-    if args.task in ("copy", "arith"):
-        if args.task == "copy":
+    if args.task in ("copy", "arith", "lookup"):
+        if args.task in ("copy", "lookup"):
             instruction = ""
-            make = functools.partial(make_copy_task, length=args.copy_length)
+            if args.task == "copy":
+                make = functools.partial(make_copy_task, length=args.copy_length)
+            else:
+                make = make_lookup_task
             components_fn = None
 
             def reward_fn(response, example):
                 return copy_reward(response, example["answer"])
 
         else:
-            instruction = ARITH_INSTRUCTION
+            # with the calculator, an example that calls it
+            calculator = "calculator" in getattr(args, "tools", ())
+            instruction = ARITH_TOOL_INSTRUCTION if calculator else ARITH_INSTRUCTION
             make = functools.partial(
                 make_arith_task,
                 max_steps=args.arith_max_steps,
@@ -736,7 +821,15 @@ def with_prompt_ids(task, tokenizer, args):
     (drop_overlong)."""
     train, train_prompt_ids = drop_overlong(task.train, tokenizer, args)
     val, val_prompt_ids = drop_overlong(task.val, tokenizer, args)
-    return Task(train, val, task.reward_fn, train_prompt_ids, val_prompt_ids, task.components_fn)
+    return Task(
+        train,
+        val,
+        task.reward_fn,
+        train_prompt_ids,
+        val_prompt_ids,
+        task.components_fn,
+        task.environment,
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -58,6 +58,11 @@ def grpo_result(rows):
         result["gen batches per step"] = mean([r["filter_groups/gen_batches"] for r in train])
         # a run stops early (exit 1) where --max-num-gen-batches found too few groups with signal
         result["steps"] = train[-1]["step"] if train else 0
+    if any("tools/call_frequency" in r for r in train):  # --tools: the base's and the end's
+        result["val before training"] = val[0]["val/accuracy"] if val else float("nan")
+        result["last-10 tool calls per response"] = mean(
+            [r["tools/call_frequency"] for r in train[-10:]]
+        )
     result["learns"] = last10 >= 0.8 and final_val >= 0.8
     return result
 

@@ -40,6 +40,7 @@ CONCEPT_PAGES = (
     "rollout",
     "objectives",
     "tasks",
+    "tools",
 )
 GLOSSARY_ROW = re.compile(r"^\|([^|]*)\|")
 BACKTICKED = re.compile(r"`([^`]+)`")
@@ -250,7 +251,23 @@ def grpo_keys(tmp_path_factory):
         precision="fp16",
     )
     grpo.train(args)
-    return logged_keys(out / "metrics.jsonl")
+    # and a multi-turn run with a tool (tools/*, num_turns/*, the token counts of each kind)
+    tools_out = tmp_path_factory.mktemp("grpo_docs_tools")
+    tools_args = dataclasses.replace(
+        grpo.PRESETS["tiny_tools"][1],
+        cuda=False,
+        output_dir=str(tools_out),
+        total_steps=1,
+        val_every=1,
+        train_size=64,
+        val_size=8,
+        tiny_pretrain_steps=0,
+        rollout_n=4,
+        train_batch_size=4,
+        ppo_mini_batch_size=2,
+    )
+    grpo.train(tools_args)
+    return logged_keys(out / "metrics.jsonl") | logged_keys(tools_out / "metrics.jsonl")
 
 
 GLOSSARY_RUNS = {

@@ -32,6 +32,7 @@ VERL_ESTIMATORS = {
     "gpg": "compute_gpg_outcome_advantage",
     "gdpo": "compute_gdpo_outcome_advantage",
     "optimal_token_baseline": "compute_optimal_token_baseline_advantage",
+    "tir_optimal_token_baseline": "compute_multi_turn_optimal_token_baseline_advantage",
 }
 # estimators with the (scores, group_ids, lengths, baselines) signature
 OUTCOME_ESTIMATORS = [n for n in O.ADV_ESTIMATORS if n not in O.TOKEN_LEVEL_ESTIMATORS]
@@ -264,6 +265,65 @@ def test_optimal_token_baseline_matches_verl(bf16, rejection, is_weights):
         # of at most T = 12 positions
         assert_float32_close(ours, theirs.float(), terms=128, what=seed)
         assert (ours[mask == 0] == 0).all()
+
+
+def multi_turn_mask(seed, mask, lengths):
+    """`mask` with the holes of a multi-turn response: in most responses one or two runs of a
+    tool's tokens (mask 0) between model turns, never on the last sampled token."""
+    g = torch.Generator().manual_seed(seed + 11)
+    mask = mask.clone()
+    for i, length in enumerate(lengths.tolist()):
+        for _ in range(int(torch.randint(0, 3, (1,), generator=g))):
+            if length < 4:
+                break
+            start = int(torch.randint(1, length - 2, (1,), generator=g))
+            run = int(torch.randint(1, 3, (1,), generator=g))
+            mask[i, start : min(start + run, length - 1)] = 0.0
+    return mask
+
+
+@needs_verl
+@pytest.mark.parametrize("rejection", [False, True])
+@pytest.mark.parametrize("is_weights", [False, True])
+def test_multi_turn_optimal_token_baseline_matches_verl(rejection, is_weights):
+    """objectives.tir_optimal_token_baseline_advantages against verl 0.9.1's
+    compute_multi_turn_optimal_token_baseline_advantage (run from its source) on 5 random steps:
+    otb_inputs' groups, padding and lengths with a tool's tokens cut out of most responses (one
+    or two runs of mask 0 between model turns), after a token-level rejection or not, with IS
+    weights or not. With no holes it is optimal_token_baseline itself, bit for bit; with holes
+    they differ (the k-th model token no longer sits at one position)."""
+    for seed in range(5):
+        scores, group_ids, lengths, mask, token_rewards, old, sum_sq, weights = otb_inputs(
+            seed, rejection=rejection, is_weights=is_weights
+        )
+        single_turn = O.tir_optimal_token_baseline_advantages(
+            scores, group_ids, lengths, old, sum_sq, mask, weights
+        )
+        if not rejection:
+            otb = O.optimal_token_baseline_advantages(
+                scores, group_ids, lengths, old, sum_sq, mask, weights
+            )
+            assert torch.equal(single_turn, otb)
+        mask = multi_turn_mask(seed, mask, lengths)
+        weights = None if weights is None else weights * mask
+        ours = O.tir_optimal_token_baseline_advantages(
+            scores, group_ids, lengths, old, sum_sq, mask, weights
+        )
+        theirs, _ = VERL[VERL_ESTIMATORS["tir_optimal_token_baseline"]](
+            token_rewards.clone(),
+            mask,
+            group_ids.numpy(),
+            old_log_probs=old,
+            sum_pi_squared=sum_sq,
+            rollout_is_weights=weights,
+        )
+        assert ours.shape == mask.shape and ours.dtype == torch.float32
+        assert_float32_close(ours, theirs.float(), terms=128, what=seed)
+        assert (ours[mask == 0] == 0).all()
+        otb = O.optimal_token_baseline_advantages(
+            scores, group_ids, lengths, old, sum_sq, mask, weights
+        )
+        assert not torch.allclose(ours, otb, atol=1e-4)
 
 
 def test_optimal_token_baseline_hand_values():

@@ -597,6 +597,45 @@ def test_adapter_sync_scores_as_the_unmerged_trainer_and_leaves_the_engine_s_bas
     assert any(name.endswith("lora_B.weight") and t.abs().max() > 0 for name, t in saved.items())
 
 
+def test_multi_turn_vllm_rollouts_score_as_the_trainer_and_as_hf_rollouts_on_model_tokens(setup):
+    """rollout.sample_turns on the lookup task with a base pretrained on its format (a call in
+    about 1 sample of 5): vLLM's and HF's multi-turn rollouts of the same weights each agree with
+    the trainer's teacher-forced log pi on every model token (the existing engine bound, TOL),
+    the tool's tokens are the environment's (mask 0, the placeholder), and both engines call the
+    tool in about as many responses."""
+    import copy
+
+    import rollout
+    import tasks
+    import tools
+
+    backend, model, tokenizer = setup
+    base = copy.deepcopy(model)
+    tasks.pretrain_tiny_model(base, tokenizer, 150, seed=1, task="lookup")
+    backend.sync_weights(base)
+    environment = tools.ToolEnvironment(tokenizer, tools.make_tools(["lookup"]), "tags", 64, 5.0)
+    keys = sorted(tasks.lookup_table())[:16]
+    prompts = [tokenizer.encode(key + "=", add_special_tokens=False) for key in keys]
+    hf = rollout.HFBackend(base, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    calls = {}
+    for name, engine in (("vllm", backend), ("hf", hf)):
+        response_ids, rollout_logprobs, masks, reasons, tool_calls, _ = rollout.sample_turns(
+            engine, environment, prompts, 8, 24, 1.0, 7, 2
+        )
+        calls[name] = sum(tool_calls)
+        worst = 0.0
+        for k, (ids, lps, mask) in enumerate(zip(response_ids, rollout_logprobs, masks)):
+            reference = hf_logprobs(base, prompts[k // 8], ids, 1.0)
+            model_token = torch.tensor(mask, dtype=torch.bool)
+            difference = (torch.tensor(lps) - reference)[model_token].abs().max().item()
+            worst = max(worst, difference)
+            assert all(lp == rollout.TOOL_TOKEN_LOGPROB for lp, m in zip(lps, mask) if not m)
+        assert worst < TOL, (name, worst)
+    assert calls["vllm"] >= 8 and calls["hf"] >= 8, calls
+    assert abs(calls["vllm"] - calls["hf"]) <= 0.5 * max(calls.values()), calls
+    backend.sync_weights(model)
+
+
 def _train(backend, tmp_path, **overrides):
     import grpo
 
