@@ -471,12 +471,21 @@ def dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size):
 
 def sample_step(step, backend, task, tokenizer, args, rank, world_size):
     """Steps 1-2 of training step `step` with `backend`: (prompt indices, roll_out's result for
-    them, the filter's metrics). With --dynamic-sampling, DAPO's batch; else the step's prompts."""
+    them, the rollout's metrics: DAPO's filter's, and with --tools the turns' and the calls',
+    tools.tool_metrics). With --dynamic-sampling, DAPO's batch; else the step's prompts."""
     if args.dynamic_sampling:
-        return dynamic_sampling(step, backend, task, tokenizer, args, rank, world_size)
-    indices = step_prompt_indices(step, len(task.train), args, rank, world_size)
-    seed = sampling_seed(args, step, rank)
-    return indices, roll_out(backend, task, tokenizer, indices, seed, args), {}
+        indices, rollout_batch, metrics = dynamic_sampling(
+            step, backend, task, tokenizer, args, rank, world_size
+        )
+    else:
+        indices = step_prompt_indices(step, len(task.train), args, rank, world_size)
+        seed = sampling_seed(args, step, rank)
+        rollout_batch = roll_out(backend, task, tokenizer, indices, seed, args)
+        metrics = {}
+    tool_use = rollout_batch[4] if rollout_batch is not None else None
+    if tool_use is not None:  # --tools: the turns, the calls and their failures
+        metrics |= tools.tool_metrics(**tool_use)
+    return indices, rollout_batch, metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -902,11 +911,12 @@ def train(args, backend=None):
             group["lr"] = args.lr * lr_factor(step, args)
 
         # 1-2. Rollout and rewards (sample_step): this rank's prompts, n samples each with
-        #      pi_rollout's logprobs, and each response's score. With --dynamic-sampling (DAPO) both
-        #      repeat on fresh prompts until train_batch_size groups whose rewards differ are in
-        #      hand. (--async-rollouts: sampled while the trainer was busy with earlier steps.)
+        #      pi_rollout's logprobs (--tools: turn after turn, a tool's answer between turns), and
+        #      each response's score. With --dynamic-sampling (DAPO) both repeat on fresh prompts
+        #      until train_batch_size groups whose rewards differ are in hand. (--async-rollouts:
+        #      sampled while the trainer was busy with earlier steps.)
         t0 = time.time()
-        indices, rollout_batch, filter_metrics = source.take(step)
+        indices, rollout_batch, rollout_metrics = source.take(step)
         timing = {"timing/generate": time.time() - t0}
         if rollout_batch is None:
             # DAPO's cap (verl filter_groups.max_num_gen_batches): too few prompts still give a
@@ -915,14 +925,13 @@ def train(args, backend=None):
             save(args, rank, model, tokenizer, optimizer, scaler, step, inputs, source)
             raise harness.RunError(
                 f"stopping after step {step}: --max-num-gen-batches "
-                f"{filter_metrics['filter_groups/gen_batches']} gave "
-                f"{filter_metrics['filter_groups/kept_groups']} of --train-batch-size "
+                f"{rollout_metrics['filter_groups/gen_batches']} gave "
+                f"{rollout_metrics['filter_groups/kept_groups']} of --train-batch-size "
                 f"{args.train_batch_size} prompt groups whose rewards differ (saved: rerun with a "
                 "larger --max-num-gen-batches to go on)"
             )
         response_ids, rollout_logprobs, finish_reasons, scores, tool_use = rollout_batch
-        # group g's responses are rows g*n .. g*n+n-1, each beside its prompt; with --tools the
-        # response mask is 1 on the policy's own tokens only (a tool's tokens are context)
+        # group g's responses are rows g*n .. g*n+n-1; --tools: response_mask 1 on sampled tokens
         prompt_ids = [task.train_prompt_ids[i] for i in indices]
         group_ids = torch.arange(len(indices)).repeat_interleave(args.rollout_n)
         batch = rollout.make_batch(
@@ -934,8 +943,7 @@ def train(args, backend=None):
             device,
             model_masks=None if tool_use is None else tool_use["model_masks"],
         )
-        # each response's tokens, a tool's included: its last token is the policy's last action
-        lengths = torch.tensor([len(ids) for ids in response_ids])
+        lengths = torch.tensor([len(ids) for ids in response_ids])  # a tool's tokens included
 
         # 3. pi_old, the rollout correction and pi_ref, before the advantages (verl's fit loop
         #    rejects from the response mask, then computes the advantages with it). Decoupled:
@@ -974,10 +982,8 @@ def train(args, backend=None):
                 response_ids, indices, task, tokenizer, args
             )
         if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
-            # optimal_token_baseline, or tir_optimal_token_baseline: the same over each
-            # response's model tokens (multi-turn, --tools)
-            token_level_advantages = objectives.ADV_ESTIMATORS[args.adv_estimator]
-            batch["advantages"] = token_level_advantages(
+            # optimal_token_baseline (tir_: over each response's model tokens, for --tools)
+            batch["advantages"] = objectives.ADV_ESTIMATORS[args.adv_estimator](
                 scores.to(device),
                 group_ids,
                 lengths,
@@ -1008,21 +1014,9 @@ def train(args, backend=None):
         timing["timing/sync_weights"] = time.time() - t0
 
         # 7. Metrics (averaged over ranks), validation, samples, checkpoint.
-        metrics = step_metrics(
-            step,
-            args,
-            scores,
-            batch["response_mask"],
-            finish_reasons,
-            prompt_ids,
-            batch["advantages"],
-        )
-        if tool_use is not None:  # turns, tool calls and their failures, tokens of each kind
-            metrics |= tools.tool_metrics(**tool_use)
-        metrics = {**metrics, **component_metrics, **filter_metrics}
-        metrics = harness.reduce_metrics(
-            {**metrics, **timing, **corr_metrics, **actor_metrics}, world_size
-        )
+        metrics = step_metrics(step, args, scores, batch, finish_reasons, prompt_ids)
+        metrics |= {**component_metrics, **rollout_metrics, **timing, **corr_metrics}
+        metrics = harness.reduce_metrics(metrics | actor_metrics, world_size)
         last = step + 1 == args.total_steps
         if last:  # every rank must hold the same parameters (0.0 when in sync)
             spread = harness.rank_checksum_spread(model.parameters(), world_size)
@@ -1415,6 +1409,7 @@ def prompts_that_fit(task, tokenizer, args):
             "chat" if args.use_chat_template else "tags",
             args.max_tool_response_length,
             args.tool_timeout,
+            args.tool_history_mismatch,
         )
         task = replace(task, environment=environment)
     return task
@@ -1505,10 +1500,11 @@ def validate(source, model, tokenizer, task, args, step, rank, world_size):
     }
 
 
-def step_metrics(step, args, scores, response_mask, finish_reasons, prompt_ids, advantages):
+def step_metrics(step, args, scores, batch, finish_reasons, prompt_ids):
     """Step 7's metrics of the rollout, named as verl logs them (reward/*, response_length/*:
     the policy's tokens, as verl's response_mask counts them, ...), and DAPO's overlong penalty
     when it is on."""
+    response_mask, advantages = batch["response_mask"], batch["advantages"]
     lengths = response_mask.sum(-1).long().cpu()
     if advantages.dim() == 2:
         # per-token advantages (the optimal token baseline): their mean over the response tokens

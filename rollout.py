@@ -422,6 +422,8 @@ def sample_turns(
     rollout_logprobs = [list(lps) for lps in rollout_logprobs]
     model_masks = [[1] * len(ids) for ids in response_ids]
     finish_reasons = list(finish_reasons)
+    # the history each row's next request continues: the prompt and the response so far (with the
+    # lab's --tool-history-mismatch, the inserted tokens as environment.sampler_ids gives them)
     prefixes = [list(p) for p in prompt_ids for _ in range(n)]
     tool_calls = [0] * len(prefixes)
     tool_failures = [0] * len(prefixes)
@@ -431,9 +433,9 @@ def sample_turns(
         for row in range(len(prefixes)):
             if finish_reasons[row] != "stop" or last_turn[row] is None:
                 continue  # ended ("length" or an earlier turn's end)
-            text = environment.tokenizer.decode(last_turn[row], skip_special_tokens=False)
+            turn_ids, last_turn[row] = last_turn[row], None
+            text = environment.tokenizer.decode(turn_ids, skip_special_tokens=False)
             answer = environment.respond(text)
-            last_turn[row] = None
             if answer is None:
                 continue  # the turn calls nothing: the final answer, "stop"
             if turn == max_turns:
@@ -446,6 +448,7 @@ def sample_turns(
                 continue
             tool_calls[row] += 1
             tool_failures[row] += int(failed)
+            prefixes[row] += turn_ids + environment.sampler_ids(suffix)
             response_ids[row] += suffix
             rollout_logprobs[row] += [TOOL_TOKEN_LOGPROB] * len(suffix)
             model_masks[row] += [0] * len(suffix)
@@ -459,7 +462,7 @@ def sample_turns(
             by_room[max_response_length - len(response_ids[row])].append(row)
         for room, rows in sorted(by_room.items()):
             sampled, logprobs, reasons = engine.generate(
-                [prefixes[row] + response_ids[row] for row in rows],
+                [prefixes[row] for row in rows],
                 1,
                 room,
                 temperature,

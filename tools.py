@@ -88,6 +88,8 @@ def make_tools(names):
 
 
 TOOL_NAMES = ("calculator", "lookup")
+# --tool-history-mismatch: what the engine's history between turns leaves out (ToolEnvironment)
+HISTORY_MISMATCHES = ("none", "drop_separator")
 
 # --------------------------------------------------------------------------------------------------
 # 2. The call syntax
@@ -171,16 +173,20 @@ class ToolEnvironment:
     timeout         seconds a call may run; past it the output is an error message (the call's
                     thread is left to finish on its own: a Python thread cannot be killed, so a
                     tool must end by itself, as both of this file's do)
+    history_mismatch  "none", or the lab's "drop_separator" (sampler_ids)
     """
 
     TRUNCATED_MARK = "...(truncated)"
 
-    def __init__(self, tokenizer, tools, syntax, max_output_tokens, timeout):
+    def __init__(
+        self, tokenizer, tools, syntax, max_output_tokens, timeout, history_mismatch="none"
+    ):
         self.tokenizer = tokenizer
         self.tools = tools
         self.syntax = syntax
         self.max_output_tokens = max_output_tokens
         self.timeout = timeout
+        self.history_mismatch = history_mismatch
         self.chat_template = tokenizer.chat_template or TINY_CHAT_TEMPLATE
 
     def respond(self, turn_text):
@@ -244,6 +250,16 @@ class ToolEnvironment:
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
+
+    def sampler_ids(self, suffix):
+        """The inserted tokens as the engine's history holds them: `suffix` itself (token in,
+        token out), or, for the mismatch lab's drop_separator, without its first token: the
+        history the engine continues from then differs from the one the trainer scores (verl
+        #6921: the newline after the assistant's <|im_end|> was missing on one side, "a
+        train/inference token mismatch that compounds each turn")."""
+        if self.history_mismatch == "drop_separator":
+            return suffix[1:]
+        return suffix
 
     def suffix_ids(self, output):
         """The token ids inserted after a model turn that ended with EOS and called a tool: what
@@ -321,6 +337,10 @@ class ToolArgs:
     multi_turn.max_tool_response_length)."""
     tool_timeout: float = 5.0
     """--tools: seconds one call may run before its output is an error message."""
+    tool_history_mismatch: str = "none"
+    """The mismatch lab's tokenisation arm: none (token in, token out), or drop_separator: the
+    engine samples each next turn from a history without the first token the template inserts
+    after a turn (verl #6921's dropped separator), while the trainer trains on the template's."""
 
 
 def check_tool_args(args):
@@ -332,4 +352,6 @@ def check_tool_args(args):
         ">= 1": "max_assistant_turns max_tool_response_length",
         "> 0": "tool_timeout",
     }
-    harness.check_rules(args, {}, ranges)
+    harness.check_rules(args, {"tool_history_mismatch": HISTORY_MISMATCHES}, ranges)
+    if args.tool_history_mismatch != "none" and not args.tools:
+        harness.refuse(args, "tool_history_mismatch", "none without --tools")

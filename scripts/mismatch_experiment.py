@@ -8,6 +8,8 @@ mismatch source, trained naively and with each remedy, 8 seeds per arm.
         --plot docs/img/mismatch_lab_lora.png       # LoRA's arms (LORA_ARMS, grpo.py tiny_lora)
     .venv/bin/python scripts/mismatch_experiment.py --arms async --json docs/mismatch_lab_async.json \
         --plot docs/img/mismatch_lab_async.png      # real asynchrony (ASYNC_ARMS)
+    .venv/bin/python scripts/mismatch_experiment.py --arms tools --json docs/mismatch_lab_tools.json \
+        --plot docs/img/mismatch_lab_tools.png      # multi-turn tokenisation (TOOL_ARMS, tiny_tools)
 
 An arm is "source/remedy". A source makes pi_rollout differ from pi_train (SOURCES); a remedy
 either removes the difference or corrects the update for it (REMEDIES, labelled as which). The
@@ -60,6 +62,11 @@ SOURCES = {
     "async4": ["--async-rollouts", "--max-staleness", "4"],
     # in-flight updates: step t's first 2 tokens from version t - 1, the rest from version t
     "inflight": ["--async-rollouts", "--max-staleness", "1", "--in-flight-updates"],
+    # multi-turn tool use (grpo.py tiny_tools): "tools" alone is its reference (token in, token
+    # out); tools_sep samples each next turn from a history without the separator the template
+    # inserts after a turn, while the trainer trains on the template's (verl #6921)
+    "tools": [],
+    "tools_sep": ["--tool-history-mismatch", "drop_separator"],
 }
 TRUNCATION_SOURCES = ("top_p", "top_k")
 # the preset a source runs (tiny otherwise), and the reference its arms are held against
@@ -70,10 +77,17 @@ ASYNC_ARMS = ["none/naive"]
 ASYNC_ARMS += ["async1/naive", "async1/seq_mis", "async1/bypass"]
 ASYNC_ARMS += ["async4/naive", "async4/seq_mis", "async4/bypass"]
 ASYNC_ARMS += ["inflight/naive", "inflight/token_tis"]
+TOOL_SOURCES = ("tools", "tools_sep")
+TOOL_ARMS = ["tools/naive", "tools_sep/naive", "tools_sep/token_tis", "tools_sep/seq_mis"]
+TOOL_ARMS += ["tools_sep/bypass"]
 
 
 def preset_and_reference(source):
-    return ("tiny_lora", "lora/naive") if source in LORA_SOURCES else ("tiny", "none/naive")
+    if source in LORA_SOURCES:
+        return "tiny_lora", "lora/naive"
+    if source in TOOL_SOURCES:
+        return "tiny_tools", "tools/naive"
+    return "tiny", "none/naive"
 
 
 # remedy -> (what it is, grpo.py flags)
@@ -95,13 +109,13 @@ DEFAULT_ARMS = (
     + [
         f"{source}/naive"
         for source in SOURCES
-        if source not in ("none",) + LORA_SOURCES + ASYNC_SOURCES
+        if source not in ("none",) + LORA_SOURCES + ASYNC_SOURCES + TOOL_SOURCES
     ]
     + [f"{source}/replay" for source in TRUNCATION_SOURCES]
     + [
         f"{source}/{remedy}"
         for source in SOURCES
-        if source != "none" and source not in LORA_SOURCES + ASYNC_SOURCES
+        if source != "none" and source not in LORA_SOURCES + ASYNC_SOURCES + TOOL_SOURCES
         for remedy, (kind, _) in REMEDIES.items()
         if kind == "corrects"
     ]
@@ -367,8 +381,10 @@ def main():
     parser.add_argument("--plot", default="docs/img/mismatch_lab.png")
     parser.add_argument("--summarise-only", action="store_true", help="run nothing new")
     args = parser.parse_args()
-    groups = {"lora": LORA_ARMS, "async": ASYNC_ARMS}
-    arms = groups[args.arms[0]] if args.arms in (["lora"], ["async"]) else list(args.arms)
+    groups = {"lora": LORA_ARMS, "async": ASYNC_ARMS, "tools": TOOL_ARMS}
+    arms = (
+        groups[args.arms[0]] if args.arms in (["lora"], ["async"], ["tools"]) else list(args.arms)
+    )
     for arm in arms:
         parse_arm(arm)
     if not args.summarise_only:

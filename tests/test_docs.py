@@ -265,6 +265,7 @@ def grpo_keys(tmp_path_factory):
         rollout_n=4,
         train_batch_size=4,
         ppo_mini_batch_size=2,
+        ppo_micro_batch_size_per_gpu=4,
     )
     grpo.train(tools_args)
     return logged_keys(out / "metrics.jsonl") | logged_keys(tools_out / "metrics.jsonl")

@@ -24,6 +24,7 @@ import harness  # noqa: E402
 import lora  # noqa: E402
 import memory  # noqa: E402
 import rollout  # noqa: E402
+import tools  # noqa: E402
 
 
 def steps(path):
@@ -288,7 +289,8 @@ def test_help_lists_every_flag_with_the_algorithm_s_first(script):
     first = [f.name for f in dataclasses.fields(own)]
     assert fields[: len(first)] == first
     rooms = [harness.RunArgs, harness.CheckpointedRunArgs]
-    rooms += [rollout.EngineArgs, rollout.AsyncArgs, memory.MemoryArgs] if script == "grpo" else []
+    if script == "grpo":
+        rooms += [rollout.EngineArgs, tools.ToolArgs, rollout.AsyncArgs, memory.MemoryArgs]
     rooms += [lora.LoraArgs]
     position = len(first)
     for room in rooms:

@@ -152,6 +152,31 @@ def test_the_tiny_template_is_the_format_the_tiny_base_is_pretrained_on(tiny):
     assert tokenizer.decode(tools.final_turn(response_ids[0], masks[0])) == value + "[EOS]"
 
 
+def test_the_labs_dropped_separator_changes_the_engines_history_only(tiny):
+    """--tool-history-mismatch drop_separator: the engine's second request continues a history
+    without the first inserted token ("#"), while the response (what the trainer trains on) holds
+    the template's tokens, exactly as without the mismatch."""
+    _, tokenizer = tiny
+    prompt_ids = tokenizer.encode("abcd=", add_special_tokens=False)
+    value = tasks.lookup_table()["abcd"]
+    results = {}
+    for mismatch in ("none", "drop_separator"):
+        environment = tools.ToolEnvironment(
+            tokenizer, tools.make_tools(["lookup"]), "tags", 64, 5.0, mismatch
+        )
+        results[mismatch] = _conversation_tokens(
+            tokenizer, prompt_ids, ["(lookup abcd)", value], value, environment
+        )
+    (_, exact_engine, exact), (_, lab_engine, lab) = results["none"], results["drop_separator"]
+    assert lab == exact  # the same response ids, logprobs, masks, reasons, calls
+    first_turn = prompt_ids + tokenizer.encode("(lookup abcd)", add_special_tokens=False)
+    first_turn += [tokenizer.eos_token_id]
+    separator = tokenizer.encode("#", add_special_tokens=False)
+    rest = tokenizer.encode(value + "\n", add_special_tokens=False)
+    assert exact_engine.requests[1] == [first_turn + separator + rest]
+    assert lab_engine.requests[1] == [first_turn + rest]
+
+
 def test_the_turn_limit_the_length_limit_and_a_turn_without_a_call_end_a_response(tiny):
     """A third call with --max-assistant-turns 3 ends the response there (max_turns, the call
     unanswered), a tool's answer that does not fit ends it (length), a turn that calls nothing
@@ -339,9 +364,7 @@ def _step(model, ref_model, batch, scores, args, preset):
     metrics |= grpo.update_policy(
         model, optimizer, batch, args, correction, grpo.logprob_settings(args)
     )
-    metrics |= grpo.step_metrics(
-        0, args, scores, batch["response_mask"], ["stop"] * len(scores), [[1]], batch["advantages"]
-    )
+    metrics |= grpo.step_metrics(0, args, scores, batch, ["stop"] * len(scores), [[1]])
     for key in ("advantages", "loss_mask"):
         metrics[key] = batch[key]
     # (bypass mode: pi_old is pi_rollout, the placeholders included; read under the mask only)
