@@ -373,16 +373,19 @@ def sample_responses(engine, task, prompt_ids, n, temperature, seed, args):
     return response_ids, rollout_logprobs, finish_reasons, tool_use
 
 
+def answer_ids(response_ids, tool_use):
+    """What a reward reads of each response: all of it, or with --tools its last turn
+    (tools.final_turn): the policy's answer, never a tool's output."""
+    if tool_use is None:
+        return response_ids
+    return [tools.final_turn(ids, mask) for ids, mask in zip(response_ids, tool_use["model_masks"])]
+
+
 def score_responses(response_ids, examples, tokenizer, reward_fn, args, tool_use=None):
     """(B,) float scores: the rule-based reward of each response for its example, minus DAPO's
     overlong penalty when --overlong-buffer-len is on. A multi-turn response is scored on its last
     turn (tools.final_turn): the policy's answer, not what a tool wrote."""
-    answers = response_ids
-    if tool_use is not None:
-        answers = [
-            tools.final_turn(ids, mask) for ids, mask in zip(response_ids, tool_use["model_masks"])
-        ]
-    texts = [tasks.response_text(tokenizer, ids) for ids in answers]
+    texts = [tasks.response_text(tokenizer, ids) for ids in answer_ids(response_ids, tool_use)]
     scores = torch.tensor([reward_fn(text, example) for text, example in zip(texts, examples)])
     if args.overlong_buffer_len:
         scores += tasks.overlong_penalty(
@@ -1479,13 +1482,9 @@ def validate(source, model, tokenizer, task, args, step, rank, world_size):
                 sampling_seed(args, step, rank) + 1,
                 args,
             )
-    if tool_use is not None:  # a multi-turn answer is its last turn (score_responses)
-        responses = [
-            tools.final_turn(ids, mask) for ids, mask in zip(responses, tool_use["model_masks"])
-        ]
     scores = [
         task.reward_fn(tasks.response_text(tokenizer, ids), task.val[i])
-        for i, ids in zip(mine, responses)
+        for i, ids in zip(mine, answer_ids(responses, tool_use))
     ]
     counts = {
         "val/correct": sum(score == 1.0 for score in scores),

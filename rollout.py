@@ -427,13 +427,13 @@ def sample_turns(
     prefixes = [list(p) for p in prompt_ids for _ in range(n)]
     tool_calls = [0] * len(prefixes)
     tool_failures = [0] * len(prefixes)
-    last_turn = [list(ids) for ids in response_ids]  # each row's newest turn
+    # row -> its newest turn, for the rows that sampled one this turn (all of them at turn 1)
+    newest_turns = dict(enumerate(response_ids))
     for turn in range(1, max_turns + 1):
         waiting = []  # rows whose turn called a tool that answered: they sample once more
-        for row in range(len(prefixes)):
-            if finish_reasons[row] != "stop" or last_turn[row] is None:
-                continue  # ended ("length" or an earlier turn's end)
-            turn_ids, last_turn[row] = last_turn[row], None
+        for row, turn_ids in newest_turns.items():
+            if finish_reasons[row] != "stop":
+                continue  # the turn ran out of room: "length"
             text = environment.tokenizer.decode(turn_ids, skip_special_tokens=False)
             answer = environment.respond(text)
             if answer is None:
@@ -448,7 +448,7 @@ def sample_turns(
                 continue
             tool_calls[row] += 1
             tool_failures[row] += int(failed)
-            prefixes[row] += turn_ids + environment.sampler_ids(suffix)
+            prefixes[row] += list(turn_ids) + environment.sampler_ids(suffix)
             response_ids[row] += suffix
             rollout_logprobs[row] += [TOOL_TOKEN_LOGPROB] * len(suffix)
             model_masks[row] += [0] * len(suffix)
@@ -460,12 +460,14 @@ def sample_turns(
         by_room = collections.defaultdict(list)
         for row in waiting:
             by_room[max_response_length - len(response_ids[row])].append(row)
+        newest_turns = {}
         for room, rows in sorted(by_room.items()):
             sampled, logprobs, reasons = engine.generate(
                 [prefixes[row] for row in rows],
                 1,
                 room,
                 temperature,
+                # a seed per (turn, room), a function of the step's seed: a resume samples the same
                 seed + 1_000_003 * turn + room,
             )
             for row, ids, lps, reason in zip(rows, sampled, logprobs, reasons):
@@ -473,7 +475,7 @@ def sample_turns(
                 rollout_logprobs[row] += list(lps)
                 model_masks[row] += [1] * len(ids)
                 finish_reasons[row] = reason
-                last_turn[row] = list(ids)
+                newest_turns[row] = list(ids)
     return response_ids, rollout_logprobs, model_masks, finish_reasons, tool_calls, tool_failures
 
 

@@ -242,14 +242,16 @@ def pretrain_tiny_model(
         words = ["".join(letters) for letters in itertools.product(COPY_ALPHABET, repeat=length)]
         for word in words:
             for apply in TINY_PRETRAIN_MAPS.values():
-                prompt_ids, answer_ids = encode(word + "="), encode(apply(word)) + eos
+                prompt_ids = encode(word + "=")
+                answer_ids = encode(apply(word)) + eos
                 examples.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
     else:
         rng = random.Random(seed)
         for key in sorted(lookup_table()):
             for _ in range(4):
                 value = "".join(rng.choice(COPY_ALPHABET) for _ in range(LOOKUP_VALUE_LENGTH))
-                prompt_ids, value_ids = encode(key + "="), encode(value) + eos
+                prompt_ids = encode(key + "=")
+                value_ids = encode(value) + eos
                 if rng.random() < call_share:
                     call_ids = encode(f"(lookup {key})") + eos
                     tool_ids = encode(f"#{value}\n")
