@@ -49,6 +49,7 @@ cannot be used stops the run in one line: it is never silently replaced.
 import contextlib
 import dataclasses
 import errno
+import faulthandler
 import glob
 import hashlib
 import importlib.metadata
@@ -104,7 +105,12 @@ CHANGEABLE_SETTINGS = (
 # Changeable settings that change how float sums are ordered, so the numbers' last bits (grpo.py
 # tiny resumed with 2 threads instead of 1: 3.8e-6 at most over 5 steps): a resume with another
 # says so
-ROUNDING_SETTINGS = ("torch_threads",)
+ROUNDING_SETTINGS = (
+    "torch_threads",
+    "use_remove_padding",
+    "use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu",
+)
 
 
 class RunError(Exception):
@@ -364,8 +370,9 @@ def run(script, presets, train, argv=None):
     RunError in one line and exit code 1; a stop at a safe point (SIGTERM, SIGINT: Stopped) in one
     line and 128 + the signal's number; Ctrl-C before the training loop catches it
     (KeyboardInterrupt) in one line and 130. Under torchrun at once (os._exit: no rank waits for
-    the others' shutdown), rank 0 printing a refused flag or a stop. The output folder's lock is
-    released on the way out, however the run ends."""
+    the others' shutdown, and a finished rank skips the interpreter's teardown), rank 0 printing a
+    refused flag or a stop. The output folder's lock is released on the way out, however the run
+    ends."""
     args = parse_args(script, presets, argv=argv)
 
     def stop_before_the_loop(signum, frame):
@@ -375,7 +382,8 @@ def run(script, presets, train, argv=None):
 
     previous = signal.signal(signal.SIGTERM, stop_before_the_loop)
     try:
-        return train(args)
+        result = train(args)
+        line, code = None, 0
     except FlagError as e:
         line, code = f"{script}: error: {e}", 2
         if int(os.environ.get("RANK", "0")) != 0:
@@ -403,10 +411,16 @@ def run(script, presets, train, argv=None):
         signal.signal(signal.SIGTERM, previous)
     if line:
         print(line.replace("\n", " "), file=sys.stderr, flush=True)
-    if distributed():
+    if under_torchrun():
+        # a torchrun rank ends here, finished or not, without the interpreter's teardown: there
+        # gloo's worker threads and the tensors they hold can abort a rank whose run is done
+        # ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291)
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    if code:
+        sys.exit(code)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -454,6 +468,9 @@ def setup_distributed(use_cuda=True, sharding="ddp"):
         # after init_process_group: torch installs a hook of its own there, which captures stderr
         # while it calls the previous hook; ours exits inside, so its traceback would be lost
         sys.excepthook = fail_fast_excepthook
+        # a rank killed by a signal from native code (SIGABRT, SIGSEGV) prints every thread's
+        # Python stack first, so the line that crashed is in the log
+        faulthandler.enable()
         end_with_launcher(rank)
     elif sharding == "fsdp2" and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -625,6 +642,11 @@ def check_finite(name, value, step):
             f"step {step}: the {name} is {value}: training diverged (a smaller --lr may help); "
             "this update was not applied and nothing was saved after the last checkpoint"
         )
+
+
+def under_torchrun():
+    """True in a rank that torchrun started with more than one process (its WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def distributed():
