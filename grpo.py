@@ -497,16 +497,30 @@ def sample_step(step, backend, task, tokenizer, args, rank, world_size):
 # --------------------------------------------------------------------------------------------------
 
 
-def logprob_settings(args):
+def logprob_settings(args, model, rank=0):
     """The run's logprobs.LogprobSettings, built once in train(): every log pi of the run (pi_old,
     pi_ref, pi_theta) scores the sampled tokens with the same temperature, chunk size, forward and
-    LM-head precision, and sampler to replay."""
+    LM-head precision, sampler to replay, and layout of a micro-batch: with --use-remove-padding
+    its real tokens packed, where the policy's attention keeps packed sequences apart
+    (logprobs.packing_is_exact: a tiny forward on every rank), else its padding-only columns cut,
+    said once."""
+    layout = "padded"
+    if args.use_remove_padding:
+        layout = "packed" if logprobs.packing_is_exact(model) else "trimmed"
+        if layout == "trimmed" and rank == 0:
+            print(
+                "--use-remove-padding: this model's attention does not keep packed sequences "
+                "apart (logprobs.packing_is_exact), so each micro-batch is trimmed to its longest "
+                "prompt and response instead",
+                flush=True,
+            )
     return logprobs.LogprobSettings(
         temperature=args.temperature,
         chunk_size=args.logprob_chunk_size,
         precision=args.precision,
         head_precision=args.lm_head_precision,
         truncation=replayed_truncation(args),
+        layout=layout,
     )
 
 
@@ -528,19 +542,20 @@ def batch_logprobs(model, batch, args, log_pi, sum_pi_squared=False, left_out_of
     names = ["logprobs", "entropy"]
     names += ["sum_pi_squared"] if sum_pi_squared else []
     names += ["left_out_of_kept_set"] if left_out_of_kept_set else []
-    micro = args.ppo_micro_batch_size_per_gpu
-    parts = []
-    for start in range(0, batch["responses"].shape[0], micro):
-        micro_batch = {name: value[start : start + micro] for name, value in batch.items()}
-        stats = logprobs.response_logprobs(
+    stats = {name: torch.zeros_like(batch["response_mask"]) for name in names}
+    # --ppo-micro-batch-size-per-gpu rows at a time, or groups by --ppo-max-token-len-per-gpu
+    for rows in memory.micro_batches(batch["attention_mask"], 0, len(batch["responses"]), args):
+        micro_batch = {name: value[rows] for name, value in batch.items()}
+        part = logprobs.response_logprobs(
             model,
             micro_batch,
             log_pi,
             sum_pi_squared=sum_pi_squared,
             left_out_of_kept_set=left_out_of_kept_set,
         )
-        parts.append(stats)
-    return {name: torch.cat([part[k] for part in parts]) for k, name in enumerate(names)}
+        for name, value in zip(names, part):
+            stats[name][rows] = value
+    return stats
 
 
 def compute_pi_old(model, batch, args, log_pi, correction, world_size=1):
@@ -779,7 +794,6 @@ def update_policy(
     """
     B = batch["responses"].shape[0]
     _, mini = local_batch_sizes(args, world_size)
-    micro = args.ppo_micro_batch_size_per_gpu
     optimizer_step = harness.OptimizerStep(optimizer, world_size, args.max_grad_norm, scaler)
     logged = collections.defaultdict(list)  # name -> values, averaged at the end
     bypass_metrics = None  # bypass mode: the correction's metrics of the first micro-batch
@@ -798,8 +812,8 @@ def update_policy(
                 global_batch_size=args.ppo_mini_batch_size * args.rollout_n,
             )
             minibatch_losses = collections.defaultdict(float)
-            for start in range(mini_start, mini_end, micro):
-                rows = slice(start, min(start + micro, B))
+            # --ppo-micro-batch-size-per-gpu rows at a time, or by --ppo-max-token-len-per-gpu
+            for rows in memory.micro_batches(batch["attention_mask"], mini_start, mini_end, args):
                 micro_batch = {name: value[rows] for name, value in batch.items()}
                 # log pi and the entropy of the current policy, (b, R) each
                 new_logprobs, entropy = logprobs.response_logprobs(
@@ -877,8 +891,6 @@ def train(args, backend=None):
     # a checkpoint, verified, written with these settings (or with others that may change)
     checkpoint = harness.checkpoint_to_resume(args, changeable=changeable_settings(args))
     correction = corrections.RolloutCorrection.from_name(args.correction)
-    # what every log pi of the run shares (temperature, chunk size, precisions, a replayed sampler)
-    log_pi = logprob_settings(args)
     task = tasks.load_task(args)
     harness.seed_everything(args.seed)
     model_path = policy_path(args, rank, world_size)
@@ -886,6 +898,9 @@ def train(args, backend=None):
     tokenizer, model, ref_model, optimizer, scaler, start_step, saved = load_models(
         args, model_path, checkpoint, device, rank, world_size
     )
+    # what every log pi of the run shares (temperature, chunk size, precisions, a replayed sampler,
+    # packed or padded micro-batches)
+    log_pi = logprob_settings(args, model, rank)
     # the prompts tokenized, those over --max-prompt-length dropped (verl filter_overlong_prompts);
     # with --tools, the tools the policy may call between its turns (tools.ToolEnvironment)
     task = prompts_that_fit(task, tokenizer, args)
@@ -1065,7 +1080,8 @@ def local_batch_sizes(args, world_size):
             f"--ppo-mini-batch-size {args.ppo_mini_batch_size}"
         )
     micro = args.ppo_micro_batch_size_per_gpu
-    if mini_seqs % world_size or (mini_seqs // world_size) % micro:
+    # (with --use-dynamic-bsz the micro-batches are groups by tokens: the row count is not read)
+    if mini_seqs % world_size or (not args.use_dynamic_bsz and (mini_seqs // world_size) % micro):
         raise ValueError(
             f"--ppo-mini-batch-size x --rollout-n = {mini_seqs} sequences must be divisible by the "
             f"world size {world_size} x --ppo-micro-batch-size-per-gpu {micro}"
@@ -1243,6 +1259,8 @@ def changeable_settings(args):
         args.lr_warmup_steps <= 0 and args.lr_warmup_steps_ratio > 0
     )
     changeable = ("max_num_gen_batches", "recompute_num_layers", "compile_layers")
+    # the micro-batches' layout and grouping: the same gradient, summed in another order
+    changeable += ("use_remove_padding", "use_dynamic_bsz", "ppo_max_token_len_per_gpu")
     # --async-rollouts: a checkpoint holds the batches sampled ahead up to the last step only
     fixed_total = schedule_uses_total or args.async_rollouts
     return changeable + (() if fixed_total else ("total_steps",))
@@ -1342,6 +1360,9 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
             # bytes); the adapter, embeddings and norms stay fp32
             if logprobs.resolve_precision(args.precision, device) == "bf16":
                 logprobs.bf16_frozen_linears_(model)
+        if args.use_remove_padding and not args.compile_layers:
+            # packed micro-batches: each sequence's own attention, not a row-wide mask
+            logprobs.use_varlen_attention(model)
         if args.gradient_checkpointing:
             memory.recompute_layers(model, args, device, rank, world_size)
         if args.compile_layers:
@@ -1353,6 +1374,8 @@ def load_models(args, model_path, checkpoint, device, rank, world_size):
     def build_reference():
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         ref_model.requires_grad_(False)
+        if args.use_remove_padding and not args.compile_layers:
+            logprobs.use_varlen_attention(ref_model)
         # under bf16 autocast: same logprobs, ~half the memory
         if logprobs.resolve_precision(args.precision, device) == "bf16":
             logprobs.bf16_frozen_linears_(ref_model)  # (verl keeps its reference in bf16 too)

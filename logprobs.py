@@ -10,8 +10,10 @@ file computes exactly that, for a real model in a real batch, where the definiti
                              -sum p log p over the whole vocabulary, in float32
     2. a run's settings      LogprobSettings: temperature, chunk size, forward and LM-head
                              precision, a truncated sampler to replay; built once from the flags
-    3. the entry points      response_logprobs (a policy's forward over a rollout batch -> (B, R))
-                             and token_logprobs_and_entropy (hidden states + LM head -> (N,))
+    3. the entry points      response_logprobs (a policy's forward over a rollout batch -> (B, R),
+                             padded, or packed: pack_sequences, varlen_sdpa_attention,
+                             packing_is_exact) and token_logprobs_and_entropy (hidden states + LM
+                             head -> (N,))
     4. forward precision     --precision: autocast over fp32 master weights (resolve_precision,
                              autocast_context), a bf16 frozen reference (bf16_frozen_linears_),
                              heads in fp32 (fp32_project)
@@ -91,6 +93,15 @@ class LogprobSettings:
     was drawn from (truncation_mask); None: over the whole vocabulary."""
     banned: Optional[torch.Tensor] = None
     """(V,) bool: tokens the sampler can never emit (ppo_rlhf.py's padding token), or None."""
+    layout: str = "padded"
+    """How response_logprobs lays a rollout batch out for the backbone (LAYOUTS): "padded" as
+    rollout.make_batch pads it; "packed" its real tokens only (pack_sequences); "trimmed" the
+    columns some row fills (trim_padding), where this model cannot pack exactly."""
+
+
+# response_logprobs' layouts of a rollout batch (LogprobSettings.layout; grpo.py's
+# --use-remove-padding chooses packed, or trimmed where packing_is_exact says no)
+LAYOUTS = ("padded", "packed", "trimmed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,29 +117,53 @@ def response_logprobs(
     response_mask). The definition applied to the LM head's logits at the positions that predict a
     response token (position t predicts token t + 1), without a (B, T, V) float32 log-softmax: the
     backbone's hidden states of the valid response tokens go through token_logprobs_and_entropy,
-    chunk by chunk. Padding gets logprob 0 and entropy 0. The backbone runs in settings.precision.
+    chunk by chunk. Padding gets logprob 0 and entropy 0. The backbone runs in settings.precision,
+    over the batch laid out as settings.layout says: padded, packed (the real tokens only, no
+    position computed for padding) or trimmed; the three give the same numbers up to float32
+    summation order (tests/test_logprobs.py).
 
     sum_pi_squared (no gradient): a third (B, R) output, sum_v pi(v)^2 of each token's
     distribution (the optimal token baseline's); left_out_of_kept_set (no gradient, with
     settings.truncation): a last (B, R) output, 1.0 where the replayed kept set leaves out the
     sampled token."""
     lm_head = model.get_output_embeddings()
+    # (B, R): where the outputs go back, whatever the layout
+    valid = batch["response_mask"].bool()
+    if settings.layout == "trimmed":
+        batch = trim_padding(batch)
+    # (B, R'): the response tokens scored, the same ones in the same order (R' < R if trimmed)
+    scored = batch["response_mask"].bool()
     R = batch["responses"].shape[1]
     with autocast_context(batch["input_ids"].device, settings.precision):
-        # (B, P+R, H): the backbone's last hidden state (the whole model's forward, no logits)
-        hidden = backbone_output(
-            model,
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        ).last_hidden_state
-        # (B, R, H): the positions that predict the R response tokens
-        hidden = hidden[:, -R - 1 : -1]
-        valid = batch["response_mask"].bool()
-        # (N, H), (N,): the valid response tokens only
-        hidden = hidden[valid]
-        tokens = batch["responses"][valid]
+        if settings.layout == "packed":
+            # (rows, width): every sequence's real tokens side by side, its position ids from 0;
+            # with no attention mask the model reads where a sequence starts from its position ids
+            # and attends within each sequence only
+            packed = pack_sequences(batch, packed_width(model, batch))
+            hidden = backbone_output(
+                model,
+                input_ids=packed["input_ids"],
+                position_ids=packed["position_ids"],
+                use_cache=False,
+                **packed.get("varlen", {}),
+            ).last_hidden_state
+            # (N, H): the packed places that predict the valid response tokens
+            hidden = hidden.flatten(0, 1)[packed["predicts"][scored]]
+        else:
+            # (B, P+R, H): the backbone's last hidden state (the whole model's forward, no logits)
+            hidden = backbone_output(
+                model,
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+            ).last_hidden_state
+            # (B, R, H): the positions that predict the R response tokens
+            hidden = hidden[:, -R - 1 : -1]
+            # (N, H): the valid response tokens only
+            hidden = hidden[scored]
+        # (N,)
+        tokens = batch["responses"][scored]
         token_stats = token_logprobs_and_entropy(
             hidden,
             tokens,
@@ -143,6 +178,169 @@ def response_logprobs(
         torch.zeros(valid.shape, device=hidden.device).masked_scatter(valid, stat)
         for stat in token_stats
     )
+
+
+def pack_sequences(batch, width):
+    """A rollout batch's real tokens (attention_mask 1: the prompt's, the response's, a tool's)
+    packed into rows of `width` positions with no padding between sequences (verl's
+    use_remove_padding, TRL's padding_free):
+
+        input_ids     (rows, width)  the sequences one after another, the longest first, each
+                                     in the first row with room; a row's unused tail is filler
+        position_ids  (rows, width)  each sequence's own positions 0 .. n-1 (make_batch's at its
+                                     real tokens); the filler's 0, 1, ... as one more sequence
+        predicts      (B, R)         for response token j of row i, the place in the flattened
+                                     rows of the token that predicts it (padded column P + j - 1)
+        varlen        (one row only) cu_seq_lens_q/k, max_length_q/k: the sequences' boundaries,
+                                     for a variable-length attention (flash's, VARLEN_SDPA)
+
+    Given no attention mask, transformers reads where a sequence starts from the position ids (a
+    position that is not the one before plus 1: masking_utils.find_packed_sequence_indices) and
+    masks attention block-causally, within each sequence: every sequence's hidden states are its
+    padded row's. The position ids are the one detail that makes it right: with the padded
+    layout's mask gone they are all that keeps sequences apart, and a row's positions count from
+    its own first token, as make_batch's do."""
+    real = batch["attention_mask"].bool()
+    lengths = real.sum(1).tolist()
+    # first fit, longest first: the flat place of each sequence's first token
+    starts = [0] * len(lengths)
+    filled = []  # tokens placed in each packed row
+    placed = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for i in placed:
+        row = next((r for r, n in enumerate(filled) if n + lengths[i] <= width), len(filled))
+        if row == len(filled):
+            filled.append(0)
+        starts[i] = row * width + filled[row]
+        filled[row] += lengths[i]
+    device = real.device
+    # (B, P+R): the flat packed place of each real token
+    flat_index = torch.tensor(starts, device=device)[:, None] + real.long().cumsum(1) - 1
+    # the filler counts 0, 1, ... from the end of its row's last sequence
+    columns = torch.arange(width, device=device)
+    position_ids = (columns[None] - torch.tensor(filled, device=device)[:, None]).clamp(min=0)
+    # the filler's token: any (its outputs are never read), a real one (transformers warns of a
+    # padding token in a batch without an attention mask)
+    input_ids = torch.full_like(position_ids, int(batch["input_ids"][real][0]))
+    input_ids.view(-1)[flat_index[real]] = batch["input_ids"][real]
+    position_ids.view(-1)[flat_index[real]] = batch["position_ids"][real]
+    P = real.shape[1] - batch["responses"].shape[1]
+    packed = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "predicts": flat_index[:, P - 1 : -1],
+    }
+    if len(filled) == 1:
+        # one row: where each sequence starts and ends in it, as flash attention's varlen kernel
+        # (and varlen_sdpa_attention) read it, and the longest
+        ends = torch.tensor([lengths[i] for i in placed], device=device).cumsum(0)
+        cu_seq_lens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+        packed["varlen"] = dict(
+            cu_seq_lens_q=cu_seq_lens,
+            cu_seq_lens_k=cu_seq_lens,
+            max_length_q=max(lengths),
+            max_length_k=max(lengths),
+        )
+    return packed
+
+
+# the attention implementation of a packed forward (use_varlen_attention): each sequence's own
+# causal attention, flash attention's variable-length kernel written out with sdpa
+VARLEN_SDPA = "varlen_sdpa"
+
+
+def varlen_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
+    """transformers' sdpa attention (query (1, heads, N, d), key/value (1, kv_heads, N, d)) for one
+    packed row of sequences whose boundaries are cu_seq_lens_q ([0, n_1, n_1 + n_2, ..., N], the
+    argument flash attention's varlen kernel reads): each sequence attends causally to its own
+    tokens, no N x N mask, no product across sequences. Without cu_seq_lens_q (a padded batch,
+    HF generate) it is transformers' sdpa attention itself, the same call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    bounds = cu_seq_lens_q.tolist()
+    window = getattr(module, "sliding_window", None)
+    if window and max(b - a for a, b in zip(bounds, bounds[1:])) > window:
+        raise ValueError(f"varlen attention keeps no sliding window ({window} tokens)")
+    # (1, n_i, heads, d) each, in order: the sequences' attention outputs side by side again
+    outputs = [
+        sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None)[0]
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(outputs, dim=1), None
+
+
+def use_varlen_attention(model):
+    """Switch an sdpa model's attention to VARLEN_SDPA (registered with transformers' attention
+    and mask interfaces as sdpa's own mask): the same numbers on a padded batch, and on a packed
+    row each sequence's attention alone, at the cost of its own length squared (the row's length
+    squared with sdpa's block-causal mask). Any other implementation is left as it is (flash
+    attention reads cu_seq_lens_q itself). Returns whether it switched."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
+    model.set_attn_implementation(VARLEN_SDPA)
+    return True
+
+
+def packed_width(model, batch):
+    """The packed rows' width: the longest sequence, so no row's attention is wider than the
+    padded batch's (the mask-based attention of sdpa and eager computes every pair of a row); one
+    row of every token for flash attention, whose variable-length kernel reads sequences of one
+    row only, and spends nothing across them; one row for VARLEN_SDPA too."""
+    lengths = batch["attention_mask"].sum(1)
+    implementation = str(getattr(model.config, "_attn_implementation", ""))
+    if "flash" in implementation or implementation == VARLEN_SDPA:
+        return int(lengths.sum())
+    return int(lengths.max())
+
+
+def trim_padding(batch):
+    """The columns of a rollout batch that some row fills: the longest prompt's and the longest
+    response's (at least one), every other column padding in every row. The padded layout on
+    fewer columns, the fallback where packing is not exact (packing_is_exact)."""
+    real = batch["attention_mask"].bool()
+    R = batch["responses"].shape[1]
+    P = real.shape[1] - R
+    prompt_width = int(real[:, :P].sum(1).max())
+    response_width = max(1, int(real[:, P:].sum(1).max()))
+    columns = slice(P - prompt_width, P + response_width)
+    trimmed = {k: batch[k][:, columns] for k in ("input_ids", "attention_mask", "position_ids")}
+    for k in ("responses", "response_mask"):
+        trimmed[k] = batch[k][:, :response_width]
+    return trimmed
+
+
+@torch.no_grad()
+def packing_is_exact(model):
+    """Whether `model` keeps packed sequences apart: two sequences of 3 and 5 tokens in one row
+    with restarting position ids (no attention mask) against each in a forward of its own, the
+    last hidden states within 1% of their largest (measured on the tiny Qwen2 and GPT-2 and
+    SmolLM2: 4e-7 to 1.3e-5 when kept apart, 0.52 to 1.0 when the second sequence attends to the
+    first). False for an attention implementation that builds no mask from position ids. Every
+    rank of a sharded model calls it (a forward)."""
+    device = model.get_input_embeddings().weight.device
+    first = torch.arange(1, 4, device=device)[None]
+    second = torch.arange(4, 9, device=device)[None]
+
+    def hidden(ids, positions, **varlen):
+        out = backbone_output(
+            model, input_ids=ids, position_ids=positions, use_cache=False, **varlen
+        )
+        return out.last_hidden_state.float()
+
+    alone = torch.cat([hidden(first, first - 1), hidden(second, second - 4)], dim=1)
+    # the one-row layout, as pack_sequences gives it: its position ids and its boundaries
+    bounds = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    varlen = dict(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=5, max_length_k=5)
+    together = hidden(
+        torch.cat([first, second], 1), torch.cat([first - 1, second - 4], 1), **varlen
+    )
+    return bool((together - alone).abs().max() <= 0.01 * alone.abs().max())
 
 
 def backbone_output(model, **inputs):

@@ -1,6 +1,7 @@
 """GPU memory and speed of the trainer's forward and backward: the per-rank memory plan, how many
-decoder layers recompute their activations in backward, and which layers run compiled. Nothing here
-changes a number the trainers compute; a first read of grpo.py can skip every `memory.` call.
+decoder layers recompute their activations in backward, which layers run compiled, and how rows
+are grouped into micro-batches. Nothing here changes a number the trainers compute beyond float
+rounding; a first read of grpo.py can skip every `memory.` call.
 
     1. the byte model    model_shape, count_parameters (from a config, no weights),
                          activation_bytes (one micro-batch's activations under bf16 autocast),
@@ -13,9 +14,12 @@ changes a number the trainers compute; a first read of grpo.py can skip every `m
                          --gradient-checkpointing, applied to the first k layers)
     4. compiled layers   compile_decoder_layers (--compile-layers: each decoder layer through
                          torch.compile; HF generate's KV-cache forward stays eager)
-    5. the flags         MemoryArgs (--logprob-chunk-size, --gradient-checkpointing,
-                         --recompute-num-layers, --compile-layers: the mixin grpo.py's Args
-                         inherits) and check_memory_args
+    5. micro-batches     micro_batches (a row count, or with --use-dynamic-bsz
+                         token_budget_micro_batches: at most N real tokens per forward)
+    6. the flags         MemoryArgs (--logprob-chunk-size, --gradient-checkpointing,
+                         --recompute-num-layers, --compile-layers, --use-remove-padding,
+                         --use-dynamic-bsz, --ppo-max-token-len-per-gpu: the mixin grpo.py's
+                         Args inherits) and check_memory_args
 
 Measured against the plan on an H100 and an H200: bench/RESULTS.md, scripts/gpu_check.py.
 """
@@ -270,12 +274,17 @@ def plan_grpo(args, config, world_size, gpu_bytes):
         # LoRA under bf16: the base is bf16 already, autocast copies the adapter alone
         copied = trained if args.lora_rank and ref_bf16 else n
         train_rows["autocast bf16 weight copies"] = 2 * copied
-    micro = args.ppo_micro_batch_size_per_gpu
+    # one forward's tokens: the budget with --use-dynamic-bsz, else a micro-batch of the longest
+    # sequences (packing saves nothing when every sequence is as long as it may be)
+    tokens = args.ppo_max_token_len_per_gpu
+    label = f"activations (at most {tokens} tokens, estimate)"
+    if not args.use_dynamic_bsz:
+        micro = args.ppo_micro_batch_size_per_gpu
+        tokens = micro * seq
+        label = f"activations ({micro} x {seq} tokens, estimate)"
     train_rows.update(awake)
-    recompute = recompute_choice(args, shape, micro * seq, gpu_bytes, train_rows)
-    train_rows[f"activations ({micro} x {seq} tokens, estimate)"] = activation_bytes(
-        shape, micro * seq, recompute, args.logprob_chunk_size
-    )
+    recompute = recompute_choice(args, shape, tokens, gpu_bytes, train_rows)
+    train_rows[label] = activation_bytes(shape, tokens, recompute, args.logprob_chunk_size)
     rollout_rows = dict(resident)
     if args.backend == "vllm":
         rollout_rows[f"vLLM share ({args.vllm_gpu_memory_utilization:g} of the GPU)"] = share
@@ -398,7 +407,47 @@ def layer_forward(eager_forward, compiled_forward):
 
 
 # --------------------------------------------------------------------------------------------------
-# 5. The flags: what the trainer's forward and backward may spend (grpo.py's Args inherits them)
+# 5. Micro-batches: a row count, or a token budget
+# --------------------------------------------------------------------------------------------------
+
+
+def micro_batches(attention_mask, start, end, args):
+    """The rows of each forward over rows start .. end of a rank's batch (a minibatch, or the whole
+    batch for pi_old and pi_ref): slices of --ppo-micro-batch-size-per-gpu rows, in order, or with
+    --use-dynamic-bsz token_budget_micro_batches' groups."""
+    if not args.use_dynamic_bsz:
+        micro = args.ppo_micro_batch_size_per_gpu
+        return [slice(i, min(i + micro, end)) for i in range(start, end, micro)]
+    tokens = attention_mask[start:end].sum(1).tolist()
+    groups = token_budget_micro_batches(tokens, args.ppo_max_token_len_per_gpu)
+    return [torch.tensor(group, device=attention_mask.device) + start for group in groups]
+
+
+def token_budget_micro_batches(tokens, budget):
+    """Rows grouped so that each group's real tokens (tokens[i]: row i's prompt and response) sum
+    to at most `budget`, in as few groups as verl's rule gives (utils/seqlen_balancing.py,
+    rearrange_micro_batches): k = ceil(total / budget) groups to start with, k + 1 while a
+    balanced split into k breaks the budget, every rank the same k (each forward of a sharded
+    model is a collective: verl's same_micro_num_in_dp). The split: longest row first, into the
+    group with the fewest tokens (ties: the lower index), each group's rows in batch order; verl
+    balances with Karmarkar-Karp on a FLOP estimate instead, which moves no gradient (the loss is
+    normalised by the minibatch's counts), only the time of each forward. Deterministic: a
+    resumed run groups as the uninterrupted one."""
+    k = min(len(tokens), -(-sum(tokens) // budget))
+    while True:
+        k = max(harness.all_gather_objects(k))  # the largest of every rank's
+        groups, loads = [[] for _ in range(k)], [0] * k
+        for i in sorted(range(len(tokens)), key=lambda i: -tokens[i]):
+            g = min(range(k), key=lambda g: loads[g])
+            groups[g].append(i)
+            loads[g] += tokens[i]
+        if all(harness.all_gather_objects(max(loads) <= budget)):
+            return [sorted(group) for group in groups]
+        k += 1
+
+
+# --------------------------------------------------------------------------------------------------
+# 6. The flags: what the trainer's forward and backward may spend (grpo.py's Args inherits them)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -423,8 +472,30 @@ class MemoryArgs:
     kernels in the trainer's forward and backward; the first steps pay the compile, HF generate
     stays eager. The GPU presets turn it on (an update 1.19-1.27x the plain bf16 loss's speed on an
     H200, bench/RESULTS.md); --no-compile-layers turns it off."""
+    use_remove_padding: bool = True
+    """Compute log pi on real tokens only (verl's actor_rollout_ref.model.use_remove_padding): each
+    micro-batch's sequences packed side by side with their own position ids
+    (logprobs.pack_sequences), an sdpa model's attention switched to each sequence's own
+    (logprobs.use_varlen_attention; with --compile-layers a block-causal mask instead), or its
+    padding-only columns cut where this model cannot pack exactly (logprobs.packing_is_exact,
+    said once); --no-use-remove-padding: the padded batch."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by a token budget instead of a row count (verl's use_dynamic_bsz):
+    --ppo-max-token-len-per-gpu real tokens per forward at most (token_budget_micro_batches);
+    --ppo-micro-batch-size-per-gpu is then not read. The same gradient either way (the loss is
+    normalised by the minibatch's global counts)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """With --use-dynamic-bsz: the most real tokens (prompt + response) one forward holds, at least
+    --max-prompt-length + --max-response-length (verl's default 16384)."""
 
 
 def check_memory_args(args):
-    """A chunk of at least one token, and -1 (the plan's choice) or a layer count to recompute."""
+    """A chunk of at least one token, -1 (the plan's choice) or a layer count to recompute, and a
+    token budget that holds the longest sequence."""
     harness.check_rules(args, {}, {">= 1": "logprob_chunk_size", ">= -1": "recompute_num_layers"})
+    longest = args.max_prompt_length + args.max_response_length
+    if args.use_dynamic_bsz and args.ppo_max_token_len_per_gpu < longest:
+        raise ValueError(
+            f"--ppo-max-token-len-per-gpu {args.ppo_max_token_len_per_gpu} must hold the longest "
+            f"sequence: --max-prompt-length + --max-response-length = {longest}"
+        )

@@ -1,5 +1,5 @@
-"""The same GRPO step on a real model, ours (HF and vLLM rollouts) against TRL's GRPOTrainer, in one
-process.
+"""The same GRPO step on a real model, ours (HF and vLLM rollouts; packed micro-batches, grpo.py's
+default, and padded ones, --no-use-remove-padding) against TRL's GRPOTrainer, in one process.
 
     .venv/bin/python -m pip install --no-deps --target /tmp/trl_site trl      # TRL for the bench only, never the .venv
     PYTHONPATH=/tmp/trl_site .venv/bin/python bench/bench_smollm2.py --steps 3 [--write]
@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 
@@ -46,13 +47,16 @@ MICRO = 16
 rollout._set_vllm_env()
 
 
-def ours(backend, steps, tmp):
+def ours(name, steps, tmp):
     """grpo.train on the smol_arith task with the bench's sizes; per-step timings from its
-    metrics.jsonl."""
+    metrics.jsonl. name: the --backend (hf, vllm), packed (--use-remove-padding, the default), or
+    with "_padded" the padded micro-batches (--no-use-remove-padding)."""
+    backend = name.removesuffix("_padded")
     args = dataclasses.replace(
         grpo.PRESETS["smol_arith"][1],
         backend=backend,
-        output_dir=os.path.join(tmp, f"ours_{backend}"),
+        use_remove_padding=not name.endswith("_padded"),
+        output_dir=os.path.join(tmp, f"ours_{name}"),
         train_batch_size=PROMPTS,
         ppo_mini_batch_size=PROMPTS,
         ppo_micro_batch_size_per_gpu=min(MICRO, PROMPTS * N),
@@ -69,15 +73,32 @@ def ours(backend, steps, tmp):
         # as TRL with one optimizer step per generation: no pi_old recompute
         correction="bypass_ppo_clip",
     )
+    # the padding of every micro-batch the trainer scores (the padded layout's positions that
+    # hold no token), counted around logprobs.response_logprobs
+    counts = {"real": 0, "positions": 0}
+    scored = logprobs.response_logprobs
+
+    def counting(model, batch, *a, **kw):
+        counts["real"] += int(batch["attention_mask"].sum())
+        counts["positions"] += batch["attention_mask"].numel()
+        return scored(model, batch, *a, **kw)
+
+    logprobs.response_logprobs = counting
     t0 = time.time()
-    with open(grpo.train(args)) as f:
-        rows = [json.loads(line) for line in f]
+    try:
+        with open(grpo.train(args)) as f:
+            rows = [json.loads(line) for line in f]
+    finally:
+        logprobs.response_logprobs = scored
     total = time.time() - t0
     rows = rows[1:]  # the first step warms up
     tokens = [r["response_length/mean"] * PROMPTS * N for r in rows]
     return {
         "step_s": sum(r["timing/step"] for r in rows) / len(rows),
         "generate_s": sum(r["timing/generate"] for r in rows) / len(rows),
+        "update_s": sum(r["timing/update"] for r in rows) / len(rows),
+        "update_ms_per_token": 1e3 * sum(r["timing/update"] for r in rows) / sum(tokens),
+        "padding": 1 - counts["real"] / counts["positions"],
         "tokens_per_s": sum(tokens) / sum(r["timing/generate"] for r in rows),
         "probs_diff_max": max(r["training/rollout_probs_diff_max"] for r in rows),
         "run_s": total,
@@ -176,9 +197,14 @@ def trl(steps, tmp):
     trainer.train()
     total = time.time() - t0
     step_s, generate_s, tokens = step_s[1:], generate_s[1:], tokens[1:]
+    # TRL's update: the step less its generation (the reward and the forward/backward passes)
+    update_s = [step - generate for step, generate in zip(step_s, generate_s)]
     return {
         "step_s": sum(step_s) / len(step_s),
         "generate_s": sum(generate_s) / len(generate_s),
+        "update_s": sum(update_s) / len(update_s),
+        "update_ms_per_token": 1e3 * sum(update_s) / sum(tokens),
+        "padding": float("nan"),
         "tokens_per_s": sum(tokens) / sum(generate_s),
         "probs_diff_max": float("nan"),
         "run_s": total,
@@ -191,7 +217,11 @@ def main():
     parser.add_argument(
         "--steps", type=int, default=3, help="steps per run; the first is warm-up (default 3)"
     )
-    parser.add_argument("--runs", default="trl,hf,vllm", help="which to run, comma-separated")
+    parser.add_argument(
+        "--runs",
+        default="trl,hf,hf_padded,vllm,vllm_padded",
+        help="which to run, comma-separated (_padded: --no-use-remove-padding)",
+    )
     parser.add_argument(
         "--prompts", type=int, default=PROMPTS, help="prompts per step (default %(default)s)"
     )
@@ -229,15 +259,28 @@ def main():
         f"2..{opts.steps}. Weights: "
         "Q4_1-de-quantised SmolLM2-135M-Instruct.",
         "",
-        "| run | s / step | generate s / step | rollout tokens/s | step / TRL | probs_diff_max |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "Update: the step's forward/backward passes (TRL's: its step less its generation);"
+        " per response token: over the sampled tokens. Padding: the share of the padded"
+        " micro-batches' positions that hold no token (what packing leaves out).",
+        "",
+        "| run | s / step | generate s / step | update s / step | update ms / response token"
+        " | update: padded / this | padding | rollout tokens/s | step / TRL | probs_diff_max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = results.get("trl", {}).get("step_s")
     for name, r in results.items():
-        label = "TRL GRPOTrainer (HF generate)" if name == "trl" else f"grpo.py --backend {name}"
+        label = "TRL GRPOTrainer (HF generate)"
+        if name != "trl":
+            backend = name.removesuffix("_padded")
+            layout = "padded" if name.endswith("_padded") else "packed"
+            label = f"grpo.py --backend {backend}, {layout}"
         ratio = f"{r['step_s'] / base:.2f}" if base else "-"
+        padded = results.get(name.removesuffix("_padded") + "_padded")
+        speedup = f"{padded['update_s'] / r['update_s']:.2f}" if padded and name != "trl" else "-"
         lines.append(
-            f"| {label} | {r['step_s']:.1f} | {r['generate_s']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+            f"| {label} | {r['step_s']:.1f} | {r['generate_s']:.1f} | {r['update_s']:.1f} | "
+            f"{r['update_ms_per_token']:.1f} | {speedup} | {r['padding']:.0%} | "
+            f"{r['tokens_per_s']:.0f} | {ratio} | "
             f"{r['probs_diff_max']:.1e} |"
         )
     text = "\n".join(lines) + "\n"

@@ -152,8 +152,10 @@ def weights_digest(path):
     return digest.hexdigest()
 
 
-def run(name, workdir):
+def run(name, workdir, grpo_flags=()):
     command, weight_files = RUNS[name]
+    if command[0] == "grpo.py":
+        command = [*command, *grpo_flags]
     output_dir = os.path.join(workdir, name)
     start = time.time()
     result = subprocess.run(
@@ -188,7 +190,23 @@ def differences(before, after):
                 break
     if before["weights"] != after["weights"]:
         out.append(f"weights differ: {before['weights']} -> {after['weights']}")
+    if out:
+        out.append(largest_difference(before["metrics"], after["metrics"]))
     return out
+
+
+def largest_difference(rows_a, rows_b):
+    """Where two runs' logged numbers differ most: |a - b| / max(|a|, |b|) over every number of
+    every row (the two runs' rows in step order), and that number's key and step."""
+    worst = (0.0, None, None)
+    for a, b in zip(rows_a, rows_b):
+        for key in set(a) & set(b):
+            x, y = a[key], b[key]
+            if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x != y:
+                relative = abs(x - y) / max(abs(x), abs(y))
+                worst = max(worst, (relative, key, a.get("step")), key=lambda w: w[0])
+    relative, key, step = worst
+    return f"largest relative difference {relative:.2e} ({key} at step {step})"
 
 
 def main():
@@ -196,12 +214,18 @@ def main():
     parser.add_argument("--output", required=True, help="where the recording (JSON) goes")
     parser.add_argument("--compare", help="an earlier recording to compare with")
     parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="run only these")
+    parser.add_argument(
+        "--grpo-flag",
+        action="append",
+        default=[],
+        help="a flag added to every grpo.py run (repeat it): --grpo-flag=--no-use-remove-padding",
+    )
     args = parser.parse_args()
     names = args.only or list(RUNS)
     recording = {}
     with tempfile.TemporaryDirectory() as workdir:
         for name in names:
-            recording[name] = run(name, workdir)
+            recording[name] = run(name, workdir, args.grpo_flag)
             print(f"{name}: {recording[name]['seconds']} s", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:

@@ -74,7 +74,7 @@ def pi_old_and_ref(model, ref_model, batch, args, correction, world_size=1):
     """grpo.train()'s step 3 on `batch`, in place: pi_old (grpo.compute_pi_old), the rollout
     correction's IS weights and loss mask (decoupled mode), pi_ref's logprobs when `ref_model` is
     given. Returns the step's metrics (the correction's, actor/entropy)."""
-    log_pi = grpo.logprob_settings(args)
+    log_pi = grpo.logprob_settings(args, model)
     old_logprobs, _, corr_metrics = grpo.compute_pi_old(
         model, batch, args, log_pi, correction, world_size
     )
@@ -118,7 +118,7 @@ def minibatch_gradient(micro, mode, rank=0, world_size=1, policy_loss="vanilla",
     pi_old_and_ref(model, None, batch, args, correction)
     recorder = GradientRecorder(model.parameters())
     grpo.update_policy(
-        model, recorder, batch, args, correction, grpo.logprob_settings(args), world_size
+        model, recorder, batch, args, correction, grpo.logprob_settings(args, model), world_size
     )
     return recorder.gradient
 

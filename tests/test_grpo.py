@@ -336,11 +336,13 @@ def test_replay_scores_each_sampled_token_as_the_truncated_sampler_did(tiny, fla
     args = _small_args(**flags)
     _, batch = _rollout(model, tokenizer, args, seed=5)
     mask = batch["response_mask"].bool()
-    replayed = grpo.batch_logprobs(model, batch, args, grpo.logprob_settings(args))["logprobs"]
+    replayed = grpo.batch_logprobs(model, batch, args, grpo.logprob_settings(args, model))[
+        "logprobs"
+    ]
     assert_float32_close(replayed[mask], batch["rollout_logprobs"][mask], terms=128)
     full_vocabulary = dataclasses.replace(args, replay_sampling_mask=False)
     full = grpo.batch_logprobs(
-        model, batch, full_vocabulary, grpo.logprob_settings(full_vocabulary)
+        model, batch, full_vocabulary, grpo.logprob_settings(full_vocabulary, model)
     )["logprobs"]
     log_ratio = (full - batch["rollout_logprobs"])[mask]
     assert (log_ratio <= 128 * EPS32 * batch["rollout_logprobs"][mask].abs().max()).all()
@@ -371,7 +373,7 @@ def test_replay_keeps_the_sampled_token_for_every_model_that_scores_it(tiny):
     torch.manual_seed(3)
     ref_model.apply(ref_model._init_weights)
     ref_stats = grpo.batch_logprobs(
-        ref_model, batch, args, grpo.logprob_settings(args), left_out_of_kept_set=True
+        ref_model, batch, args, grpo.logprob_settings(args, model), left_out_of_kept_set=True
     )
     ref_logprobs = ref_stats["logprobs"]
     mask = batch["response_mask"].bool()
@@ -402,7 +404,7 @@ def _run_update(model, args, batch, preset, ref_model=None):
     corr_metrics = pi_old_and_ref(model, ref_model, batch, args, correction)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     metrics = grpo.update_policy(
-        model, optimizer, batch, args, correction, grpo.logprob_settings(args)
+        model, optimizer, batch, args, correction, grpo.logprob_settings(args, model)
     )
     return model, {**corr_metrics, **metrics}
 
@@ -513,7 +515,7 @@ def test_entropy_and_kl_terms_use_the_corrected_mask_in_decoupled_mode(tiny, rol
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     disabled = corrections.RolloutCorrection.from_name("disabled")
     metrics = grpo.update_policy(
-        copy.deepcopy(model), optimizer, batch, args, disabled, grpo.logprob_settings(args)
+        copy.deepcopy(model), optimizer, batch, args, disabled, grpo.logprob_settings(args, model)
     )
     new_logprobs, entropy = logprobs.response_logprobs(
         model.eval(),
@@ -704,6 +706,24 @@ def test_one_minibatch_gradient_does_not_depend_on_the_micro_batch_size(mode):
         minibatch_gradient.minibatch_gradient(64, mode),
     )
     assert b.norm() > 0 and _relative_difference(a, b) < INVARIANCE_BOUND
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_give_the_row_micro_batches_gradient(mode):
+    """--use-dynamic-bsz: the minibatch of 64 sequences (3 to 13 real tokens each) cut into groups
+    of at most 40 tokens (memory.token_budget_micro_batches: 15 groups of 4 or 5 rows, in another
+    order than the batch's) gives micro-batch 8's gradient within INVARIANCE_BOUND, packed both
+    ways; and the padded layout (--no-use-remove-padding) gives it too."""
+    import minibatch_gradient
+
+    rows = minibatch_gradient.minibatch_gradient(8, mode)
+    budget = minibatch_gradient.minibatch_gradient(
+        8, mode, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40
+    )
+    padded = minibatch_gradient.minibatch_gradient(8, mode, use_remove_padding=False)
+    assert rows.norm() > 0
+    assert _relative_difference(budget, rows) < INVARIANCE_BOUND
+    assert _relative_difference(padded, rows) < INVARIANCE_BOUND
 
 
 @pytest.mark.parametrize(
@@ -935,11 +955,19 @@ def test_rollout_staleness_samples_with_the_weights_k_updates_old(tmp_path, monk
 
 @pytest.mark.parametrize(
     "setting",
-    [dict(), dict(precision="fp16"), dict(dynamic_sampling=True), dict(rollout_staleness=2)],
-    ids=["fp32", "fp16", "dynamic_sampling", "staleness"],
+    [
+        dict(),
+        dict(precision="fp16"),
+        dict(dynamic_sampling=True),
+        dict(rollout_staleness=2),
+        dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40),
+    ],
+    ids=["fp32", "fp16", "dynamic_sampling", "staleness", "token_budget"],
 )
 def test_resume_continues_the_same_run(tmp_path, setting):
-    """A run stopped after step 2 and resumed gives the same metrics and weights as one run; with
+    """A run stopped after step 2 and resumed gives the same metrics and weights as one run (every
+    one packed, --use-remove-padding's default; with --use-dynamic-bsz in micro-batches of at most
+    40 tokens, grouped the same way after the resume); with
     --precision fp16 the checkpoint carries the gradient scaler's state (the loss scale); with
     --dynamic-sampling the extra prompts drawn are a function of (seed, step), so they replay; with
     --rollout-staleness 2 the checkpoint carries the two weight versions the engine samples the next
@@ -1035,7 +1063,7 @@ def _fp16_update(model, args, batch, make_inf):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu")
     metrics = grpo.update_policy(
-        model, optimizer, batch, args, correction, grpo.logprob_settings(args), scaler=scaler
+        model, optimizer, batch, args, correction, grpo.logprob_settings(args, model), scaler=scaler
     )
     return model, scaler, metrics
 

@@ -14,7 +14,7 @@ import torch
 import grpo
 import logprobs
 import rollout
-from tolerances import assert_float32_close
+from tolerances import assert_float32_close, float32_error
 
 CPU = torch.device("cpu")
 
@@ -131,9 +131,10 @@ def test_a_learner_stepping_from_update_policy_lands_in_logprobs_py(tiny):
             depths.append((depth, frame.f_code.co_name))
         return None
 
+    log_pi = grpo.logprob_settings(args, model)
     sys.settrace(tracer)
     try:
-        grpo.update_policy(model, optimizer, batch, args, correction, grpo.logprob_settings(args))
+        grpo.update_policy(model, optimizer, batch, args, correction, log_pi)
     finally:
         sys.settrace(None)
     assert depths and depths[0][0] <= 2, depths
@@ -595,3 +596,144 @@ def test_chunked_head_gradient_with_a_replayed_kept_set_is_autograds(entropy_gra
     expected = torch.autograd.grad(objective, (hidden, head.weight))
     for x, y in zip(got, expected):
         assert torch.allclose(x, y, atol=1e-12, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding-free micro-batches: the packed and trimmed layouts give the padded path's numbers
+# --------------------------------------------------------------------------------------------------
+
+
+def ragged_batch(pad_id, vocab, seed=0):
+    """rollout.make_batch's tensors for 6 rows: left-padded prompts of 1 to 7 tokens, responses of
+    0 (all padding) to R = 6 tokens, one a multi-turn response whose middle tokens a tool inserted
+    (response_mask 0 there, attended to)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lengths, response_lengths = (2, 7, 3, 1, 5, 4), (1, 6, 3, 0, 4, 6)
+    prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in prompt_lengths]
+    responses = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in response_lengths]
+    masks = [[1] * len(r) for r in responses]
+    masks[5] = [1, 1, 0, 0, 1, 1]  # tokens 2-3: a tool's answer
+    zeros = [[0.0] * len(r) for r in responses]
+    return rollout.make_batch(prompts, responses, zeros, pad_id, 6, CPU, model_masks=masks)
+
+
+def smollm2():
+    """SmolLM2-135M-Instruct in float32 and its tokenizer (skips where it is not converted)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct"
+    if not (path / "model.safetensors").is_file():
+        pytest.skip(f"SmolLM2 is not converted at {path}: run python scripts/get_smollm2.py")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "arch, attention",
+    [
+        ("qwen2", "sdpa"),
+        ("qwen2", logprobs.VARLEN_SDPA),
+        ("gpt2", "sdpa"),
+        ("gpt2", logprobs.VARLEN_SDPA),
+        ("smollm2", logprobs.VARLEN_SDPA),
+    ],
+)
+def test_packed_and_trimmed_layouts_equal_the_padded_path(arch, attention):
+    """response_logprobs over the packed layout (logprobs.pack_sequences: the real tokens side by
+    side, position ids restarting per sequence; sdpa's block-causal mask over rows as wide as the
+    longest sequence, or one row and each sequence's own attention, VARLEN_SDPA) and the trimmed
+    one against the padded batch, for the tiny Qwen2 (grpo.py tiny's), the tiny GPT-2 (learned
+    absolute positions) and SmolLM2 (Llama), CPU fp32: logprobs and entropies within 16 eps32 of
+    their largest entry (measured: bit-identical with sdpa's mask, at most 4.8 eps32 with
+    VARLEN_SDPA); the gradient of a weighted sum of both as close to the float64 gradient as the
+    padded path's is, within 2x over every tensor (measured on SmolLM2: padded 1818 eps32 off the
+    float64 one at worst, a norm weight's gradient summing terms that cancel; packed 1834). The
+    padded path is the same under VARLEN_SDPA, bit for bit; trimmed is the padded path's numbers,
+    bit for bit."""
+    if arch == "smollm2":
+        model, tokenizer = smollm2()
+    else:
+        torch.manual_seed(0)
+        model, tokenizer = __import__("tasks").build_tiny_model(None, arch=arch)
+        model.eval()
+    batch = ragged_batch(tokenizer.pad_token_id, min(len(tokenizer), 200))
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+
+    def run(model, layout):
+        model.zero_grad()
+        settings = logprobs.LogprobSettings(layout=layout)
+        lp, entropy = logprobs.response_logprobs(model, batch, settings, entropy_grad=True)
+        (lp * weights.to(lp.dtype) + entropy).sum().backward()
+        grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+        return lp.detach(), entropy.detach(), grads
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        float64 = run(copy.deepcopy(model).double(), "padded")[2]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    padded_lp, padded_entropy, padded_grads = run(model, "padded")
+    assert (padded_lp[batch["response_mask"] == 0] == 0).all() and padded_lp[3].eq(0).all()
+    if attention == logprobs.VARLEN_SDPA:
+        assert logprobs.use_varlen_attention(model)
+        again = run(model, "padded")
+        assert torch.equal(again[0], padded_lp) and torch.equal(again[1], padded_entropy)
+        assert all(torch.equal(a, b) for a, b in zip(again[2], padded_grads))
+    assert logprobs.packing_is_exact(model)
+    padded_error = max(float32_error(g, g64) for g, g64 in zip(padded_grads, float64))
+    for layout in ("packed", "trimmed"):
+        lp, entropy, grads = run(model, layout)
+        assert_float32_close(lp, padded_lp, terms=16, what=f"{layout} logprobs")
+        assert_float32_close(entropy, padded_entropy, terms=16, what=f"{layout} entropy")
+        assert len(grads) == len(padded_grads)
+        if layout == "trimmed":
+            assert torch.equal(lp, padded_lp) and torch.equal(entropy, padded_entropy)
+            assert all(torch.equal(a, b) for a, b in zip(grads, padded_grads))
+        error = max(float32_error(g, g64) for g, g64 in zip(grads, float64))
+        assert error <= 2 * padded_error, (layout, error, padded_error)
+
+
+def test_pack_sequences_by_hand():
+    """Three sequences of 3, 2 and 4 real tokens (prompt + response) in rows of width 5: the
+    longest first (row 0: the 4-token one and a filler), then the 3- and 2-token ones together
+    (row 1); each sequence's positions from 0, the filler's from 0; `predicts` points at the
+    packed place of the token before each response token."""
+    # prompts 2, 1, 3 tokens (P = 3), responses 1, 1, 1 token (R = 2)
+    batch = rollout.make_batch(
+        [[11, 12], [21], [31, 32, 33]], [[13], [22], [34]], [[0.0]] * 3, 0, 2, CPU
+    )
+    packed = logprobs.pack_sequences(batch, width=5)
+    # (the filler's token: the batch's first real one)
+    assert packed["input_ids"].tolist() == [[31, 32, 33, 34, 11], [11, 12, 13, 21, 22]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    # response token 0 of row 0 (13) is predicted by 12, at flat place 5 + 1 = 6; row 1's (22) by
+    # 21 at 5 + 3 = 8; row 2's (34) by 33 at 2
+    valid = batch["response_mask"].bool()
+    assert packed["predicts"][valid].tolist() == [6, 8, 2]
+    # width = every token: one row
+    assert logprobs.pack_sequences(batch, width=9)["input_ids"].shape == (1, 9)
+
+
+def test_the_packing_probe_refuses_attention_that_crosses_sequences(tiny, monkeypatch, capsys):
+    """A model whose attention ignores the position ids' sequence boundaries (here: an all-ones
+    attention mask handed to every forward, so transformers builds a plain causal mask over the
+    packed row) fails logprobs.packing_is_exact, and grpo.py then trims instead of packing, said
+    once; the tiny model as it is passes."""
+    model, _ = tiny
+    args = grpo.PRESETS["tiny"][1]
+    assert logprobs.packing_is_exact(model)
+    assert grpo.logprob_settings(args, model).layout == "packed"
+    import dataclasses
+
+    unpacked = dataclasses.replace(args, use_remove_padding=False)
+    assert grpo.logprob_settings(unpacked, model).layout == "padded"
+    original = model.forward
+
+    def forward_with_a_full_mask(input_ids=None, **kwargs):
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
+        return original(input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward_with_a_full_mask)
+    assert not logprobs.packing_is_exact(model)
+    assert grpo.logprob_settings(args, model).layout == "trimmed"
+    assert "does not keep packed sequences apart" in capsys.readouterr().out

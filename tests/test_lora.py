@@ -194,7 +194,7 @@ def test_the_reference_is_the_base_with_the_adapter_off_and_no_second_model(tmp_
     prompts = [tokenizer("abc=")["input_ids"], tokenizer("dab=")["input_ids"]]
     responses = [tokenizer("abc")["input_ids"], tokenizer("dd")["input_ids"]]
     batch = rollout.make_batch(prompts, responses, [[0.0] * 3, [0.0] * 2], 0, 4, "cpu")
-    log_pi = grpo.logprob_settings(args)
+    log_pi = grpo.logprob_settings(args, model)
     reference = grpo.reference_logprobs(model, None, batch, args, log_pi)
     of_base = grpo.batch_logprobs(base, batch, args, log_pi)["logprobs"]
     of_policy = grpo.batch_logprobs(model, batch, args, log_pi)["logprobs"]

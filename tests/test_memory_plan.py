@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import grpo
+import memory
 import rollout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +131,14 @@ def test_countdown_plan_rows_by_hand():
     assert plan["totals"]["train"] == sum(train.values()) and plan["peak"] == max(
         plan["totals"].values()
     )
+    # --use-dynamic-bsz: one forward holds at most the budget's tokens, whatever the row count
+    budget = ("--use-dynamic-bsz", "--ppo-max-token-len-per-gpu", "4096")
+    budget_args = plan_memory.preset_args(
+        "grpo", "countdown", ("--recompute-num-layers", "36", *budget)
+    )
+    budgeted = plan_memory.plan_grpo(budget_args, config_of("Qwen2.5-3B"), 1, 80 * GIB)
+    activations = L * 4096 * 4 * h + 4096 * (32 * h + 4 * kv + 8 * inter) + 3 * 512 * V * 4
+    assert budgeted["phases"]["train"]["activations (at most 4096 tokens, estimate)"] == activations
     assert (
         plan["peak"] == plan["totals"]["optimizer step"] and round(plan["peak"] / GIB, 2) == 64.81
     )
@@ -514,3 +523,20 @@ def test_sleep_mode_call_order_with_a_recording_engine():
         ("wake_up", ("weights",)),
         ("load_weights",),
     ]
+
+
+def test_token_budget_micro_batches_by_hand():
+    """Rows of 5, 3, 8, 2 and 7 tokens, budget 10: ceil(25 / 10) = 3 groups; longest first into
+    the emptiest group: 8 -> A, 7 -> B, 5 -> C, 3 -> C (5 < 7, 8), 2 -> B (7 < 8, 8); loads 8, 9,
+    8, each group's rows in batch order. Three rows of 6, budget 10: 2 groups break it (12), so 3.
+    And memory.micro_batches over rows 4 .. 9 of a batch: the same groups, offset by 4."""
+    assert memory.token_budget_micro_batches([5, 3, 8, 2, 7], 10) == [[2], [3, 4], [0, 1]]
+    assert memory.token_budget_micro_batches([6, 6, 6], 10) == [[0], [1], [2]]
+    mask = torch.zeros(9, 8, dtype=torch.long)
+    for row, n in zip(range(4, 9), [5, 3, 8, 2, 7]):
+        mask[row, :n] = 1
+    args = types.SimpleNamespace(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=10)
+    groups = memory.micro_batches(mask, 4, 9, args)
+    assert [g.tolist() for g in groups] == [[6], [7, 8], [4, 5]]
+    args = types.SimpleNamespace(use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=2)
+    assert memory.micro_batches(mask, 4, 9, args) == [slice(4, 6), slice(6, 8), slice(8, 9)]

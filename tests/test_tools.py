@@ -344,7 +344,7 @@ def _step(model, ref_model, batch, scores, args, preset):
     group_ids = torch.arange(PROMPTS).repeat_interleave(N)
     if args.adv_estimator in objectives.TOKEN_LEVEL_ESTIMATORS:
         _, sum_pi_squared, _ = grpo.compute_pi_old(
-            model, batch, args, grpo.logprob_settings(args), correction
+            model, batch, args, grpo.logprob_settings(args, model), correction
         )
         lengths = batch["attention_mask"][:, -R:].sum(-1)
         batch["advantages"] = objectives.optimal_token_baseline_advantages(
@@ -362,7 +362,7 @@ def _step(model, ref_model, batch, scores, args, preset):
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     metrics |= grpo.update_policy(
-        model, optimizer, batch, args, correction, grpo.logprob_settings(args)
+        model, optimizer, batch, args, correction, grpo.logprob_settings(args, model)
     )
     metrics |= grpo.step_metrics(0, args, scores, batch, ["stop"] * len(scores), [[1]])
     for key in ("advantages", "loss_mask"):
@@ -480,7 +480,9 @@ def test_the_gradient_at_tool_token_positions_is_exactly_zero(models):
         def step(self):
             pass
 
-    grpo.update_policy(model, Recorder(), batch, args, correction, grpo.logprob_settings(args))
+    grpo.update_policy(
+        model, Recorder(), batch, args, correction, grpo.logprob_settings(args, model)
+    )
     handle.remove()
     grad = captured["logits"].grad  # (B, P + R, H): position t predicts token t + 1
     per_position = grad[:, -R - 1 : -1].abs().sum(-1)
