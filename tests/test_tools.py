@@ -22,6 +22,7 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))
 
 import corrections  # noqa: E402
 import grpo  # noqa: E402
+import logprobs  # noqa: E402
 import objectives  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
@@ -437,13 +438,16 @@ def test_tool_token_placeholders_change_no_number(models, preset, policy_loss, e
     assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
-def test_the_gradient_at_tool_token_positions_is_exactly_zero(models):
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_the_gradient_at_tool_token_positions_is_exactly_zero(models, remove_padding):
     """The hidden states (hence the logits) that predict a tool's token get gradient exactly 0
-    from every loss term, and those that predict a model token do not."""
+    from every loss term, and those that predict a model token do not: in the padded layout and
+    in the packed one (its places found through logprobs.pack_sequences' `predicts`)."""
     model, ref_model, tokenizer = models
     model = copy.deepcopy(model)
     args = dataclasses.replace(
         grpo.PRESETS["tiny"][1],
+        use_remove_padding=remove_padding,
         cuda=False,
         rollout_n=N,
         train_batch_size=PROMPTS,
@@ -484,8 +488,12 @@ def test_the_gradient_at_tool_token_positions_is_exactly_zero(models):
         model, Recorder(), batch, args, correction, grpo.logprob_settings(args, model)
     )
     handle.remove()
-    grad = captured["logits"].grad  # (B, P + R, H): position t predicts token t + 1
-    per_position = grad[:, -R - 1 : -1].abs().sum(-1)
+    grad = captured["logits"].grad
+    if remove_padding:  # (rows, width, H): the packed places that predict each response token
+        packed = logprobs.pack_sequences(batch, logprobs.packed_width(model, batch))
+        per_position = grad.flatten(0, 1)[packed["predicts"]].abs().sum(-1)
+    else:  # (B, P + R, H): position t predicts token t + 1
+        per_position = grad[:, -R - 1 : -1].abs().sum(-1)
     tool_token = (batch["response_mask"] == 0) & (batch["attention_mask"][:, -R:] == 1)
     assert tool_token.any()
     assert (per_position[tool_token] == 0).all()
